@@ -1,0 +1,401 @@
+"""Several "hosts" on one machine: network namespaces joined by a bridge, each with its own sshd.
+
+A :class:`Cluster` is a hub namespace holding a bridge and N host namespaces (``10.78.0.<i>/24`` on
+``eth0``), each running an sshd of its own (own host key, pid file, listen address, authorized keys in a
+temp dir) inside its own UTS namespace, so ``ssh 10.78.0.3 hostname`` answers ``node3``. The hosts share
+the filesystem (like an NFS home), so the same venv and code are visible on every host.
+
+Names carry the pid of the process that built them (``hora<pid>x<token>h3``), so a later run can tell a
+stale set (its builder is dead) from one in use by a concurrent run, and delete only the stale ones.
+
+Needs root, ``iproute2``, ``openssh-server`` and ``util-linux`` (``unshare``, ``nsenter``); see
+:func:`missing_requirements`. See TESTING.md, "Several hosts on one machine".
+
+Example:
+    >>> with Cluster.build([2, 3, 4]) as cluster:  # doctest: +SKIP
+    ...     cluster.host(3).run(["hostname"]).stdout
+    'node3\\n'
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Cluster", "Host", "Proc", "clean_stale", "delete_namespace", "missing_requirements"]
+
+log = logging.getLogger(__name__)
+
+SUBNET = "10.78.0"
+NAME_RE = re.compile(r"^hora(\d+)x[0-9a-f]+(hub|h\d+)$")
+SSHD = "/usr/sbin/sshd"
+TOOLS = ("ip", "ssh", "ssh-keygen", "unshare", "nsenter")
+
+
+def missing_requirements() -> str | None:
+    """Say why the cluster cannot be built here, or None when it can."""
+    if os.geteuid() != 0:
+        return "cluster tests need root (network namespaces); run them as root"
+    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+    if not os.path.exists(SSHD):
+        missing.append(SSHD)
+    if missing:
+        return (f"cluster tests need {', '.join(missing)}: "
+                "apt-get update && apt-get install -y openssh-server openssh-client iproute2 util-linux procps")
+    return None
+
+
+def _sh(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()}")
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _netns_pids(ns: str) -> list[int]:
+    out = _sh(["ip", "netns", "pids", ns], check=False)
+    return [int(p) for p in out.stdout.split() if p.strip().isdigit()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def _kill_namespace(ns: str) -> None:
+    """SIGKILL every process in ``ns`` (repeat: a dying parent may have just forked)."""
+    for _ in range(20):
+        pids = [p for p in _netns_pids(ns) if p != os.getpid()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+    log.warning("processes still alive in %s after SIGKILL: %s", ns, _netns_pids(ns))
+
+
+def delete_namespace(ns: str) -> None:
+    """Kill what runs in ``ns`` and delete it; quiet when it is already gone."""
+    _kill_namespace(ns)
+    _sh(["ip", "netns", "del", ns], check=False)
+
+
+def clean_stale() -> list[str]:
+    """Delete namespaces left by an earlier run whose builder process is dead; return their names."""
+    out = _sh(["ip", "netns", "list"], check=False)
+    stale = []
+    for line in out.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        match = NAME_RE.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            stale.append(name)
+    # Hosts first (their sshd may hold the veth peer), then hubs.
+    for name in sorted(stale, key=lambda n: n.endswith("hub")):
+        delete_namespace(name)
+    if stale:
+        log.info("removed stale namespaces %s", stale)
+    return stale
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One process seen in a host's namespace."""
+
+    pid: int
+    ppid: int
+    cmdline: str
+
+
+@dataclass
+class Host:
+    """One simulated host: a network namespace with its own sshd and hostname."""
+
+    index: int
+    ns: str
+    hub: str
+    addr: str
+    hostname: str
+    workdir: Path
+    sshd: subprocess.Popen[bytes] | None = None
+
+    @property
+    def sshd_pid(self) -> int:
+        """The pid of this host's listening sshd."""
+        assert self.sshd is not None, "sshd not started"
+        return self.sshd.pid
+
+    def _enter(self, cmd: Sequence[str]) -> list[str]:
+        # nsenter joins both the network and the UTS namespace of the sshd, so `hostname` says nodeN.
+        return ["nsenter", "-t", str(self.sshd_pid), "-n", "-u", "--", *cmd]
+
+    def run(self, cmd: Sequence[str], timeout: float = 60, check: bool = False,
+            env: dict[str, str] | None = None, input: str | None = None) -> subprocess.CompletedProcess[str]:
+        """Run ``cmd`` on this host and wait for it (text output captured)."""
+        out = subprocess.run(self._enter(cmd), capture_output=True, text=True, timeout=timeout, env=env,
+                             input=input)
+        if check and out.returncode != 0:
+            raise RuntimeError(f"on {self.hostname}: {' '.join(cmd)} -> {out.returncode}\n{out.stderr}")
+        return out
+
+    def popen(self, cmd: Sequence[str], **kwargs: object) -> subprocess.Popen[str]:
+        """Start ``cmd`` on this host without waiting (pipes are the caller's choice)."""
+        return subprocess.Popen(self._enter(cmd), text=True, **kwargs)  # type: ignore[call-overload]
+
+    def ps(self) -> list[Proc]:
+        """Every process in this host's namespace except its listening sshd."""
+        procs = []
+        for pid in _netns_pids(self.ns):
+            if pid == self.sshd_pid:
+                continue
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue  # exited meanwhile
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            procs.append(Proc(pid, ppid, _cmdline(pid)))
+        return procs
+
+    def ssh_sessions(self) -> list[Proc]:
+        """The per-connection sshd processes (children of the listener): killing one drops a session."""
+        return [p for p in self.ps() if p.cmdline.startswith("sshd") and p.ppid == self.sshd_pid]
+
+    def link_down(self) -> None:
+        """Pull the cable: the bridge-side end goes down, packets to and from this host vanish silently."""
+        _sh(["ip", "-n", self.hub, "link", "set", f"v{self.index}", "down"])
+
+    def link_up(self) -> None:
+        """Plug the cable back in."""
+        _sh(["ip", "-n", self.hub, "link", "set", f"v{self.index}", "up"])
+
+    def kill_all(self) -> None:
+        """SIGKILL every process on this host except its sshd."""
+        for proc in self.ps():
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@dataclass
+class Cluster:
+    """A hub namespace with a bridge and several :class:`Host` namespaces; a context manager."""
+
+    prefix: str
+    tmp: Path
+    hosts: list[Host] = field(default_factory=list)
+    _closed: bool = False
+
+    @property
+    def hub(self) -> str:
+        return f"{self.prefix}hub"
+
+    @property
+    def key(self) -> Path:
+        """The throwaway user private key authorized on every host."""
+        return self.tmp / "id_ed25519"
+
+    @property
+    def ssh_options(self) -> list[str]:
+        """``-o`` options an ssh client needs here (ssh reads ~/.ssh from passwd, not $HOME)."""
+        return ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+                "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes", "-o", "LogLevel=ERROR",
+                "-o", "ConnectTimeout=5"]
+
+    @property
+    def ssh_args(self) -> list[str]:
+        """Arguments for ``ssh`` to reach any host: identity, options, no user config."""
+        return ["-F", "none", "-i", str(self.key), *self.ssh_options]
+
+    def host(self, index: int) -> Host:
+        """The host whose address ends in ``.index``."""
+        for h in self.hosts:
+            if h.index == index:
+                return h
+        raise KeyError(f"no host {index} in {[h.index for h in self.hosts]}")
+
+    def ps(self) -> dict[str, list[Proc]]:
+        """Every host's processes (besides sshd), by hostname."""
+        return {h.hostname: h.ps() for h in self.hosts}
+
+    @classmethod
+    def build(cls, indices: Sequence[int] = (2, 3, 4), tmp: Path | None = None) -> Cluster:
+        """Create the namespaces, keys and sshds; on any error, undo what was done and re-raise."""
+        clean_stale()
+        prefix = f"hora{os.getpid()}x{secrets.token_hex(2)}"
+        tmpdir = tmp if tmp is not None else Path(tempfile.mkdtemp(prefix="hora-cluster-"))
+        cluster = cls(prefix=prefix, tmp=tmpdir)
+        try:
+            cluster._build(indices)
+        except BaseException:
+            cluster.close()
+            raise
+        return cluster
+
+    def _build(self, indices: Sequence[int]) -> None:
+        _sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "hora-cluster", "-f", str(self.key)])
+        (self.tmp / "authorized_keys").write_text(Path(f"{self.key}.pub").read_text())
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation dir
+        _sh(["ip", "netns", "add", self.hub])
+        _sh(["ip", "-n", self.hub, "link", "add", "br0", "type", "bridge"])
+        _sh(["ip", "-n", self.hub, "link", "set", "br0", "up"])
+        for i in indices:
+            host = Host(index=i, ns=f"{self.prefix}h{i}", hub=self.hub, addr=f"{SUBNET}.{i}",
+                        hostname=f"node{i}", workdir=self.tmp / f"node{i}")
+            self.hosts.append(host)
+            self._add_host(host)
+        for host in self.hosts:
+            self._wait_sshd(host)
+
+    def _add_host(self, host: Host) -> None:
+        host.workdir.mkdir(parents=True, exist_ok=True)
+        _sh(["ip", "netns", "add", host.ns])
+        _sh(["ip", "link", "add", "eth0", "netns", host.ns, "type", "veth",
+             "peer", "name", f"v{host.index}", "netns", self.hub])
+        _sh(["ip", "-n", self.hub, "link", "set", f"v{host.index}", "master", "br0", "up"])
+        _sh(["ip", "-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", "eth0"])
+        _sh(["ip", "-n", host.ns, "link", "set", "eth0", "up"])
+        _sh(["ip", "-n", host.ns, "link", "set", "lo", "up"])
+        hostkey = host.workdir / "ssh_host_ed25519_key"
+        _sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(hostkey)])
+        conf = host.workdir / "sshd_config"
+        conf.write_text(_sshd_config(host, hostkey, self.tmp / "authorized_keys"))
+        log_file = open(host.workdir / "sshd.log", "ab")
+        host.sshd = subprocess.Popen(
+            ["ip", "netns", "exec", host.ns, "unshare", "--uts", "sh", "-c",
+             f"hostname {host.hostname} && exec {SSHD} -D -e -f {conf}"],
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True)
+        log_file.close()
+
+    def _wait_sshd(self, host: Host, deadline_s: float = 20) -> None:
+        probe = ["ssh", *self.ssh_args, host.addr, "hostname"]
+        end = time.monotonic() + deadline_s
+        first = self.hosts[0]
+        while True:
+            assert host.sshd is not None
+            if host.sshd.poll() is not None:
+                raise RuntimeError(f"sshd on {host.hostname} exited: {_tail(host.workdir / 'sshd.log')}")
+            out = first.run(probe, timeout=15)
+            if out.returncode == 0 and out.stdout.strip() == host.hostname:
+                return
+            if time.monotonic() > end:
+                raise RuntimeError(f"sshd on {host.hostname} ({host.addr}) not answering: {out.stderr.strip()}"
+                                   f"\n{_tail(host.workdir / 'sshd.log')}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        """Tear everything down: sshds, every process in every namespace, the namespaces. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for host in self.hosts:
+            if host.sshd is not None and host.sshd.poll() is None:
+                host.sshd.kill()
+            pidfile = host.workdir / "sshd.pid"
+            if pidfile.exists():
+                try:
+                    os.kill(int(pidfile.read_text().strip()), signal.SIGKILL)
+                except (ValueError, ProcessLookupError):
+                    pass
+            delete_namespace(host.ns)
+            if host.sshd is not None:
+                host.sshd.wait(timeout=10)
+        delete_namespace(self.hub)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _sshd_config(host: Host, hostkey: Path, authorized: Path) -> str:
+    return "\n".join([
+        f"ListenAddress {host.addr}",
+        "Port 22",
+        f"HostKey {hostkey}",
+        f"PidFile {host.workdir / 'sshd.pid'}",
+        f"AuthorizedKeysFile {authorized}",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "PermitRootLogin prohibit-password",
+        "StrictModes no",
+        "UsePAM no",
+        "UseDNS no",
+        "PrintMotd no",
+        "MaxStartups 100",
+        "MaxSessions 100",
+        "LogLevel INFO",
+        "",
+    ])
+
+
+def _tail(path: Path, lines: int = 10) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Bring the hosts up by hand, print how to use them, tear them down on Ctrl-C or SIGTERM."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", default="2,3,4", help="host indices: 10.78.0.<i>, hostname node<i>")
+    parser.add_argument("--clean", action="store_true", help="only remove stale namespaces, then exit")
+    args = parser.parse_args(argv)
+    reason = missing_requirements()
+    if reason is not None:
+        raise SystemExit(reason)
+    if args.clean:
+        removed = clean_stale()
+        print(f"removed {len(removed)} stale namespaces: {' '.join(removed) or '-'}")
+        return 0
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM tears down like Ctrl-C
+    with Cluster.build([int(i) for i in args.hosts.split(",")]) as cluster:
+        ssh = " ".join(["ssh", *cluster.ssh_args])
+        print(f"hosts up (key {cluster.key}); Ctrl-C tears them down.")
+        for h in cluster.hosts:
+            print(f"  {h.hostname} {h.addr}: nsenter -t {h.sshd_pid} -n -u bash")
+        first = cluster.hosts[0]
+        print(f"ssh from {first.hostname}: nsenter -t {first.sshd_pid} -n -u {ssh} {cluster.hosts[-1].addr} hostname")
+        print(f"launch: nsenter -t {first.sshd_pid} -n -u hora run -np 2 "
+              f"-H {','.join(h.addr + ':1' for h in cluster.hosts[:2])} -i {cluster.key} python train.py")
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            print("tearing down")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
