@@ -1,0 +1,98 @@
+"""hora: Horovod's API and launcher, in pure Python, on torch.distributed.
+
+    import hora as hvd
+    hvd.init()
+    torch.cuda.set_device(hvd.local_rank())          # GPUs only
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+
+This module only gathers the public names; the logic lives in the modules named below.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+# --- errors -------------------------------------------------------------------------------------------
+from hora.errors import (  # noqa: F401
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ConfigError,
+    HoraError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    LaunchError,
+    NotInitializedError,
+)
+
+# --- compression --------------------------------------------------------------------------------------
+from hora.compression import Compression, Compressor  # noqa: F401
+
+# --- lifecycle, topology, process sets (runtime.py, process_sets.py, build.py) ------------------------
+from hora.build import (  # noqa: F401
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
+from hora.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set  # noqa: F401
+from hora.runtime import (  # noqa: F401
+    cross_rank,
+    cross_size,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
+
+# --- collectives (ops.py, handles.py, reduce_ops.py) --------------------------------------------------
+from hora.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
+from hora.handles import Handle, poll, synchronize  # noqa: F401
+from hora.ops import (  # noqa: F401
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    join,
+    reducescatter,
+    reducescatter_async,
+    sparse_allreduce_async,
+)
+
+# --- helpers, optimizer, SyncBatchNorm (functions.py, optimizer.py, sync_batch_norm.py) ---------------
+# (added by the optimizer work)
+
+# --- diagnostics (diagnostics/) ------------------------------------------------------------------------
+# (added by the diagnostics work)
+
+# --- launching from Python (launch/) -------------------------------------------------------------------
+# (added by the launcher work)

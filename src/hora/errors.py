@@ -1,0 +1,89 @@
+"""hora's error types. Every error says what went wrong, where, and how to fix it.
+
+Horovod's names (``HorovodInternalError``, ``HostsUpdatedInterrupt``) are aliases of hora's own types, so
+``except hvd.HorovodInternalError`` in an existing script catches what hora raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class HoraError(Exception):
+    """Base of every error hora raises on purpose."""
+
+
+class NotInitializedError(HoraError, ValueError):
+    """A topology query or collective was called before ``hora.init()``."""
+
+    def __init__(self, what: str = "this call") -> None:
+        super().__init__(
+            f"hora has not been initialized: {what} needs hora.init() first. "
+            "Call hvd.init() at the top of your training script."
+        )
+
+
+class ConfigError(HoraError, ValueError):
+    """Bad configuration from the environment, a flag or a config file."""
+
+
+class CollectiveError(HoraError, RuntimeError):
+    """A collective failed (a peer died, a link broke). Recoverable in elastic mode."""
+
+
+class CollectiveMismatchError(CollectiveError, ValueError):
+    """Ranks submitted the same collective name with different metadata.
+
+    The message lists what each rank sent. The job goes on: later collectives work.
+    """
+
+    def __init__(self, name: str, per_rank: Mapping[int, str], fields: list[str]) -> None:
+        self.name = name
+        self.per_rank = dict(per_rank)
+        self.fields = fields
+        lines = "\n".join(f"  rank {r}: {desc}" for r, desc in sorted(per_rank.items()))
+        super().__init__(
+            f"collective {name!r}: ranks disagree on {', '.join(fields)}.\n{lines}\n"
+            "Every rank must submit a name with the same kind, dtype, shape, op, root, scale factors and "
+            "process set; give different collectives different names."
+        )
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective waited longer than the stall shutdown time."""
+
+
+class HostsUpdatedInterrupt(HoraError):
+    """The set of hosts changed; elastic training resets to pick up the new world.
+
+    Args:
+        skip_sync: True when no state sync is needed (only hosts were added).
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync
+
+
+class LaunchError(HoraError):
+    """The launcher could not start or finish the job. Carries the exit code to return."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# Horovod's names.
+HorovodInternalError = CollectiveError
+
+__all__ = [
+    "HoraError",
+    "NotInitializedError",
+    "ConfigError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "HostsUpdatedInterrupt",
+    "LaunchError",
+    "HorovodInternalError",
+]

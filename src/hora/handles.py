@@ -1,0 +1,108 @@
+"""Handles of asynchronous collectives: ``poll(handle)`` and ``synchronize(handle)``.
+
+A handle is returned by every ``*_async`` op. The negotiator thread *launches* it (issues the c10d call) once
+every rank has submitted the op; ``synchronize`` waits for the c10d work and then *finishes* it on the calling
+thread (decompress, scale, copy out), so the negotiator never does per-op arithmetic.
+
+Example:
+    >>> h = hvd.allreduce_async(torch.ones(3), name="x")   # doctest: +SKIP
+    >>> hvd.poll(h)                                         # doctest: +SKIP
+    False
+    >>> hvd.synchronize(h)                                  # doctest: +SKIP
+    tensor([1., 1., 1.])
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_UNSET = object()
+
+
+class Handle:
+    """One submitted collective. Thread-safe: launched by the negotiator, finished by the user's thread."""
+
+    __slots__ = ("name", "kind", "_launched", "_work", "_error", "_finish", "_result", "_on_done", "_lock")
+
+    def __init__(self, name: str, kind: str, finish: Callable[[], Any], on_done: Callable[[Handle], None]) -> None:
+        self.name = name
+        self.kind = kind
+        self._launched = threading.Event()
+        self._work: Any = None
+        self._error: BaseException | None = None
+        self._finish = finish
+        self._result: Any = _UNSET
+        self._on_done = on_done
+        self._lock = threading.Lock()
+
+    # --- called by the negotiator thread ---------------------------------------------------------------
+    def launched(self, work: Any = None) -> None:
+        """The c10d call is issued (``work`` is its Work, or None when the data is already in place)."""
+        self._work = work
+        self._launched.set()
+
+    def fail(self, error: BaseException) -> None:
+        """The op will never run: ``synchronize`` raises ``error``."""
+        self._error = error
+        self._launched.set()
+
+    # --- called by the user's thread -------------------------------------------------------------------
+    def poll(self) -> bool:
+        if not self._launched.is_set():
+            return False
+        if self._error is not None or self._work is None:
+            return True
+        return bool(self._work.is_completed())
+
+    def wait(self) -> Any:
+        with self._lock:
+            if self._result is not _UNSET:
+                return self._result
+            try:
+                self._wait_launched()
+                if self._error is not None:
+                    raise self._error
+                if self._work is not None:
+                    _wait_work(self._work, self.name, self.kind)
+                self._result = self._finish()
+                return self._result
+            finally:
+                self._on_done(self)
+
+    def _wait_launched(self) -> None:
+        from hora.diagnostics import where
+
+        where.set_waiting(f"{self.kind} {self.name!r}")
+        try:
+            while not self._launched.wait(timeout=1.0):
+                pass  # a timeout loop keeps Ctrl-C responsive
+        finally:
+            where.set_waiting(None)
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "launched" if self._launched.is_set() else "pending"
+        return f"<hora.Handle {self.kind} {self.name!r} {state}>"
+
+
+def _wait_work(work: Any, name: str, kind: str) -> None:
+    from hora.errors import CollectiveError
+
+    try:
+        work.wait()
+    except Exception as e:  # noqa: BLE001 - c10d reports peer loss as RuntimeError or DistError
+        raise CollectiveError(
+            f"{kind} {name!r} failed in the communication backend: {e}. A peer process probably died or lost "
+            "its network link; see that rank's log for the root cause."
+        ) from e
+
+
+def poll(handle: Handle) -> bool:
+    """True when ``synchronize(handle)`` would return without blocking."""
+    return handle.poll()
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an async collective and return its output (a tensor, or a tuple for alltoall with splits)."""
+    return handle.wait()

@@ -1,0 +1,289 @@
+"""Lifecycle and topology: ``init()``, ``shutdown()``, ``rank()``, ``size()`` and friends.
+
+``init()`` reads :class:`hora.env.WorkerEnv`, joins the rendezvous store, makes torch.distributed's default
+process group (Gloo for CPU tensors, NCCL for CUDA tensors where present), binds the CUDA device to the
+local rank, builds hora's own groups (a Gloo control group for negotiation and one data group per process
+set) and starts the negotiator thread. Because hora's group is the default group, DDP and plain
+``torch.distributed`` calls work in the same script; because hora's collectives run on their own groups, they
+never interleave with the user's.
+
+Example:
+    >>> import hora as hvd
+    >>> hvd.init()
+    >>> hvd.rank(), hvd.size()
+    (0, 1)
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hora.env import Knobs, WorkerEnv
+from hora.errors import ConfigError, NotInitializedError
+from hora.process_sets import ProcessSet, global_process_set
+from hora.topology import Topology, derive_topology
+
+log = logging.getLogger(__name__)
+
+_CONTROL_TIMEOUT = datetime.timedelta(seconds=120)
+_lock = threading.RLock()
+_state: Runtime | None = None
+_generation = 0
+_stores: dict[tuple[str, int], dist.Store] = {}  # a TCPStore server must outlive shutdown()/init()
+
+
+@dataclass(eq=False)
+class Runtime:
+    """Everything ``init()`` builds; one per initialised process."""
+
+    env: WorkerEnv
+    knobs: Knobs
+    store: dist.Store  # prefixed for this init generation
+    topo: Topology
+    backend: str
+    owns_default_group: bool
+    ctrl_group: Any
+    device: torch.device | None
+    process_sets: dict[int, ProcessSet] = field(default_factory=dict)
+    next_set_id: int = 1
+    negotiator: Any = None
+
+    def register_process_set(self, ps: ProcessSet | Sequence[int]) -> ProcessSet:
+        ps = ps if isinstance(ps, ProcessSet) else ProcessSet(ps)
+        if ps.process_set_id is not None and self.process_sets.get(ps.process_set_id) is ps:
+            raise ValueError(f"{ps!r} is already registered")
+        bad = [r for r in ps.ranks if not 0 <= r < self.topo.size]
+        if bad or not ps.ranks:
+            raise ValueError(f"process set ranks {ps.ranks} must be a non-empty subset of 0..{self.topo.size - 1}")
+        for other in self.process_sets.values():
+            if other.ranks == ps.ranks:
+                raise ValueError(f"a process set with ranks {ps.ranks} already exists: {other!r}")
+        group = dist.new_group(ranks=ps.ranks, backend=self.backend)  # collective: every rank calls it
+        ps._bind(self.next_set_id, group, self.topo.rank)
+        self.process_sets[self.next_set_id] = ps
+        self.next_set_id += 1
+        return ps
+
+    def unregister_process_set(self, ps: ProcessSet) -> bool:
+        if ps is global_process_set:
+            raise ValueError("the global process set cannot be removed")
+        if ps.process_set_id is None or self.process_sets.get(ps.process_set_id) is not ps:
+            return False
+        del self.process_sets[ps.process_set_id]
+        if ps.group is not None and ps.included():
+            dist.destroy_process_group(ps.group)
+        ps._bind(None, None, -1)  # type: ignore[arg-type]
+        ps.process_set_id = None
+        return True
+
+
+def state(what: str = "this call") -> Runtime:
+    """The live runtime, or a clear error naming ``what`` needed it."""
+    s = _state
+    if s is None:
+        raise NotInitializedError(what)
+    return s
+
+
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
+    """Start hora in this process. Calling it again while initialised does nothing.
+
+    Args:
+        comm: Horovod's MPI communicator argument; only None (all ranks) is supported.
+        process_sets: ProcessSet objects to register now (every rank must pass the same list).
+    """
+    global _state, _generation
+    if comm is not None:
+        raise ConfigError("hvd.init(comm=...) selects an MPI communicator; hora has no MPI: use process sets")
+    with _lock:
+        if _state is not None:
+            return
+        env = WorkerEnv.from_environ()
+        knobs = Knobs.from_environ()
+        logging.getLogger("hora").setLevel(knobs.log_level.upper())
+        _generation += 1
+        _state = _build(env, knobs, _generation)
+        for ps in process_sets or ():
+            _state.register_process_set(ps)
+        from hora.negotiator import Negotiator
+
+        _state.negotiator = Negotiator(_state)
+        _state.negotiator.start()
+        _start_timeline(knobs)
+        log.info("hora initialised: rank %d of %d on %s (%s)", env.rank, env.size, env.hostname, _state.backend)
+
+
+def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
+    timeout = datetime.timedelta(seconds=knobs.start_timeout)
+    device = _bind_device(env)
+    backend = "cpu:gloo,cuda:nccl" if device is not None else "gloo"
+    owns = not dist.is_initialized()
+    if owns:
+        raw = _store(env, timeout)
+        base = dist.PrefixStore(f"hora/{env.job_id}/g{generation}/", raw)
+        dist.init_process_group(
+            backend, store=dist.PrefixStore("default/", base), rank=env.rank, world_size=env.size, timeout=timeout
+        )
+    else:  # the script made the default group itself (e.g. under torchrun): join it
+        if dist.get_world_size() != env.size and env.source != "single":
+            log.warning("default group has %d ranks but %s says %d", dist.get_world_size(), env.source, env.size)
+        env = WorkerEnv(rank=dist.get_rank(), size=dist.get_world_size(), local_rank=env.local_rank,
+                        local_size=env.local_size, hostname=env.hostname, host_key=env.host_key,
+                        source=env.source, job_id=env.job_id)
+        base = dist.PrefixStore(f"hora/g{generation}/", _default_store())
+        backend = dist.get_backend()
+    ctrl = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+    topo = _topology(env, ctrl)
+    global_process_set.ranks = list(range(env.size))
+    global_process_set._bind(0, dist.new_group(backend=backend), env.rank)
+    rt = Runtime(env=env, knobs=knobs, store=base, topo=topo, backend=backend, owns_default_group=owns,
+                 ctrl_group=ctrl, device=device)
+    rt.process_sets[0] = global_process_set
+    return rt
+
+
+def _bind_device(env: WorkerEnv) -> torch.device | None:
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    index = env.local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _store(env: WorkerEnv, timeout: datetime.timedelta) -> dist.Store:
+    if env.size == 1 and env.source == "single":
+        return dist.HashStore()
+    key = (env.store_addr, env.store_port)
+    if key not in _stores:
+        server = env.store_is_server and env.rank == 0
+        try:
+            _stores[key] = dist.TCPStore(env.store_addr, env.store_port, world_size=None, is_master=server,
+                                         timeout=timeout, wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001 - c10d raises several types for the same failure
+            raise ConfigError(
+                f"rank {env.rank}: cannot reach the rendezvous store at {env.store_addr}:{env.store_port} "
+                f"({e}); check that the address is reachable from this host and the port is open"
+            ) from e
+    return _stores[key]
+
+
+def _default_store() -> dist.Store:
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def _topology(env: WorkerEnv, ctrl: Any) -> Topology:
+    if env.size == 1:
+        return derive_topology([env.host_key], [env.hostname], 0)
+    gathered: list[Any] = [None] * env.size
+    dist.all_gather_object(gathered, (env.host_key, env.hostname), group=ctrl)
+    topo = derive_topology([g[0] for g in gathered], [g[1] for g in gathered], env.rank)
+    if env.source == "hora" and env.cross_rank is not None:
+        # hora's launcher assigns slots explicitly; trust it (it knows hosts that share a hostname apart).
+        topo = Topology(rank=env.rank, size=env.size, local_rank=env.local_rank, local_size=env.local_size,
+                        cross_rank=env.cross_rank, cross_size=env.cross_size or 1,
+                        hostnames=topo.hostnames, homogeneous=topo.homogeneous)
+    return topo
+
+
+def _start_timeline(knobs: Knobs) -> None:
+    if not knobs.timeline:
+        return
+    try:
+        from hora.diagnostics import timeline
+    except ImportError:  # diagnostics not installed in this build
+        log.warning("HORA_TIMELINE is set but hora.diagnostics.timeline is unavailable")
+        return
+    timeline.start_timeline(knobs.timeline, mark_cycles=knobs.timeline_mark_cycles)
+
+
+def shutdown() -> None:
+    """Stop hora in this process: drain the negotiator and destroy hora's process groups.
+
+    Every rank should call it (it is a collective with a deadline). ``init()`` may be called again afterwards.
+    """
+    global _state
+    with _lock:
+        s = _state
+        if s is None:
+            return
+        _state = None
+        try:
+            if s.negotiator is not None:
+                s.negotiator.stop()
+        finally:
+            _teardown_groups(s)
+            global_process_set.ranks = []
+            global_process_set._bind(None, None, -1)  # type: ignore[arg-type]
+
+
+def _teardown_groups(s: Runtime) -> None:
+    try:
+        from hora.diagnostics import timeline
+
+        timeline.stop_timeline()
+    except ImportError:
+        pass
+    for ps in list(s.process_sets.values()):
+        if ps is not global_process_set:
+            ps._bind(None, None, -1)  # type: ignore[arg-type]
+            ps.process_set_id = None
+    if s.owns_default_group and dist.is_initialized():
+        dist.destroy_process_group()
+    elif dist.is_initialized():
+        for g in [s.ctrl_group, global_process_set.group]:
+            if g is not None:
+                dist.destroy_process_group(g)
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``."""
+    return _state is not None
+
+
+def size() -> int:
+    """Number of ranks in the job."""
+    return state("hvd.size()").topo.size
+
+
+def rank() -> int:
+    """This process's global rank."""
+    return state("hvd.rank()").topo.rank
+
+
+def local_size() -> int:
+    """Number of ranks on this host."""
+    return state("hvd.local_size()").topo.local_size
+
+
+def local_rank() -> int:
+    """This process's index among the ranks on its host (use it to pick the GPU)."""
+    return state("hvd.local_rank()").topo.local_rank
+
+
+def cross_size() -> int:
+    """Number of hosts that have a rank with this process's local rank."""
+    return state("hvd.cross_size()").topo.cross_size
+
+
+def cross_rank() -> int:
+    """This host's index among the hosts that have a rank with this process's local rank."""
+    return state("hvd.cross_rank()").topo.cross_rank
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of ranks."""
+    return state("hvd.is_homogeneous()").topo.homogeneous
+
+
+atexit.register(shutdown)
