@@ -1,0 +1,217 @@
+"""Run a function on N fork-started ranks with real process groups, from a pytest process.
+
+The pytest parent never initialises a process group. It hosts the rendezvous store (as ``hora run``'s
+driver does) and gives each child the launcher's variables (``HORA_RANK`` ...), so ``hora.init()`` in a
+child takes the same path as under the real launcher.
+
+Each rank reports its return value, or its exception with traceback and wall-clock time. On failure one
+AssertionError shows the earliest failure first (a follow-on Gloo error on another rank can mask the root
+cause), then the others, then the ranks that hung. A deadline SIGKILLs hung ranks' process groups.
+
+Example:
+    >>> def fn(rank, size):
+    ...     return hvd.allreduce(torch.tensor([rank]), op=hvd.Sum).item()
+    >>> run_ranks(fn, 2)  # doctest: +SKIP
+    [1, 1]
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# After one rank fails, the others get this long to report (their own error or a follow-on one).
+FAILURE_GRACE_S = 3.0
+_calls = itertools.count()
+
+
+@dataclass
+class _Report:
+    rank: int
+    ok: bool
+    value: Any = None
+    when: float = 0.0  # wall clock (time.time()) of the failure
+    text: str = ""
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    timeout: float = 60.0,
+    env: Mapping[str, str | None] | None = None,
+    init: bool = True,
+) -> list[Any]:
+    """Run ``fn(rank, size, *args)`` on ``nprocs`` fork-started ranks; return the values in rank order.
+
+    Args:
+        fn: runs in each child. With ``init=True`` the harness calls ``hora.init()`` before it and
+            ``hora.shutdown()`` after it.
+        nprocs: number of ranks.
+        timeout: seconds for the whole job; ranks still running then are killed and named.
+        env: extra environment for the children; a value of None removes the variable.
+        init: whether the harness initialises and shuts down hora around ``fn``.
+
+    Raises:
+        AssertionError: a rank raised, crashed or hung. The message shows the earliest failure first.
+    """
+    ctx = multiprocessing.get_context("fork")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    job_env = {
+        "HORA_SIZE": str(nprocs),
+        "HORA_LOCAL_SIZE": str(nprocs),
+        "HORA_CROSS_RANK": "0",
+        "HORA_CROSS_SIZE": "1",
+        "HORA_STORE_ADDR": "127.0.0.1",
+        "HORA_STORE_PORT": str(store.port),
+        "HORA_JOB_ID": f"test-{os.getpid()}-{next(_calls)}-{uuid.uuid4().hex[:8]}",
+    }
+    procs, conns = [], []
+    for rank in range(nprocs):
+        recv, send = ctx.Pipe(duplex=False)
+        rank_env = {**job_env, "HORA_RANK": str(rank), "HORA_LOCAL_RANK": str(rank), **(env or {})}
+        proc = ctx.Process(target=_child, args=(fn, rank, nprocs, args, rank_env, init, send), name=f"rank{rank}")
+        proc.start()
+        send.close()
+        procs.append(proc)
+        conns.append(recv)
+    try:
+        reports, unfinished = _collect(procs, conns, time.monotonic() + timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                _kill_group(proc.pid)
+            proc.join()
+        for conn in conns:
+            conn.close()
+        del store
+    failures = sorted((r for r in reports.values() if not r.ok), key=lambda r: r.when)
+    if failures or unfinished:
+        raise AssertionError(_failure_message(failures, unfinished, nprocs, timeout))
+    return [reports[rank].value for rank in range(nprocs)]
+
+
+def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: Mapping[str, str | None],
+           init: bool, conn: Connection) -> None:
+    os.setpgrp()  # the deadline kills this rank's whole process group
+    code = 0
+    try:
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        torch.set_num_threads(1)  # 2 cores shared by up to 4 ranks
+        if init:
+            import hora
+
+            hora.init()
+        value = fn(rank, size, *args)
+        if init:
+            hora.shutdown()
+        payload: tuple = ("ok", value)
+    except BaseException:  # noqa: BLE001 - everything, even SystemExit, goes back to the parent
+        code = 1
+        payload = ("error", time.time(), traceback.format_exc())
+    try:
+        conn.send(payload)
+    except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable return value
+        code = 1
+        conn.send(("error", time.time(), f"rank {rank}'s result could not be sent back: {exc!r}"))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # never run pytest's atexit handlers in a child
+
+
+def _collect(procs: list, conns: list[Connection], deadline: float) -> tuple[dict[int, _Report], dict[int, str]]:
+    """Wait for every rank's report; returns reports and {rank: why it has none} for the rest."""
+    reports: dict[int, _Report] = {}
+    pending = set(range(len(procs)))
+    first_failure: float | None = None
+    while pending:
+        limit = deadline if first_failure is None else min(deadline, first_failure + FAILURE_GRACE_S)
+        left = limit - time.monotonic()
+        if left <= 0:
+            break
+        wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], timeout=left)
+        for rank in sorted(pending):
+            report = _read(rank, procs[rank], conns[rank])
+            if report is None:
+                continue
+            reports[rank] = report
+            pending.discard(rank)
+            if not report.ok and first_failure is None:
+                first_failure = time.monotonic()
+    why = "no result before the deadline (hung?)" if first_failure is None else (
+        f"still running {FAILURE_GRACE_S:.0f} s after the first failure")
+    return reports, {rank: why for rank in sorted(pending)}
+
+
+def _read(rank: int, proc: Any, conn: Connection) -> _Report | None:
+    if conn.poll():
+        try:
+            msg = conn.recv()
+        except EOFError:  # the child exited without sending
+            msg = None
+        if msg is not None and msg[0] == "ok":
+            return _Report(rank, True, value=msg[1])
+        if msg is not None:
+            return _Report(rank, False, when=msg[1], text=msg[2])
+    elif proc.is_alive() or conn.poll():
+        return None  # still running, or its message arrived just now: read it next time round
+    proc.join()
+    code = proc.exitcode
+    how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+    return _Report(rank, False, when=time.time(), text=f"rank {rank} died without reporting ({how})\n")
+
+
+def _kill_group(pid: int | None) -> None:
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, signal.SIGKILL)  # the child may not have called setpgrp yet
+        except ProcessLookupError:
+            pass
+
+
+def _failure_message(failures: list[_Report], unfinished: Mapping[int, str], nprocs: int, timeout: float) -> str:
+    lines = [f"{len(failures)} of {nprocs} ranks failed, {len(unfinished)} did not finish (timeout {timeout} s)."]
+    if failures:
+        t0 = failures[0].when
+        lines.append(f"Earliest failure first: rank {failures[0].rank}.")
+        for rep in failures:
+            stamp = time.strftime("%H:%M:%S", time.localtime(rep.when)) + f".{int(rep.when % 1 * 1000):03d}"
+            lines.append(f"--- rank {rep.rank} failed at {stamp} (+{rep.when - t0:.3f} s) ---")
+            lines.append(rep.text.rstrip())
+    for rank, why in unfinished.items():
+        lines.append(f"--- rank {rank} hung: {why}; killed with SIGKILL ---")
+    if unfinished:
+        lines.append(f"hung ranks: {sorted(unfinished)}")
+    return "\n".join(lines)
+
+
+def rank_store() -> dist.Store:
+    """A client of the job's rendezvous store, namespaced by job id: a side channel for tests.
+
+    ``rank_store().set("k", "v")`` on one rank, ``rank_store().get("k")`` (blocking) on another.
+    """
+    base = dist.TCPStore(os.environ["HORA_STORE_ADDR"], int(os.environ["HORA_STORE_PORT"]), is_master=False,
+                         wait_for_workers=False)
+    return dist.PrefixStore(f"harness/{os.environ['HORA_JOB_ID']}", base)
