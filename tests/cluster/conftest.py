@@ -18,7 +18,7 @@ from types import FrameType
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import netns  # noqa: E402
+import netns
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:

@@ -31,6 +31,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["Cluster", "Host", "Proc", "clean_stale", "delete_namespace", "missing_requirements"]
 
@@ -50,13 +54,15 @@ def missing_requirements() -> str | None:
     if not os.path.exists(SSHD):
         missing.append(SSHD)
     if missing:
-        return (f"cluster tests need {', '.join(missing)}: "
-                "apt-get update && apt-get install -y openssh-server openssh-client iproute2 util-linux procps")
+        return (
+            f"cluster tests need {', '.join(missing)}: "
+            "apt-get update && apt-get install -y openssh-server openssh-client iproute2 util-linux procps"
+        )
     return None
 
 
 def _sh(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+    out = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30, check=False)
     if check and out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()}")
     return out
@@ -154,11 +160,24 @@ class Host:
         # nsenter joins both the network and the UTS namespace of the sshd, so `hostname` says nodeN.
         return ["nsenter", "-t", str(self.sshd_pid), "-n", "-u", "--", *cmd]
 
-    def run(self, cmd: Sequence[str], timeout: float = 60, check: bool = False,
-            env: dict[str, str] | None = None, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        self,
+        cmd: Sequence[str],
+        timeout: float = 60,
+        check: bool = False,
+        env: dict[str, str] | None = None,
+        input: str | None = None,
+    ) -> subprocess.CompletedProcess[str]:
         """Run ``cmd`` on this host and wait for it (text output captured)."""
-        out = subprocess.run(self._enter(cmd), capture_output=True, text=True, timeout=timeout, env=env,
-                             input=input)
+        out = subprocess.run(
+            self._enter(cmd),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            input=input,
+            check=False,
+        )
         if check and out.returncode != 0:
             raise RuntimeError(f"on {self.hostname}: {' '.join(cmd)} -> {out.returncode}\n{out.stderr}")
         return out
@@ -223,9 +242,20 @@ class Cluster:
     @property
     def ssh_options(self) -> list[str]:
         """``-o`` options an ssh client needs here (ssh reads ~/.ssh from passwd, not $HOME)."""
-        return ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-                "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes", "-o", "LogLevel=ERROR",
-                "-o", "ConnectTimeout=5"]
+        return [
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            "LogLevel=ERROR",
+            "-o",
+            "ConnectTimeout=5",
+        ]
 
     @property
     def ssh_args(self) -> list[str]:
@@ -265,8 +295,14 @@ class Cluster:
         _sh(["ip", "-n", self.hub, "link", "add", "br0", "type", "bridge"])
         _sh(["ip", "-n", self.hub, "link", "set", "br0", "up"])
         for i in indices:
-            host = Host(index=i, ns=f"{self.prefix}h{i}", hub=self.hub, addr=f"{SUBNET}.{i}",
-                        hostname=f"node{i}", workdir=self.tmp / f"node{i}")
+            host = Host(
+                index=i,
+                ns=f"{self.prefix}h{i}",
+                hub=self.hub,
+                addr=f"{SUBNET}.{i}",
+                hostname=f"node{i}",
+                workdir=self.tmp / f"node{i}",
+            )
             self.hosts.append(host)
             self._add_host(host)
         for host in self.hosts:
@@ -275,8 +311,23 @@ class Cluster:
     def _add_host(self, host: Host) -> None:
         host.workdir.mkdir(parents=True, exist_ok=True)
         _sh(["ip", "netns", "add", host.ns])
-        _sh(["ip", "link", "add", "eth0", "netns", host.ns, "type", "veth",
-             "peer", "name", f"v{host.index}", "netns", self.hub])
+        _sh(
+            [
+                "ip",
+                "link",
+                "add",
+                "eth0",
+                "netns",
+                host.ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"v{host.index}",
+                "netns",
+                self.hub,
+            ]
+        )
         _sh(["ip", "-n", self.hub, "link", "set", f"v{host.index}", "master", "br0", "up"])
         _sh(["ip", "-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", "eth0"])
         _sh(["ip", "-n", host.ns, "link", "set", "eth0", "up"])
@@ -285,12 +336,24 @@ class Cluster:
         _sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(hostkey)])
         conf = host.workdir / "sshd_config"
         conf.write_text(_sshd_config(host, hostkey, self.tmp / "authorized_keys"))
-        log_file = open(host.workdir / "sshd.log", "ab")
-        host.sshd = subprocess.Popen(
-            ["ip", "netns", "exec", host.ns, "unshare", "--uts", "sh", "-c",
-             f"hostname {host.hostname} && exec {SSHD} -D -e -f {conf}"],
-            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True)
-        log_file.close()
+        with open(host.workdir / "sshd.log", "ab") as log_file:
+            host.sshd = subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    host.ns,
+                    "unshare",
+                    "--uts",
+                    "sh",
+                    "-c",
+                    f"hostname {host.hostname} && exec {SSHD} -D -e -f {conf}",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                start_new_session=True,
+            )
 
     def _wait_sshd(self, host: Host, deadline_s: float = 20) -> None:
         probe = ["ssh", *self.ssh_args, host.addr, "hostname"]
@@ -304,8 +367,10 @@ class Cluster:
             if out.returncode == 0 and out.stdout.strip() == host.hostname:
                 return
             if time.monotonic() > end:
-                raise RuntimeError(f"sshd on {host.hostname} ({host.addr}) not answering: {out.stderr.strip()}"
-                                   f"\n{_tail(host.workdir / 'sshd.log')}")
+                raise RuntimeError(
+                    f"sshd on {host.hostname} ({host.addr}) not answering: {out.stderr.strip()}"
+                    f"\n{_tail(host.workdir / 'sshd.log')}"
+                )
             time.sleep(0.1)
 
     def close(self) -> None:
@@ -328,7 +393,7 @@ class Cluster:
         delete_namespace(self.hub)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -336,24 +401,26 @@ class Cluster:
 
 
 def _sshd_config(host: Host, hostkey: Path, authorized: Path) -> str:
-    return "\n".join([
-        f"ListenAddress {host.addr}",
-        "Port 22",
-        f"HostKey {hostkey}",
-        f"PidFile {host.workdir / 'sshd.pid'}",
-        f"AuthorizedKeysFile {authorized}",
-        "PasswordAuthentication no",
-        "KbdInteractiveAuthentication no",
-        "PermitRootLogin prohibit-password",
-        "StrictModes no",
-        "UsePAM no",
-        "UseDNS no",
-        "PrintMotd no",
-        "MaxStartups 100",
-        "MaxSessions 100",
-        "LogLevel INFO",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"ListenAddress {host.addr}",
+            "Port 22",
+            f"HostKey {hostkey}",
+            f"PidFile {host.workdir / 'sshd.pid'}",
+            f"AuthorizedKeysFile {authorized}",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "PermitRootLogin prohibit-password",
+            "StrictModes no",
+            "UsePAM no",
+            "UseDNS no",
+            "PrintMotd no",
+            "MaxStartups 100",
+            "MaxSessions 100",
+            "LogLevel INFO",
+            "",
+        ]
+    )
 
 
 def _tail(path: Path, lines: int = 10) -> str:
@@ -361,41 +428,3 @@ def _tail(path: Path, lines: int = 10) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Bring the hosts up by hand, print how to use them, tear them down on Ctrl-C or SIGTERM."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hosts", default="2,3,4", help="host indices: 10.78.0.<i>, hostname node<i>")
-    parser.add_argument("--clean", action="store_true", help="only remove stale namespaces, then exit")
-    args = parser.parse_args(argv)
-    reason = missing_requirements()
-    if reason is not None:
-        raise SystemExit(reason)
-    if args.clean:
-        removed = clean_stale()
-        print(f"removed {len(removed)} stale namespaces: {' '.join(removed) or '-'}")
-        return 0
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM tears down like Ctrl-C
-    with Cluster.build([int(i) for i in args.hosts.split(",")]) as cluster:
-        ssh = " ".join(["ssh", *cluster.ssh_args])
-        print(f"hosts up (key {cluster.key}); Ctrl-C tears them down.")
-        for h in cluster.hosts:
-            print(f"  {h.hostname} {h.addr}: nsenter -t {h.sshd_pid} -n -u bash")
-        first = cluster.hosts[0]
-        print(f"ssh from {first.hostname}: nsenter -t {first.sshd_pid} -n -u {ssh} {cluster.hosts[-1].addr} hostname")
-        print(f"launch: nsenter -t {first.sshd_pid} -n -u hora run -np 2 "
-              f"-H {','.join(h.addr + ':1' for h in cluster.hosts[:2])} -i {cluster.key} python train.py")
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            print("tearing down")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
-

@@ -50,5 +50,5 @@ def test_stale_namespaces_of_a_dead_builder_are_removed() -> None:
         assert name in netns.clean_stale()
     finally:
         netns.delete_namespace(name)
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert name not in listed
