@@ -1,0 +1,275 @@
+"""A Chrome-trace timeline of every collective, one file per rank, merged at the end of the job.
+
+The file is a JSON array of trace events (the format chrome://tracing and https://ui.perfetto.dev open).
+Each rank is a process row (``pid`` = rank, named ``rank N``); inside it each collective name is a thread
+row, and its phases are slices: ``negotiate`` (waiting for peers), ``compress``, ``communicate``,
+``copy_in``, ``copy_out``, ``decompress``, with the name, bytes, dtype and shape as arguments.
+
+The file is valid JSON at every moment, even if the process is killed: events are appended with one
+``pwrite`` that overwrites the closing ``]`` and writes a new one, so a reader never sees a half-written
+array. Events are buffered and flushed every 0.5 s (a small daemon thread) or every 512 events.
+
+Per-rank files: with a world of N > 1 ranks and ``HORA_TIMELINE=t.json`` rank r writes
+``t.rank<r>.json`` (:func:`rank_path`); :func:`finish_job_timeline` (called by the launcher at job end)
+merges them into ``t.json``. A single process writes ``t.json`` directly.
+
+Cost when off: ``active()`` returns None; callers do ``tl = active()`` and ``if tl is not None``.
+
+Example:
+    >>> tl = start_timeline("/tmp/t.json", rank=0, size=1)  # doctest: +SKIP
+    >>> t0 = time.perf_counter(); ...; tl.span("grad.bucket.0", "communicate", t0, time.perf_counter(),
+    ...                                        bytes=4096, dtype="float32", shape=[1024])  # doctest: +SKIP
+    >>> stop_timeline()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PHASES = ("negotiate", "compress", "communicate", "copy_in", "copy_out", "decompress")
+_FLUSH_EVENTS = 512
+_FLUSH_SECONDS = 0.5
+
+
+def rank_path(path: str, rank: int) -> str:
+    """The file rank ``rank`` writes for a job timeline ``path``: ``t.json`` -> ``t.rank3.json``."""
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{rank}{ext}" if ext else f"{path}.rank{rank}"
+
+
+class Timeline:
+    """One rank's timeline file. Thread-safe; use :func:`start_timeline` rather than building one.
+
+    Times passed to :meth:`span`, :meth:`instant` and :meth:`counter` are ``time.perf_counter()`` seconds;
+    they are written as wall-clock microseconds so files from different ranks line up when merged.
+    """
+
+    def __init__(self, path: str, rank: int = 0, mark_cycles: bool = False) -> None:
+        self.path = path
+        self.rank = rank
+        self.mark_cycles = mark_cycles
+        self._lock = threading.Lock()
+        self._buf: list[dict[str, Any]] = []
+        self._rows: dict[str, int] = {}
+        self._offset_us = (time.time() - time.perf_counter()) * 1e6
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        head = [
+            {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
+            {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+        ]
+        body = "[\n" + ",\n".join(json.dumps(e, separators=(",", ":")) for e in head)
+        os.pwrite(self._fd, (body + "\n]\n").encode(), 0)
+        self._end = len(body.encode())  # where the closing "\n]\n" starts
+        self._stop = threading.Event()
+        self._flusher = threading.Thread(target=self._flush_loop, name="hora-timeline", daemon=True)
+        self._flusher.start()
+
+    # -- recording ------------------------------------------------------------------------------------
+    def _row(self, name: str) -> int:
+        tid = self._rows.get(name)
+        if tid is None:
+            tid = self._rows[name] = len(self._rows) + 1
+            self._buf.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
+                              "args": {"name": name}})
+            self._buf.append({"name": "thread_sort_index", "ph": "M", "pid": self.rank, "tid": tid,
+                              "args": {"sort_index": tid}})
+        return tid
+
+    def _add(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            if event["ph"] != "C":
+                event["tid"] = self._row(event.pop("row"))
+            self._buf.append(event)
+            full = len(self._buf) >= _FLUSH_EVENTS
+        if full:
+            self.flush()
+
+    def span(self, name: str, phase: str, start_s: float, end_s: float, row: str | None = None,
+             **args: Any) -> None:
+        """Record one phase of a collective as a slice.
+
+        Args:
+            name: the collective's name (``grad.bucket.3``); the row it goes to unless ``row`` is given.
+            phase: one of :data:`PHASES`, or the op kind for a slice that encloses all its phases.
+            start_s: ``time.perf_counter()`` at the start.
+            end_s: ``time.perf_counter()`` at the end.
+            row: put the slice on this row instead (e.g. one row for all unnamed allreduces).
+            **args: shown when the slice is selected: ``bytes``, ``dtype``, ``shape``...
+        """
+        args["name"] = name
+        self._add({"name": phase, "cat": "hora", "ph": "X", "pid": self.rank, "row": row or name,
+                   "ts": round(start_s * 1e6 + self._offset_us, 3),
+                   "dur": round(max(end_s - start_s, 0.0) * 1e6, 3), "args": args})
+
+    def instant(self, name: str, at_s: float | None = None, row: str | None = None, **args: Any) -> None:
+        """A marker at ``at_s`` (default now), e.g. a negotiation round with ``--timeline-mark-cycles``."""
+        at = time.perf_counter() if at_s is None else at_s
+        self._add({"name": name, "cat": "hora", "ph": "i", "s": "t", "pid": self.rank, "row": row or name,
+                   "ts": round(at * 1e6 + self._offset_us, 3), "args": args})
+
+    def counter(self, name: str, at_s: float | None = None, **values: float) -> None:
+        """A counter sample (a graph in the rank's row), e.g. ``counter("pending", ops=3)``."""
+        at = time.perf_counter() if at_s is None else at_s
+        self._add({"name": name, "ph": "C", "pid": self.rank, "tid": 0,
+                   "ts": round(at * 1e6 + self._offset_us, 3), "args": values})
+
+    # -- writing --------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Write buffered events; the file stays a valid JSON array before and after."""
+        with self._lock:
+            events, self._buf = self._buf, []
+            if not events or self._fd is None:
+                return
+            data = "".join(",\n" + json.dumps(e, separators=(",", ":")) for e in events).encode()
+            # One write: the old closing bracket is overwritten by the new events and a new bracket.
+            os.pwrite(self._fd, data + b"\n]\n", self._end)
+            self._end += len(data)
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(_FLUSH_SECONDS):
+            try:
+                self.flush()
+            except OSError as e:  # a full disk must not kill training
+                log.warning("timeline %s: cannot write (%s); timeline stopped", self.path, e)
+                return
+
+    def close(self) -> None:
+        """Flush and close the file. Later calls record nothing."""
+        self._stop.set()
+        self.flush()
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+_active: Timeline | None = None
+_active_lock = threading.Lock()
+
+
+def active() -> Timeline | None:
+    """The running timeline, or None when none is on (the only cost the core pays when off)."""
+    return _active
+
+
+def start_timeline(path: str, mark_cycles: bool = False, *, rank: int | None = None,
+                   size: int | None = None) -> Timeline:
+    """Start writing this rank's timeline (Horovod's ``hvd.start_timeline``).
+
+    Args:
+        path: the job's timeline file. With more than one rank this rank writes ``rank_path(path, rank)``.
+        mark_cycles: also mark each negotiation round.
+        rank: this process's rank; default hora's rank (or 0 before ``init()``).
+        size: the world size; default hora's size (or 1).
+
+    Returns:
+        The running :class:`Timeline` (a second call restarts it on the new path).
+    """
+    global _active
+    if rank is None or size is None:
+        rank, size = _topology(rank, size)
+    target = rank_path(path, rank) if size > 1 else path
+    with _active_lock:
+        if _active is not None:
+            _active.close()
+        _active = Timeline(target, rank=rank, mark_cycles=mark_cycles)
+    log.info("timeline of rank %d -> %s", rank, target)
+    return _active
+
+
+def stop_timeline() -> None:
+    """Stop the timeline and close its file (Horovod's ``hvd.stop_timeline``). No-op when none runs."""
+    global _active
+    with _active_lock:
+        tl, _active = _active, None
+    if tl is not None:
+        tl.close()
+
+
+def _topology(rank: int | None, size: int | None) -> tuple[int, int]:
+    try:
+        from hora import runtime
+
+        if runtime.is_initialized():
+            return (runtime.rank() if rank is None else rank, runtime.size() if size is None else size)
+    except ImportError:
+        pass
+    from hora.env import WorkerEnv
+
+    env = WorkerEnv.from_environ()
+    return (env.rank if rank is None else rank, env.size if size is None else size)
+
+
+atexit.register(stop_timeline)
+
+
+# -- reading and merging ------------------------------------------------------------------------------
+def load_events(path: str) -> list[dict[str, Any]]:
+    """The events of a timeline file; tolerates a file cut short (a crash mid-write of an old writer)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        events = json.loads(text)
+    except json.JSONDecodeError:
+        events = []
+        for line in text.splitlines():  # one event per line: keep every complete one
+            line = line.strip().lstrip("[").rstrip(",]").strip()
+            if line.startswith("{"):
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    if isinstance(events, list):
+        return events
+    raise TypeError(f"{path} is not a Chrome-trace timeline (expected a JSON array of events)")
+
+
+def merge_timelines(paths: Sequence[str], out_path: str) -> int:
+    """Merge per-rank timeline files into one file every rank is a row of. Missing files are skipped.
+
+    Returns:
+        The number of events written.
+    """
+    merged: list[dict[str, Any]] = []
+    for p in paths:
+        if not os.path.exists(p):
+            log.warning("timeline %s is missing (that rank never started its timeline?)", p)
+            continue
+        merged.extend(load_events(p))
+    _write_events(merged, out_path)
+    return len(merged)
+
+
+def _write_events(events: Iterable[dict[str, Any]], out_path: str) -> None:
+    tmp = out_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("[\n" + ",\n".join(json.dumps(e, separators=(",", ":")) for e in events) + "\n]\n")
+    os.replace(tmp, out_path)
+
+
+def finish_job_timeline(path: str, size: int, remove_parts: bool = True) -> str:
+    """At job end (launcher): merge ``rank_path(path, r)`` for every rank into ``path``; returns ``path``.
+
+    With one rank the worker already wrote ``path`` itself and nothing is done.
+    """
+    if size <= 1:
+        return path
+    parts = [rank_path(path, r) for r in range(size)]
+    n = merge_timelines(parts, path)
+    if remove_parts:
+        for p in parts:
+            if os.path.exists(p):
+                os.remove(p)
+    log.info("timeline: %d events from %d ranks -> %s", n, size, path)
+    return path

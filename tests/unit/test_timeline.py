@@ -1,0 +1,163 @@
+"""timeline.py: Chrome-trace files per rank, valid JSON at every moment, merged into one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hora.diagnostics import timeline as T
+
+
+@pytest.fixture(autouse=True)
+def _no_timeline_left_running():
+    yield
+    T.stop_timeline()
+
+
+def _spans(events, pid=None):
+    return [e for e in events if e["ph"] == "X" and (pid is None or e["pid"] == pid)]
+
+
+def _row_names(events, pid):
+    return {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"
+            and e["pid"] == pid}
+
+
+def test_off_by_default_and_after_stop(tmp_path):
+    assert T.active() is None
+    tl = T.start_timeline(str(tmp_path / "t.json"), rank=0, size=1)
+    assert T.active() is tl
+    T.stop_timeline()
+    assert T.active() is None
+
+
+def test_one_rank_file_has_its_row_phases_and_op_details(tmp_path):
+    path = tmp_path / "t.json"
+    tl = T.start_timeline(str(path), rank=3, size=4)
+    assert json.loads((tmp_path / "t.rank3.json").read_text())  # valid from the start
+    t0 = time.perf_counter()
+    for i, phase in enumerate(T.PHASES):
+        tl.span("grad.bucket.0", phase, t0 + i * 0.001, t0 + (i + 1) * 0.001, bytes=4096, dtype="float32",
+                shape=[1024])
+    tl.span("loss", "communicate", t0, t0 + 0.002, bytes=4, dtype="float32", shape=[])
+    T.stop_timeline()
+    assert not path.exists()  # a rank of a 4-rank job writes its own file only
+    events = json.loads((tmp_path / "t.rank3.json").read_text())
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"rank 3"}
+    spans = _spans(events)
+    assert {e["pid"] for e in spans} == {3}
+    assert [e["name"] for e in spans][:6] == list(T.PHASES)
+    rows = _row_names(events, 3)
+    assert {rows[e["tid"]] for e in spans} == {"grad.bucket.0", "loss"}
+    first = spans[0]
+    assert first["args"] == {"bytes": 4096, "dtype": "float32", "shape": [1024], "name": "grad.bucket.0"}
+    assert first["dur"] == pytest.approx(1000.0, abs=1.0)  # microseconds
+    assert abs(first["ts"] / 1e6 - time.time()) < 60  # wall-clock microseconds, so ranks line up
+
+
+def test_single_process_writes_the_path_itself(tmp_path):
+    tl = T.start_timeline(str(tmp_path / "t.json"), mark_cycles=True, rank=0, size=1)
+    assert tl.mark_cycles is True
+    tl.instant("round", row="negotiator")
+    tl.counter("pending", ops=3)
+    T.stop_timeline()
+    events = json.loads((tmp_path / "t.json").read_text())
+    assert [(e["ph"], e["name"]) for e in events if e["ph"] in "iC"] == [("i", "round"), ("C", "pending")]
+    assert [e["args"] for e in events if e["ph"] == "C"] == [{"ops": 3}]
+
+
+def test_file_is_valid_json_while_running(tmp_path):
+    tl = T.start_timeline(str(tmp_path / "t.json"), rank=0, size=1)
+    t = time.perf_counter()
+    for i in range(3):
+        tl.span(f"op{i}", "communicate", t, t)
+        tl.flush()
+        events = json.loads((tmp_path / "t.json").read_text())
+        assert len(_spans(events)) == i + 1
+
+
+def test_many_threads_lose_no_event(tmp_path):
+    tl = T.start_timeline(str(tmp_path / "t.json"), rank=1, size=1)
+
+    def record(k: int) -> None:
+        t = time.perf_counter()
+        for i in range(700):  # crosses the flush-every-N-events threshold several times
+            tl.span(f"thread{k}", "communicate", t, t, i=i)
+
+    threads = [threading.Thread(target=record, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    T.stop_timeline()
+    spans = _spans(json.loads((tmp_path / "t.json").read_text()))
+    assert len(spans) == 2800
+    for k in range(4):
+        assert [e["args"]["i"] for e in spans if e["args"]["name"] == f"thread{k}"] == list(range(700))
+
+
+def test_valid_json_after_sigkill_mid_run(tmp_path):
+    path = str(tmp_path / "t.json")
+    pid = os.fork()
+    if pid == 0:  # child: record forever, flushing often, until killed
+        try:
+            tl = T.Timeline(path, rank=0)
+            t = time.perf_counter()
+            while True:
+                tl.span("op", "communicate", t, t, payload="x" * 100)
+                tl.flush()
+        finally:
+            os._exit(1)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (not os.path.exists(path) or os.path.getsize(path) < 200_000):
+            time.sleep(0.01)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    events = json.loads(Path(path).read_text())
+    assert len(_spans(events)) > 500
+
+
+def test_rank_path_naming():
+    assert T.rank_path("/x/t.json", 3) == "/x/t.rank3.json"
+    assert T.rank_path("trace", 0) == "trace.rank0"
+
+
+def test_merge_puts_every_rank_in_one_file(tmp_path):
+    path = str(tmp_path / "job.json")
+    for r in range(3):
+        tl = T.Timeline(T.rank_path(path, r), rank=r)
+        t = time.perf_counter()
+        tl.span("grad.bucket.0", "negotiate", t, t + 0.001)
+        tl.span("grad.bucket.0", "communicate", t + 0.001, t + 0.002)
+        tl.close()
+    assert T.finish_job_timeline(path, size=3) == path
+    events = json.loads(Path(path).read_text())
+    ranks = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert ranks == {0: "rank 0", 1: "rank 1", 2: "rank 2"}
+    for r in range(3):
+        assert [e["name"] for e in _spans(events, r)] == ["negotiate", "communicate"]
+        assert set(_row_names(events, r).values()) == {"grad.bucket.0"}
+    assert sorted(os.listdir(tmp_path)) == ["job.json"]  # parts removed
+
+
+def test_merge_skips_missing_and_repairs_truncated_files(tmp_path):
+    good = tmp_path / "a.json"
+    tl = T.Timeline(str(good), rank=0)
+    tl.span("x", "communicate", 0.0, 0.001)
+    tl.close()
+    cut = tmp_path / "b.json"
+    cut.write_text('[\n{"name":"process_name","ph":"M","pid":1,"tid":0,"args":{"name":"rank 1"}},\n{"name":"com')
+    out = tmp_path / "out.json"
+    n = T.merge_timelines([str(good), str(cut), str(tmp_path / "missing.json")], str(out))
+    events = json.loads(out.read_text())
+    assert n == len(events)
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {"rank 0", "rank 1"}
