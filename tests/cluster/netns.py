@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 SUBNET = "10.78.0"
 NAME_RE = re.compile(r"^hora(\d+)x[0-9a-f]+(hub|h\d+)$")
 SSHD = "/usr/sbin/sshd"
+ETC_NETNS = Path("/etc/netns")  # `ip netns exec` bind-mounts ETC_NETNS/<ns>/hosts over /etc/hosts
 TOOLS = ("ip", "ssh", "ssh-keygen", "unshare", "nsenter")
 
 
@@ -107,17 +108,19 @@ def _kill_namespace(ns: str) -> None:
 
 
 def delete_namespace(ns: str) -> None:
-    """Kill what runs in ``ns`` and delete it; quiet when it is already gone."""
+    """Kill what runs in ``ns`` and delete it (and its /etc/netns files); quiet when already gone."""
     _kill_namespace(ns)
     _sh(["ip", "netns", "del", ns], check=False)
+    shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
 
 
 def clean_stale() -> list[str]:
     """Delete namespaces left by an earlier run whose builder process is dead; return their names."""
     out = _sh(["ip", "netns", "list"], check=False)
+    names = {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+    names |= {p.name for p in ETC_NETNS.glob("hora*")}  # a run killed between the two deletions
     stale = []
-    for line in out.stdout.splitlines():
-        name = line.split()[0] if line.split() else ""
+    for name in names:
         match = NAME_RE.match(name)
         if match and not _pid_alive(int(match.group(1))):
             stale.append(name)
@@ -156,9 +159,11 @@ class Host:
         assert self.sshd is not None, "sshd not started"
         return self.sshd.pid
 
-    def _enter(self, cmd: Sequence[str]) -> list[str]:
-        # nsenter joins both the network and the UTS namespace of the sshd, so `hostname` says nodeN.
-        return ["nsenter", "-t", str(self.sshd_pid), "-n", "-u", "--", *cmd]
+    def _enter(self, cmd: Sequence[str], cwd: str | os.PathLike[str] | None = None) -> list[str]:
+        # Join the sshd's network, UTS (`hostname` says nodeN) and mount namespaces (its /etc/hosts
+        # names every host); entering a mount namespace resets the cwd, hence --wd.
+        where = os.fspath(cwd) if cwd is not None else os.getcwd()
+        return ["nsenter", "-t", str(self.sshd_pid), "-n", "-u", "-m", f"--wd={where}", "--", *cmd]
 
     def run(
         self,
@@ -182,9 +187,11 @@ class Host:
             raise RuntimeError(f"on {self.hostname}: {' '.join(cmd)} -> {out.returncode}\n{out.stderr}")
         return out
 
-    def popen(self, cmd: Sequence[str], **kwargs: object) -> subprocess.Popen[str]:
+    def popen(
+        self, cmd: Sequence[str], cwd: str | os.PathLike[str] | None = None, **kwargs: object
+    ) -> subprocess.Popen[str]:
         """Start ``cmd`` on this host without waiting (pipes are the caller's choice)."""
-        return subprocess.Popen(self._enter(cmd), text=True, **kwargs)  # type: ignore[call-overload]
+        return subprocess.Popen(self._enter(cmd, cwd), text=True, **kwargs)  # type: ignore[call-overload]
 
     def ps(self) -> list[Proc]:
         """Every process in this host's namespace except its listening sshd."""
@@ -291,47 +298,30 @@ class Cluster:
         _sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "hora-cluster", "-f", str(self.key)])
         (self.tmp / "authorized_keys").write_text(Path(f"{self.key}.pub").read_text())
         os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation dir
-        _sh(["ip", "netns", "add", self.hub])
-        _sh(["ip", "-n", self.hub, "link", "add", "br0", "type", "bridge"])
-        _sh(["ip", "-n", self.hub, "link", "set", "br0", "up"])
+        _sh(f"ip netns add {self.hub}".split())
+        _sh(f"ip -n {self.hub} link add br0 type bridge".split())
+        _sh(f"ip -n {self.hub} link set br0 up".split())
         for i in indices:
-            host = Host(
-                index=i,
-                ns=f"{self.prefix}h{i}",
-                hub=self.hub,
-                addr=f"{SUBNET}.{i}",
-                hostname=f"node{i}",
-                workdir=self.tmp / f"node{i}",
-            )
-            self.hosts.append(host)
+            name = f"node{i}"
+            ns, addr = f"{self.prefix}h{i}", f"{SUBNET}.{i}"
+            self.hosts.append(Host(i, ns, self.hub, addr, name, self.tmp / name))
+        names = "".join(f"{h.addr} {h.hostname}\n" for h in self.hosts)
+        for host in self.hosts:
+            # Every host resolves every hostname, as on a real cluster (torchrun, for one, needs it).
+            (ETC_NETNS / host.ns).mkdir(parents=True, exist_ok=True)
+            (ETC_NETNS / host.ns / "hosts").write_text(f"127.0.0.1 localhost\n{names}")
             self._add_host(host)
         for host in self.hosts:
             self._wait_sshd(host)
 
     def _add_host(self, host: Host) -> None:
         host.workdir.mkdir(parents=True, exist_ok=True)
-        _sh(["ip", "netns", "add", host.ns])
-        _sh(
-            [
-                "ip",
-                "link",
-                "add",
-                "eth0",
-                "netns",
-                host.ns,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                f"v{host.index}",
-                "netns",
-                self.hub,
-            ]
-        )
-        _sh(["ip", "-n", self.hub, "link", "set", f"v{host.index}", "master", "br0", "up"])
-        _sh(["ip", "-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", "eth0"])
-        _sh(["ip", "-n", host.ns, "link", "set", "eth0", "up"])
-        _sh(["ip", "-n", host.ns, "link", "set", "lo", "up"])
+        _sh(f"ip netns add {host.ns}".split())
+        _sh(f"ip link add eth0 netns {host.ns} type veth peer name v{host.index} netns {self.hub}".split())
+        _sh(f"ip -n {self.hub} link set v{host.index} master br0 up".split())
+        _sh(f"ip -n {host.ns} addr add {host.addr}/24 dev eth0".split())
+        _sh(f"ip -n {host.ns} link set eth0 up".split())
+        _sh(f"ip -n {host.ns} link set lo up".split())
         hostkey = host.workdir / "ssh_host_ed25519_key"
         _sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(hostkey)])
         conf = host.workdir / "sshd_config"

@@ -15,6 +15,8 @@ def test_ssh_reaches_every_host_with_its_own_hostname(hosts: netns.Cluster) -> N
     for host in hosts.hosts:
         out = login.run(["ssh", *hosts.ssh_args, host.addr, "hostname"], timeout=30)
         assert (out.returncode, out.stdout.strip()) == (0, host.hostname), out.stderr
+        resolved = login.run(["getent", "hosts", host.hostname]).stdout.split()
+        assert resolved == [host.addr, host.hostname]
 
 
 def test_ps_sees_a_process_only_on_its_own_host(hosts: netns.Cluster) -> None:
