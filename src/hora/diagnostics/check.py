@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import platform
-import shlex
 import shutil
 import socket
 import struct
@@ -246,6 +245,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--hostfile", default=None, help="file of `host slots=N` lines to check over ssh")
     p.add_argument("-p", "--ssh-port", type=int, default=None, help="ssh port")
     p.add_argument("-i", "--ssh-identity-file", default=None, help="ssh identity file")
+    p.add_argument("--ssh-option", action="append", metavar="OPTION", help="extra ssh -o option (repeatable)")
+    p.add_argument("--ssh-config-file", default=None, help="ssh config file (ssh -F)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -269,22 +270,21 @@ def hosts_from_args(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def ssh_runner(args: argparse.Namespace, timeout_s: float = 30.0) -> RemoteRunner:
-    """Run argv on a host: directly for this machine's names, else over ssh in BatchMode."""
+def ssh_runner(args: argparse.Namespace, timeout_s: float = 60.0) -> RemoteRunner:
+    """Run argv on a host with the launcher's transports: locally for this machine's names, else ssh."""
     from hora.launch.hosts import HostSpec
+    from hora.launch.transport import LocalTransport, SshTransport
+
+    ssh = SshTransport(port=args.ssh_port, identity_file=args.ssh_identity_file,
+                       options=tuple(args.ssh_option or ()), config_file=args.ssh_config_file)
 
     def run_remote(host: str, argv: Sequence[str]) -> tuple[int, str, str]:
-        if HostSpec(host, 1).is_local:
-            cmd = list(argv)
-        else:
-            cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(timeout_s)}"]
-            cmd += ["-p", str(args.ssh_port)] if args.ssh_port else []
-            cmd += ["-i", args.ssh_identity_file] if args.ssh_identity_file else []
-            cmd += [host.strip("[]"), " ".join(shlex.quote(a) for a in argv)]
+        transport = LocalTransport() if HostSpec(host, 1).is_local else ssh
+        cmd = transport.command(host, list(argv))
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 30, check=False)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
-            return 255, "", f"no answer within {timeout_s + 30:.0f} s"
+            return 255, "", f"no answer within {timeout_s:.0f} s"
         return done.returncode, done.stdout, done.stderr
 
     return run_remote

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 PHASES = ("negotiate", "compress", "communicate", "copy_in", "copy_out", "decompress")
 _FLUSH_EVENTS = 512
 _FLUSH_SECONDS = 0.5
+_encode = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
 
 
 def rank_path(path: str, rank: int) -> str:
@@ -131,7 +132,9 @@ class Timeline:
             events, self._buf = self._buf, []
             if not events or self._fd is None:
                 return
-            data = "".join(",\n" + json.dumps(e, separators=(",", ":")) for e in events).encode()
+            # One encode of the whole batch (half the cost of one per event); a newline before each event
+            # keeps the file readable (whitespace between JSON tokens is always valid).
+            data = (",\n" + _encode(events)[1:-1].replace('},{"name":', '},\n{"name":')).encode()
             # One write: the old closing bracket is overwritten by the new events and a new bracket.
             os.pwrite(self._fd, data + b"\n]\n", self._end)
             self._end += len(data)
