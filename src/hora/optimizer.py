@@ -1,0 +1,197 @@
+"""``hvd.DistributedOptimizer``: wrap any torch optimizer so ``step()`` applies gradients averaged over ranks.
+
+The wrapper is an instance of a dynamic subclass of the wrapped optimizer's class, sharing its parameter
+groups, state and defaults: ``isinstance`` checks, LR schedulers, ``state_dict()``/``load_state_dict()``,
+gradient clipping and AMP's ``GradScaler`` keep working. The reduction itself lives in
+:mod:`hora.reducer` (buckets filled by gradient hooks, overlapped with backward).
+
+Example:
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())  # doctest: +SKIP
+    >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+    ...                                compression=hvd.Compression.fp16)  # doctest: +SKIP
+    >>> loss.backward(); opt.step()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from hora.buckets import split_groups
+from hora.compression import Compression, Compressor
+from hora.process_sets import global_process_set
+from hora.reduce_ops import Adasum, Average, Sum
+from hora.reducer import GradientReducer
+
+log = logging.getLogger(__name__)
+
+_instance_ids = itertools.count()
+_classes: dict[type, type] = {}
+
+
+class _DistributedOptimizer:
+    """Methods mixed into the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
+
+    _hora_reducer: GradientReducer
+    _hora_should_sync: bool
+
+    def synchronize(self) -> None:
+        """Finish reducing this step's gradients and write them into ``p.grad``.
+
+        Call it before touching gradients between ``backward()`` and ``step()`` (clipping,
+        ``GradScaler.unscale_``); ``step()`` then does not reduce again.
+        """
+        self._hora_reducer.synchronize()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this block ``step()`` does not call ``synchronize()`` (Horovod's AMP pattern)."""
+        self._hora_should_sync = False
+        try:
+            yield
+        finally:
+            self._hora_should_sync = True
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many ``backward()`` calls accumulate locally before gradients are reduced."""
+        self._hora_reducer.set_backward_passes_per_step(passes)
+
+    def step(self, closure: Any = None) -> Any:
+        if self._hora_should_sync:
+            self._hora_reducer.synchronize()
+        self._hora_reducer.stepped()
+        return super().step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._hora_reducer.in_flight():
+            raise ValueError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(): gradients are still being reduced. Call zero_grad() before "
+                "backward() or after step()."
+            )
+        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
+
+
+def _named(optimizer: torch.optim.Optimizer, named_parameters: Iterable[Any] | None) -> tuple[list, list[str]]:
+    """The optimizer's parameters (deduplicated, in group order) and their names."""
+    params: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    if named_parameters is None:
+        return params, [f"param.{i}" for i in range(len(params))]
+    pairs = list(named_parameters)
+    if any(not isinstance(x, tuple) or len(x) != 2 for x in pairs):
+        raise ValueError(
+            "named_parameters should be a sequence of (name, parameter) tuples, usually produced by "
+            "model.named_parameters()"
+        )
+    counts: dict[str, int] = {}
+    for name, _ in pairs:
+        counts[name] = counts.get(name, 0) + 1
+    dups = sorted(n for n, c in counts.items() if c > 1)
+    if dups:
+        raise ValueError(f"parameter names in named_parameters must be unique; duplicates: {', '.join(dups)}")
+    name_of = {id(p): name for name, p in pairs}
+    unnamed = [i for i, p in enumerate(params) if id(p) not in name_of]
+    if unnamed:
+        raise ValueError(
+            f"named_parameters was given but {len(unnamed)} of the optimizer's parameters are not in it "
+            f"(positions {unnamed[:10]} in the optimizer's parameter list): pass model.named_parameters() "
+            "of the model whose parameters the optimizer holds"
+        )
+    return params, [name_of[id(p)] for p in params]
+
+
+def _group_of(params: list[torch.Tensor], num_groups: int, groups: Any) -> list[int]:
+    if isinstance(groups, int):  # Horovod also accepted an int here
+        num_groups, groups = groups, None
+    if groups is None:
+        if num_groups < 0:
+            raise ValueError(f"num_groups must be >= 0, got {num_groups}")
+        return split_groups(len(params), num_groups)
+    index_of = {id(p): i for i, p in enumerate(params)}
+    out = [-1] * len(params)
+    for g, members in enumerate(groups):
+        for p in members:
+            if id(p) not in index_of:
+                raise ValueError(f"groups[{g}] holds a tensor that is not one of the optimizer's parameters")
+            out[index_of[id(p)]] = g
+    return out
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: Compressor = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: Any = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = global_process_set,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients reduced across ``process_set``.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``; the result shares its groups and state and is an
+            instance of its class.
+        named_parameters: ``model.named_parameters()``; names appear in errors and stall reports.
+        compression: ``Compression.none``/``fp16``/``bf16`` or any object with ``compress``/``decompress``.
+        backward_passes_per_step: backward passes accumulated locally before one reduction.
+        op: ``Average`` (default), ``Sum`` or ``Adasum``.
+        gradient_predivide_factor: with Average, divide by this before the sum and by size/this after.
+        num_groups: split the parameters into this many groups, each reduced as one bucket.
+        groups: explicit list of lists of parameters, each reduced as one bucket.
+        sparse_as_dense: reduce sparse gradients as dense tensors instead of by allgather.
+        process_set: the ranks to reduce across.
+
+    Returns:
+        The distributed optimizer.
+    """
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("this optimizer is already a hora DistributedOptimizer; wrap the plain optimizer once")
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum for gradients, got {op!r}")
+    if gradient_predivide_factor != 1.0 and op is not Average:
+        raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise ValueError(f"compression must have compress() and decompress(), got {compression!r}")
+    params, names = _named(optimizer, named_parameters)
+    base = type(optimizer)
+    cls = _classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_DistributedOptimizer, base), {"__qualname__": base.__qualname__})
+        _classes[base] = cls
+    wrapped = cls.__new__(cls)
+    # Share groups, state, defaults and hooks; drop an LR scheduler's instance-level step wrapper so
+    # that our step() runs (a scheduler created after wrapping wraps ours).
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
+    wrapped._hora_should_sync = True
+    wrapped._hora_reducer = GradientReducer(
+        params,
+        names,
+        _group_of(params, num_groups, groups),
+        prefix=f"hora.opt{next(_instance_ids)}",
+        compression=compression,
+        op=op,
+        gradient_predivide_factor=gradient_predivide_factor,
+        sparse_as_dense=sparse_as_dense,
+        process_set=process_set,
+        backward_passes_per_step=backward_passes_per_step,
+    )
+    wrapped._hora_reducer.register_hooks()  # buckets are planned at the first backward
+    return wrapped

@@ -1,0 +1,285 @@
+"""The gradient reducer behind :class:`hora.DistributedOptimizer`.
+
+Per step, in three visible phases:
+
+1. **fill** (during backward): a post-accumulate-grad hook copies each gradient into its slice of a
+   preallocated flat bucket (casting on the copy when compression is a cast); the moment a bucket's last
+   gradient arrives its async allreduce is submitted under a fixed name (``hora.opt<k>.g<gen>.bucket.<i>``),
+   which the negotiator matches across ranks and caches after the first step.
+2. **finish** (``synchronize()``): buckets that never filled (parameters without a gradient this step) are
+   completed with zeros or whatever ``p.grad`` holds, as Horovod does, and submitted; then every handle is
+   waited on.
+3. **write back**: each parameter's ``.grad`` becomes its slice of the reduced bucket (a view, no copy, when
+   the wire dtype is the parameter's dtype; otherwise a cast copy).
+
+The plan is rebuilt (a new generation of names) only when the set of parameters requiring grad changes.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hora import handles, ops
+from hora.adasum import adasum_allreduce_async_
+from hora.buckets import FlatBucket, ParamSpec, plan_buckets
+from hora.compression import CastCompressor, Compressor, NoneCompressor, wire_dtype
+from hora.env import Knobs
+from hora.reduce_ops import Adasum, Average, Sum
+
+log = logging.getLogger(__name__)
+
+_MB = 1024 * 1024
+
+
+class GradientReducer:
+    """Reduces the gradients of ``params`` across ``process_set`` in overlapped, reused flat buckets."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        groups: Sequence[int],
+        *,
+        prefix: str,
+        compression: Compressor,
+        op: Any,
+        gradient_predivide_factor: float,
+        sparse_as_dense: bool,
+        process_set: Any,
+        backward_passes_per_step: int,
+    ) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.groups = list(groups)
+        self.prefix = prefix
+        self.compression = compression
+        self.op = op
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self.bpps = backward_passes_per_step
+        if op is Average:  # the core divides by the set's size on Average; split it around the sum
+            self.prescale, self.postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+        else:
+            self.prescale, self.postscale = 1.0, 1.0
+        self._cast_only = isinstance(compression, (NoneCompressor, CastCompressor))
+        knobs = Knobs.from_environ()
+        if op is Adasum:  # Adasum is defined per tensor: one bucket per parameter
+            self._caps = (0, 0)
+            size = process_set.size()
+            if size & (size - 1):
+                raise ValueError(f"op=hvd.Adasum needs a power-of-two number of ranks, got {size}")
+        else:
+            self._caps = (int(knobs.first_bucket_mb * _MB), int(knobs.bucket_cap_mb * _MB))
+        self._reduce = process_set.included() and process_set.size() > 1
+        self.passes = [0] * len(self.params)
+        self.slots: list[tuple[FlatBucket, int] | None] = [None] * len(self.params)
+        self.buckets: list[FlatBucket] = []
+        self.sparse: dict[int, Any] = {}  # param index -> handle of its sparse allreduce this step
+        self._sparse_seen: set[int] = set()
+        self._hooks: dict[int, Any] = {}
+        self._plan_key: tuple[bool, ...] | None = None
+        self._generation = -1
+        self._ddp_checked = False
+        self._ddp: dict[int, int] = {}  # param index -> world size of the DDP module that reduces it
+        self._active = False  # a gradient arrived since the last synchronize()
+        self.synced = False
+
+    # -- phase 1: fill, from the hooks ------------------------------------------------------------------
+    def _on_grad(self, index: int) -> None:
+        if not self._active:
+            self._begin_step()
+        if not self._reduce:
+            return
+        n = self.passes[index] + 1
+        self.passes[index] = n
+        if n < self.bpps:
+            return
+        if n > self.bpps:
+            raise ValueError(
+                f"gradient of {self.names[index]!r} was computed {n} times before optimizer.step(), more than "
+                f"backward_passes_per_step={self.bpps}: pass backward_passes_per_step=<passes per step> to "
+                "DistributedOptimizer (or call set_backward_passes_per_step) to accumulate locally"
+            )
+        slot = self.slots[index]
+        if slot is None:  # reduced by DDP, or no longer requires grad
+            return
+        bucket, k = slot
+        self._fill(bucket, k, index)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._submit(bucket)
+
+    def _begin_step(self) -> None:
+        self._active = True
+        self.synced = False
+        if not self._ddp_checked:
+            self._check_ddp()
+        if self._reduce:
+            self.ensure_plan()
+
+    def _fill(self, bucket: FlatBucket, k: int, index: int) -> None:
+        view = bucket.views[k]
+        grad = self.params[index].grad
+        if grad is None:
+            view.zero_()
+            return
+        if grad.is_sparse:
+            if not self.sparse_as_dense:
+                self._submit_sparse(index, grad)
+                if index not in self._sparse_seen:  # its dense slot carries zeros from now on
+                    self._sparse_seen.add(index)
+                    view.zero_()
+                return
+            grad = grad.to_dense()
+        if grad.data_ptr() != view.data_ptr():  # a view handed out last step already sits in place
+            view.copy_(grad.reshape(-1))
+
+    def _submit(self, bucket: FlatBucket) -> None:
+        wire = bucket.buffer
+        if not self._cast_only:
+            wire, bucket.ctx = self.compression.compress(bucket.buffer)
+        bucket.wire = wire
+        if self.op is Adasum:
+            bucket.handle = adasum_allreduce_async_(wire, bucket.name, self.process_set)
+            return
+        bucket.handle = ops.allreduce_async_(
+            wire,
+            name=bucket.name,
+            op=self.op,
+            prescale_factor=self.prescale,
+            postscale_factor=self.postscale,
+            process_set=self.process_set,
+        )
+
+    def _submit_sparse(self, index: int, grad: torch.Tensor) -> None:
+        self.sparse[index] = ops.sparse_allreduce_async(
+            grad, name=f"{self.prefix}.sparse.{self.names[index]}", op=self.op, process_set=self.process_set
+        )
+
+    # -- phase 2 and 3: finish and write back -----------------------------------------------------------
+    def synchronize(self) -> None:
+        """Submit what never fired, wait for every bucket, write the reduced gradients back."""
+        if self.synced and not self._active:
+            return  # nothing arrived since the last synchronize(): the gradients are already reduced
+        if not self._ddp_checked:
+            self._check_ddp()
+        if self._reduce:
+            self.ensure_plan()
+            for bucket in self.buckets:
+                if bucket.handle is None:
+                    for k, index in enumerate(bucket.plan.params):
+                        if self.passes[index] < self.bpps:
+                            self._fill(bucket, k, index)
+                    self._submit(bucket)
+            for bucket in self.buckets:
+                self._write_back(bucket, handles.synchronize(bucket.handle))
+                bucket.reset()
+            for index, handle in self.sparse.items():
+                self.params[index].grad = handles.synchronize(handle)
+            self.sparse.clear()
+        self._scale_ddp_sums()
+        self.passes = [0] * len(self.params)
+        self._active = False
+        self.synced = True
+
+    def _write_back(self, bucket: FlatBucket, out: torch.Tensor) -> None:
+        if not self._cast_only:
+            out = self.compression.decompress(out, bucket.ctx)
+        persistent = out is bucket.buffer
+        for k, index in enumerate(bucket.plan.params):
+            if index in self._sparse_seen:
+                continue
+            p = self.params[index]
+            src = (bucket.views[k] if persistent else out.narrow(0, bucket.plan.offsets[k], bucket.plan.numels[k]))
+            src = src.view_as(p)
+            if src.dtype == p.dtype:
+                p.grad = src  # hand out the slice itself: no copy back, and next step's in-place
+                # accumulation (zero_grad(set_to_none=False)) lands directly in the bucket
+            elif p.grad is None:
+                p.grad = src.to(p.dtype)
+            else:
+                p.grad.copy_(src)
+
+    def in_flight(self) -> bool:
+        """True when some bucket was submitted and not yet synchronized."""
+        return any(b.handle is not None for b in self.buckets) or bool(self.sparse)
+
+    def stepped(self) -> None:
+        """The optimizer applied the gradients; the next synchronize() reduces afresh."""
+        self.synced = False
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+        self.bpps = passes
+        self.passes = [0] * len(self.params)
+
+    # -- planning ---------------------------------------------------------------------------------------
+    def register_hooks(self) -> None:
+        """Hook every parameter that requires grad and is not hooked yet."""
+        for index, p in enumerate(self.params):
+            if p.requires_grad and index not in self._hooks:
+                self._hooks[index] = p.register_post_accumulate_grad_hook(
+                    lambda _p, i=index: self._on_grad(i)  # type: ignore[misc]
+                )
+
+    def ensure_plan(self) -> None:
+        """(Re)build the buckets if the set of parameters requiring grad changed since the last plan."""
+        key = tuple(p.requires_grad for p in self.params)
+        if key == self._plan_key:
+            return
+        self._plan_key = key
+        self.register_hooks()
+        specs = [
+            ParamSpec(i, p.numel(), p.dtype, p.device, self.groups[i])
+            for i, p in enumerate(self.params)
+            if p.requires_grad and i not in self._ddp
+        ]
+        self._generation += 1
+        self.slots = [None] * len(self.params)
+        self.buckets = []
+        for b, plan in enumerate(plan_buckets(specs, *self._caps)):
+            name = f"{self.prefix}.g{self._generation}.bucket.{b}"
+            bucket = FlatBucket(plan, name, wire_dtype(self.compression, plan.dtype) if self._cast_only else plan.dtype)
+            self.buckets.append(bucket)
+            for k, index in enumerate(plan.params):
+                self.slots[index] = (bucket, k)
+        if self._generation:
+            log.info("%s: parameters requiring grad changed; rebuilt %d buckets", self.prefix, len(self.buckets))
+
+    # -- a model also wrapped in DistributedDataParallel ------------------------------------------------
+    def _check_ddp(self) -> None:
+        """Find DDP modules that already reduce some of our parameters, once, at the first backward."""
+        self._ddp_checked = True
+        from torch.nn.parallel import DistributedDataParallel
+
+        index_of = {id(p): i for i, p in enumerate(self.params)}
+        for obj in gc.get_objects():
+            if not isinstance(obj, DistributedDataParallel):
+                continue
+            world = obj.process_group.size() if obj.process_group is not None else 1
+            for p in getattr(obj, "_module_parameters", None) or list(obj.module.parameters()):
+                if id(p) in index_of:
+                    self._ddp[index_of[id(p)]] = world
+        if self._ddp:
+            self._plan_key = None
+            log.warning(
+                "the model is wrapped in DistributedDataParallel and its optimizer in hora's "
+                "DistributedOptimizer: DDP already averages %d of %d parameters' gradients, so hora does not "
+                "reduce them again (drop one of the two wrappers to silence this)",
+                len(self._ddp), len(self.params),
+            )
+
+    def _scale_ddp_sums(self) -> None:
+        if self.op is not Sum or not self._ddp:
+            return
+        with torch.no_grad():  # DDP averaged; the user asked for a sum
+            for index, world in self._ddp.items():
+                grad = self.params[index].grad
+                if grad is not None:
+                    grad.mul_(world)
