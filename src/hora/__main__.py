@@ -1,0 +1,10 @@
+"""``python -m hora`` is the ``hora`` command."""
+
+from __future__ import annotations
+
+import sys
+
+from hora.launch.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The per-host agent: spawns this host's workers, streams their output, reports their exits.
+
+Started by the driver (locally, or over ssh) as ``python -m hora.launch.agent`` or through
+:data:`hora.launch.transport.BOOTSTRAP`; it reads the job spec as one JSON line on stdin, then commands.
+If stdin closes or goes silent past the heartbeat timeout (the driver or the link is gone), it kills its
+workers' process groups: no worker outlives its launcher. Workers also get ``PR_SET_PDEATHSIG`` so they
+die if the agent itself is SIGKILLed.
+
+Only the standard library and light hora modules (``env``, ``errors``, this package) are imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from hora import env as hora_env
+from hora.launch import network, procs, protocol
+
+log = logging.getLogger(__name__)
+
+EOF_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when the driver is gone
+SHIM_DIR = str(Path(__file__).resolve().parent.parent / "_compat")
+
+
+@dataclass
+class Worker:
+    """One worker process and the threads that read its output."""
+
+    rank: int
+    proc: subprocess.Popen[bytes]
+    readers: list[threading.Thread] = field(default_factory=list)
+    stopped: bool = False  # the agent asked it to stop (its exit is not a failure)
+
+
+class Agent:
+    """Runs one host's share of the job. See the module docstring."""
+
+    def __init__(self, spec: dict[str, Any], out: BinaryIO) -> None:
+        self.spec = spec
+        self._out = out
+        self._out_lock = threading.Lock()
+        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.workers: dict[int, Worker] = {}
+        self._exited: set[int] = set()
+        self._stopping = False
+
+    # --- messages -------------------------------------------------------------------------------------
+    def send(self, message: dict[str, Any]) -> None:
+        data = protocol.encode(message)
+        with self._out_lock:
+            try:
+                self._out.write(data)
+                self._out.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                self.events.put(("eof", None))  # the driver is gone
+
+    # --- starting -------------------------------------------------------------------------------------
+    def base_env(self) -> dict[str, str]:
+        """This host's environment, overlaid with the launcher's forwarded variables."""
+        env = hora_env.launcher_environ()
+        for name in self.spec.get("unset", []):
+            env.pop(name, None)
+        env.update(self.spec.get("env", {}))
+        store_addr = self.spec.get("store_addr", "")
+        if "GLOO_SOCKET_IFNAME" not in env and store_addr:
+            iface = network.interface_towards(store_addr)
+            if iface:  # the interface that reaches the store: every worker on every host agrees
+                env["GLOO_SOCKET_IFNAME"] = iface
+                env.setdefault("NCCL_SOCKET_IFNAME", iface)
+        if importlib.util.find_spec("horovod") is None:  # no real Horovod: horovod.torch -> hora
+            path = env.get("PYTHONPATH", "")
+            env["PYTHONPATH"] = f"{path}{os.pathsep}{SHIM_DIR}" if path else SHIM_DIR
+        return env
+
+    def start_workers(self) -> None:
+        base = self.base_env()
+        command = list(self.spec["command"])
+        pids: dict[str, int] = {}
+        for item in self.spec["workers"]:
+            rank = int(item["rank"])
+            env = dict(base)
+            env.update(item["env"])
+            try:
+                proc = subprocess.Popen(
+                    command, env=env, cwd=self.spec.get("cwd") or None, stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                    preexec_fn=procs.child_setup(os.getpid()),
+                )
+            except OSError as exc:
+                self._spawn_failed(rank, command, exc)
+                continue
+            worker = Worker(rank, proc)
+            self.workers[rank] = worker
+            pids[str(rank)] = proc.pid
+            for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+                reader = threading.Thread(target=self._read, args=(rank, stream, pipe), daemon=True)
+                reader.start()
+                worker.readers.append(reader)
+            threading.Thread(target=self._wait, args=(worker,), daemon=True).start()
+        self.send({"t": protocol.STARTED, "hostname": socket.gethostname(), "pids": pids})
+
+    def _spawn_failed(self, rank: int, command: list[str], exc: OSError) -> None:
+        reason = exc.strerror or str(exc)
+        where = self.spec.get("cwd") or os.getcwd()
+        self.send({"t": protocol.OUT, "r": rank, "s": "stderr", "ts": time.time(),
+                   "l": f"hora: cannot start {command[0]!r} in {where}: {reason}"})
+        self._exited.add(rank)
+        code = 127 if isinstance(exc, FileNotFoundError) else 126
+        self.send({"t": protocol.EXIT, "r": rank, "code": code, "sig": None, "stopped": False})
+
+    # --- watching -------------------------------------------------------------------------------------
+    def _read(self, rank: int, stream: str, pipe: BinaryIO | None) -> None:
+        assert pipe is not None
+        splitter = protocol.LineSplitter(interval=float(self.spec.get("progress_interval", 1.0)))
+        fd = pipe.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            now = time.time()
+            lines = splitter.feed(chunk, now) if chunk else splitter.flush()
+            for line in lines:
+                self.send({"t": protocol.OUT, "r": rank, "s": stream, "ts": now, "l": line})
+            if not chunk:
+                pipe.close()
+                return
+
+    def _wait(self, worker: Worker) -> None:
+        code = worker.proc.wait()
+        for reader in worker.readers:  # all its output goes out before its exit is reported
+            reader.join(timeout=2.0)
+        self.events.put(("exit", (worker, code)))
+
+    def _report_exit(self, worker: Worker, code: int) -> None:
+        self._exited.add(worker.rank)
+        sig = -code if code < 0 else None
+        self.send({"t": protocol.EXIT, "r": worker.rank, "code": None if sig else code, "sig": sig,
+                   "stopped": worker.stopped})
+
+    # --- stopping -------------------------------------------------------------------------------------
+    def live(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.proc.poll() is None]
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM every worker's process group, wait up to ``grace`` seconds, then SIGKILL."""
+        self._stopping = True
+        for worker in self.workers.values():
+            worker.stopped = worker.stopped or worker.proc.poll() is None
+        procs.signal_groups([w.proc.pid for w in self.live()], signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while self.live() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.kill_all()
+
+    def kill_all(self) -> None:
+        """SIGKILL every worker's process group (also reaps what a finished worker left behind)."""
+        procs.signal_groups([w.proc.pid for w in self.workers.values()], signal.SIGKILL)
+
+    # --- main loop ------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Watch workers and commands until every worker has exited; return the agent's exit code."""
+        threading.Thread(target=self._read_commands, daemon=True).start()
+        timeout = float(self.spec.get("heartbeat_timeout", 0) or 0)
+        last_ping = time.monotonic()
+        while len(self._exited) < len(self.spec["workers"]):
+            try:
+                kind, value = self.events.get(timeout=0.5)
+            except queue.Empty:
+                kind, value = "tick", None
+            if kind == "exit":
+                self._report_exit(*value)
+            elif kind == "ping":
+                last_ping = time.monotonic()
+            elif kind == "stop":
+                self.stop(float(value))
+            elif kind == "eof" or (timeout and time.monotonic() - last_ping > timeout):
+                log.warning("driver gone (%s): stopping workers", kind)
+                self.stop(EOF_GRACE)
+                self._drain_exits()
+                return 1
+        self.kill_all()
+        self.send({"t": protocol.DONE})
+        return 0
+
+    def _drain_exits(self) -> None:
+        deadline = time.monotonic() + 2.0
+        while len(self._exited) < len(self.workers) and time.monotonic() < deadline:
+            try:
+                kind, value = self.events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if kind == "exit":
+                self._report_exit(*value)
+
+    def _read_commands(self) -> None:
+        for raw in sys.stdin.buffer:
+            message = protocol.decode(raw)
+            if message is None:
+                continue
+            if message["t"] == protocol.STOP:
+                self.events.put(("stop", message.get("grace", 5.0)))
+            elif message["t"] == protocol.PING:
+                self.events.put(("ping", None))
+        self.events.put(("eof", None))
+
+
+def _on_signal(agent: Agent, signum: int) -> None:
+    if signum == signal.SIGINT:
+        return  # Ctrl-C is the driver's to handle; it sends "stop"
+    agent.events.put(("eof", None))
+
+
+def main() -> int:
+    """Entry point: read the spec from stdin, run the workers, exit when they are all done."""
+    logging.basicConfig(level=logging.WARNING, format="hora agent: %(message)s", stream=sys.stderr)
+    line = sys.stdin.buffer.readline()
+    spec = protocol.decode(line) if line else None
+    if spec is None or spec.get("t") != "spec":
+        print("hora agent: expected a job spec as the first line of stdin", file=sys.stderr)
+        return 2
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the channel
+    agent = Agent(spec, out)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda s, _f: _on_signal(agent, s))
+    agent.start_workers()
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

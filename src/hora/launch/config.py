@@ -1,0 +1,208 @@
+"""The frozen :class:`RunConfig` of a ``hora run`` job, built from parsed flags and checked once.
+
+Everything the driver needs is decided here, at the edge: hosts and slots, the command, ssh settings,
+what the workers' environment gets (``-x``, tuning knobs from horovodrun's flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hora import env as hora_env
+from hora.errors import ConfigError
+from hora.launch.hosts import HostSpec, parse_hostfile, parse_hosts
+
+# horovodrun flags that become worker knobs: (argparse dest, knob variable, value -> text).
+FLAG_KNOBS: tuple[tuple[str, str, object], ...] = (
+    ("timeline_filename", "HORA_TIMELINE", lambda v: str(Path(v).resolve())),
+    ("timeline_mark_cycles", "HORA_TIMELINE_MARK_CYCLES", lambda v: "1" if v else None),
+    ("no_stall_check", "HORA_STALL_CHECK_DISABLE", lambda v: "1" if v else None),
+    ("stall_check_warning_time_seconds", "HORA_STALL_CHECK_TIME_SECONDS", str),
+    ("stall_check_shutdown_time_seconds", "HORA_STALL_SHUTDOWN_TIME_SECONDS", str),
+    ("fusion_threshold_mb", "HORA_FUSION_THRESHOLD", lambda v: str(int(float(v) * 1024 * 1024))),
+    ("cycle_time_ms", "HORA_CYCLE_TIME", str),
+    ("disable_cache", "HORA_DISABLE_CACHE", lambda v: "1" if v else None),
+    ("log_level", "HORA_LOG_LEVEL", str),
+    ("start_timeout", "HORA_START_TIMEOUT", str),
+)
+_KNOWN_KNOBS = {k.name for k in hora_env.KNOBS}
+assert all(var in _KNOWN_KNOBS for _, var, _ in FLAG_KNOBS), "a flag maps to a knob env.KNOBS lacks"
+
+ELASTIC_FLAGS = ("min_np", "max_np", "slots_per_host", "host_discovery_script", "elastic_timeout",
+                 "reset_limit", "blacklist_cooldown_range")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """A checked ``hora run`` job. Build it with :func:`from_args` or directly (``hora.run`` does)."""
+
+    command: tuple[str, ...]
+    np: int
+    hosts: tuple[HostSpec, ...]
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+    ssh_options: tuple[str, ...] = ()
+    ssh_config_file: str | None = None
+    network_interfaces: tuple[str, ...] = ()
+    start_timeout: float = 30.0
+    output_filename: str | None = None
+    prefix_timestamp: bool = False
+    verbose: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # -x and knobs: set in every worker
+    timeline_filename: str | None = None
+    python: str = sys.executable
+    cwd: str = field(default_factory=os.getcwd)
+    grace: float = 5.0  # seconds between SIGTERM and SIGKILL when stopping workers
+    heartbeat_timeout: float = 30.0  # an agent that hears nothing for this long stops its workers
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ConfigError("no command given; usage: hora run -np 2 python train.py")
+        if self.np < 1:
+            raise ConfigError(f"-np {self.np}: the number of processes must be at least 1")
+        if self.start_timeout <= 0:
+            raise ConfigError(f"--start-timeout {self.start_timeout:g}: must be more than 0 seconds")
+
+    @property
+    def all_local(self) -> bool:
+        """True when every host is this machine (no ssh needed)."""
+        return all(h.is_local for h in self.hosts)
+
+
+def _one_of(ns: argparse.Namespace, *names: str) -> None:
+    given = [n for n in names if getattr(ns, n.lstrip("-").replace("-", "_"), None)]
+    if len(given) > 1:
+        flags = " and ".join(f"--{n.replace('_', '-')}" if len(n) > 1 else f"-{n}" for n in given)
+        raise ConfigError(f"{flags} both given; use only one of them")
+
+
+def _refuse_unsupported(ns: argparse.Namespace) -> None:
+    if ns.mpi or ns.mpi_args is not None:
+        flag = "--mpi" if ns.mpi else "--mpi-args"
+        raise ConfigError(f"{flag}: hora has no MPI controller (it runs on torch.distributed with Gloo/NCCL); "
+                          "drop the flag, or launch with mpirun directly (hora.init() reads Open MPI/MPICH variables)")
+    if ns.jsrun:
+        raise ConfigError("--jsrun: hora cannot launch through jsrun; use -H/--hostfile (ssh), or start ranks "
+                          "with jsrun yourself and let hora.init() read their environment")
+    for name in ELASTIC_FLAGS:
+        if getattr(ns, name) is not None:
+            raise ConfigError(f"--{name.replace('_', '-')}: elastic jobs are not supported by this `hora run` yet; "
+                              "run with a fixed -np, or see docs/launcher.md")
+
+
+def _hosts(ns: argparse.Namespace) -> tuple[HostSpec, ...]:
+    if ns.hosts is not None and ns.hostfile is not None:
+        raise ConfigError("-H and --hostfile both given; use only one of them")
+    if ns.hosts is not None:
+        return parse_hosts(ns.hosts)
+    if ns.hostfile is not None:
+        return parse_hostfile(ns.hostfile)
+    return (HostSpec("localhost", ns.np or 1),)
+
+
+def _extra_env(pairs: list[str], environ: dict[str, str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not _ENV_NAME.match(name):
+            raise ConfigError(f"-x {pair}: {name!r} is not a valid environment variable name; "
+                              "write -x NAME or -x NAME=VALUE")
+        if not sep:
+            if name not in environ:
+                raise ConfigError(f"-x {name}: {name} is not set in the launcher's environment; "
+                                  f"set it or write -x {name}=VALUE")
+            value = environ[name]
+        env[name] = value
+    return env
+
+
+def _knob_env(ns: argparse.Namespace) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for dest, var, convert in FLAG_KNOBS:
+        value = getattr(ns, dest, None)
+        if value is None or value is False:
+            continue
+        text = convert(value)  # type: ignore[operator]
+        if text is not None:
+            env[var] = text
+    return env
+
+
+def _check_numbers(ns: argparse.Namespace) -> None:
+    for dest in ("stall_check_warning_time_seconds", "stall_check_shutdown_time_seconds",
+                 "fusion_threshold_mb", "cycle_time_ms"):
+        value = getattr(ns, dest)
+        if value is not None and value < 0:
+            raise ConfigError(f"--{dest.replace('_', '-')} {value:g}: must not be negative")
+    if ns.ssh_port is not None and not 0 < ns.ssh_port < 65536:
+        raise ConfigError(f"-p {ns.ssh_port}: an ssh port is between 1 and 65535")
+
+
+def _check_files(ns: argparse.Namespace) -> None:
+    for flag, path in (("-i", ns.ssh_identity_file), ("--ssh-config-file", ns.ssh_config_file)):
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"{flag} {path}: no such file")
+    if ns.output_filename is not None and os.path.exists(ns.output_filename) and not os.path.isdir(
+            ns.output_filename):
+        raise ConfigError(f"--output-filename {ns.output_filename}: exists and is not a directory; "
+                          "give a directory (logs go to DIR/rank.N/stdout|stderr)")
+    if ns.timeline_filename is not None:
+        parent = Path(ns.timeline_filename).resolve().parent
+        if not parent.is_dir():
+            raise ConfigError(f"--timeline-filename {ns.timeline_filename}: directory {parent} does not exist")
+
+
+def _check_command(command: tuple[str, ...], path: str, cwd: str) -> tuple[str, ...]:
+    """On local launches, catch a missing program or script before starting anything."""
+    program = command[0]
+    if program.endswith(".py") and os.path.isfile(os.path.join(cwd, program)) and not os.access(
+            os.path.join(cwd, program), os.X_OK):
+        return (sys.executable, *command)  # `hora run -np 2 train.py`: run it with this Python
+    if shutil.which(program, path=path) is None and not os.path.isfile(os.path.join(cwd, program)):
+        raise ConfigError(f"command {program!r} not found (not a file, not on PATH); "
+                          "check the spelling or give its full path")
+    script = next((a for a in command[1:] if not a.startswith("-")), None)
+    if os.path.basename(program).startswith("python") and script and script.endswith(".py") \
+            and not os.path.isfile(os.path.join(cwd, script)):
+        raise ConfigError(f"script {script!r} not found in {cwd}; check the path")
+    return command
+
+
+def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> RunConfig:
+    """Check parsed ``hora run`` flags and build the :class:`RunConfig`.
+
+    Raises:
+        ConfigError: the first problem found, as one line that names the flag and the fix.
+    """
+    environ = hora_env.launcher_environ() if environ is None else environ
+    _refuse_unsupported(ns)
+    command = tuple(ns.command[1:] if ns.command[:1] == ["--"] else ns.command)
+    if not command:
+        raise ConfigError("no command given; usage: hora run -np 2 python train.py")
+    if ns.np is not None and ns.np < 1:
+        raise ConfigError(f"-np {ns.np}: the number of processes must be at least 1")
+    hosts = _hosts(ns)
+    _check_numbers(ns)
+    _check_files(ns)
+    cwd = os.getcwd()
+    if all(h.is_local for h in hosts):
+        command = _check_command(command, environ.get("PATH", os.defpath), cwd)
+    env = _knob_env(ns)
+    env.update(_extra_env(ns.x or [], environ))
+    ifaces = tuple(i for spec in (ns.network_interfaces or []) for i in spec.split(",") if i)
+    return RunConfig(
+        command=command, np=ns.np if ns.np is not None else sum(h.slots for h in hosts), hosts=hosts,
+        ssh_port=ns.ssh_port, ssh_identity_file=ns.ssh_identity_file, ssh_options=tuple(ns.ssh_option or ()),
+        ssh_config_file=ns.ssh_config_file, network_interfaces=ifaces,
+        start_timeout=float(ns.start_timeout) if ns.start_timeout is not None else 30.0,
+        output_filename=ns.output_filename, prefix_timestamp=bool(ns.prefix_output_with_timestamp),
+        verbose=bool(ns.verbose), env=env,
+        timeline_filename=env.get("HORA_TIMELINE"), cwd=cwd,
+    )

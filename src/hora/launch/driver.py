@@ -1,0 +1,324 @@
+"""The driver: runs one ``hora run`` job from preflight to exit code.
+
+It hosts the rendezvous ``TCPStore`` (it outlives every worker), starts one agent per host through a
+:class:`~hora.launch.transport.Transport`, prints the workers' output, and on the first failure prints the
+root cause (rank, host, exit code or signal, the rank's traceback or last stderr lines), stops everyone
+(SIGTERM, grace, SIGKILL) and returns that rank's exit status. Ctrl-C stops everything (a second one
+kills at once).
+
+Example:
+    >>> Driver(RunConfig(command=("python", "train.py"), np=2, hosts=parse_hosts("localhost:2"))).run()  # doctest: +SKIP
+    0
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hora.launch import envvars, network, output, preflight, procs, protocol, timeline_hook
+from hora.launch.config import RunConfig
+from hora.launch.hosts import SlotInfo, assign_slots
+from hora.launch.transport import LocalTransport, SshTransport, Transport, agent_argv
+
+log = logging.getLogger(__name__)
+
+PING_INTERVAL = 2.0
+KILL_AFTER_GRACE = 10.0  # after grace + this, agents that still have not finished are killed
+
+
+@dataclass
+class RankState:
+    """What the driver knows about one rank."""
+
+    slot: SlotInfo
+    done: bool = False
+    code: int | None = None
+    sig: int | None = None
+    stopped: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return self.done and not self.stopped and (bool(self.sig) or self.code != 0)
+
+
+@dataclass
+class AgentHandle:
+    """One running agent (a local process or an ssh client) and its pipes."""
+
+    index: int
+    host: str
+    proc: Any  # subprocess.Popen[bytes]
+    ranks: list[int]
+    started: bool = False
+    finished: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            try:
+                self.proc.stdin.write(protocol.encode(message))
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                pass  # the agent is gone; its EOF event says so
+
+    def close_stdin(self) -> None:
+        with self._lock:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+
+def default_transport(cfg: RunConfig) -> Callable[[str, bool], Transport]:
+    """Local hosts get :class:`LocalTransport`, the others :class:`SshTransport` with the job's ssh flags."""
+    ssh = SshTransport(port=cfg.ssh_port, identity_file=cfg.ssh_identity_file, options=cfg.ssh_options,
+                       config_file=cfg.ssh_config_file,
+                       connect_timeout=max(1, int(min(cfg.start_timeout, 30))))
+    return lambda host, is_local: LocalTransport() if is_local else ssh
+
+
+class Driver:
+    """Runs a job: see the module docstring.
+
+    Args:
+        cfg: the checked job.
+        transport_for: ``(host, is_local) -> Transport``; tests pass their own.
+        store_ready: called with the store before any worker starts (``hora.run`` puts the function there).
+    """
+
+    def __init__(self, cfg: RunConfig, *, transport_for: Callable[[str, bool], Transport] | None = None,
+                 store_ready: Callable[[Any], None] | None = None) -> None:
+        self.cfg = cfg
+        self.transport_for = transport_for or default_transport(cfg)
+        self.store_ready = store_ready
+        self.store: Any = None
+        self.job_id = uuid.uuid4().hex[:12]
+        self.events: queue.SimpleQueue[tuple[str, int, Any]] = queue.SimpleQueue()
+        self.ranks: dict[int, RankState] = {}
+        self.agents: list[AgentHandle] = []
+        self.console = output.Console(prefix_timestamp=cfg.prefix_timestamp, output_dir=cfg.output_filename)
+        self.first_failure: RankState | None = None
+        self.interrupted: int | None = None
+        self._stop_deadline: float | None = None
+
+    # --- set-up ----------------------------------------------------------------------------------------
+    def _start_store(self) -> tuple[str, int]:
+        remote = [h.name for h in self.cfg.hosts if not h.is_local]
+        addr = network.store_address(remote, self.cfg.network_interfaces)
+        from torch.distributed import TCPStore  # the only torch import of the launch side
+
+        self.store = TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                              timeout=__import__("datetime").timedelta(seconds=max(self.cfg.start_timeout, 60)))
+        if self.store_ready is not None:
+            self.store_ready(self.store)
+        log.info("rendezvous store on %s:%d (job %s)", addr, self.store.port, self.job_id)
+        return addr, int(self.store.port)
+
+    def _spec(self, host_index: int, slots: list[SlotInfo], addr: str, port: int) -> dict[str, Any]:
+        base = envvars.forwarded(self._environ(), self.cfg.env)
+        if self.cfg.network_interfaces:
+            base.setdefault("GLOO_SOCKET_IFNAME", ",".join(self.cfg.network_interfaces))
+            base.setdefault("NCCL_SOCKET_IFNAME", ",".join(self.cfg.network_interfaces))
+        workers = [{"rank": s.rank, "env": envvars.rank_env(s, store_addr=addr, store_port=port,
+                                                            job_id=self.job_id)} for s in slots]
+        return {"t": "spec", "command": list(self.cfg.command), "cwd": self.cfg.cwd, "env": base,
+                "unset": list(envvars.RANK_VARIABLES), "workers": workers, "store_addr": addr,
+                "heartbeat_timeout": self.cfg.heartbeat_timeout, "host": self.cfg.hosts[host_index].name}
+
+    @staticmethod
+    def _environ() -> dict[str, str]:
+        from hora import env as hora_env
+
+        return hora_env.launcher_environ()
+
+    def _start_agents(self, slots: list[SlotInfo], addr: str, port: int) -> None:
+        for index, host in enumerate(self.cfg.hosts):
+            mine = [s for s in slots if s.host_index == index]
+            if not mine:
+                continue  # -np capped the job before this host
+            transport = self.transport_for(host.name, host.is_local)
+            proc = transport.start(host.name, agent_argv(self.cfg.python), self.cfg.cwd)
+            agent = AgentHandle(index, host.name, proc, [s.rank for s in mine])
+            self.agents.append(agent)
+            agent.send(self._spec(index, mine, addr, port))
+            threading.Thread(target=self._pump, args=(agent,), daemon=True).start()
+            threading.Thread(target=self._pump_stderr, args=(agent,), daemon=True).start()
+
+    def _pump(self, agent: AgentHandle) -> None:
+        for raw in agent.proc.stdout:
+            message = protocol.decode(raw)
+            if message is not None:
+                self.events.put(("msg", agent.index, message))
+        self.events.put(("eof", agent.index, agent.proc.wait()))
+
+    def _pump_stderr(self, agent: AgentHandle) -> None:
+        for raw in agent.proc.stderr:
+            self.events.put(("agent_err", agent.index, raw.decode(errors="replace").rstrip("\n")))
+
+    # --- running ---------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run the job to the end; return the exit status for the ``hora run`` process."""
+        slots = assign_slots(self.cfg.hosts, self.cfg.np)
+        self.ranks = {s.rank: RankState(s) for s in slots}
+        if not self.cfg.all_local:
+            preflight.check_hosts(self.cfg, self.transport_for)
+        addr, port = self._start_store()
+        self.console.open_logs(range(self.cfg.np))
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._start_agents(slots, addr, port)
+            self._loop()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            self._shutdown_agents()
+            self.console.close()
+        timeline_hook.merge(self.cfg.timeline_filename, self.cfg.np)
+        return self._exit_status()
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.events.put(("signal", -1, signum))
+
+    def _loop(self) -> None:
+        last_ping = time.monotonic()
+        start_deadline = time.monotonic() + self.cfg.start_timeout
+        while not all(r.done for r in self.ranks.values()):
+            try:
+                kind, index, value = self.events.get(timeout=0.5)
+                self._handle(kind, index, value)
+            except queue.Empty:
+                self.console.flush()
+            now = time.monotonic()
+            if now - last_ping >= PING_INTERVAL:
+                last_ping = now
+                for agent in self.agents:
+                    agent.send({"t": protocol.PING})
+            if now > start_deadline and not all(a.started or a.finished for a in self.agents):
+                self._start_timed_out()
+                start_deadline = float("inf")
+            if self._stop_deadline is not None and now > self._stop_deadline:
+                self._force_kill()
+
+    def _handle(self, kind: str, index: int, value: Any) -> None:
+        if kind == "msg":
+            self._on_message(self.agents[index], value)
+        elif kind == "eof":
+            self._on_agent_gone(self.agents[index], value)
+        elif kind == "agent_err":
+            output.note(f"host {self.agents[index].host}: {value}")
+        elif kind == "signal":
+            self._on_interrupt(value)
+
+    def _on_message(self, agent: AgentHandle, message: dict[str, Any]) -> None:
+        kind = message["t"]
+        if kind == protocol.OUT:
+            self.console.worker_line(int(message["r"]), message["s"], message["l"], message.get("ts"))
+        elif kind == protocol.EXIT:
+            state = self.ranks[int(message["r"])]
+            state.done, state.code, state.sig = True, message.get("code"), message.get("sig")
+            state.stopped = bool(message.get("stopped"))
+            log.info("rank %d exited: %s", state.slot.rank, procs.describe_exit(state.code, state.sig))
+            if state.failed:
+                self._on_failure(state)
+        elif kind == protocol.STARTED:
+            agent.started = True
+            log.info("host %s (%s) started ranks %s", agent.host, message.get("hostname"), agent.ranks)
+        elif kind == protocol.DONE:
+            agent.finished = True
+
+    def _on_failure(self, state: RankState, how: str | None = None) -> None:
+        if self.first_failure is not None or self.interrupted is not None:
+            return
+        self.first_failure = state
+        others = sum(1 for r in self.ranks.values() if not r.done)
+        how = how or procs.describe_exit(state.code, state.sig)
+        self.console.flush()
+        output.print_lines(output.failure_report(state.slot.rank, state.slot.hostname, how,
+                                                 list(self.console.tails[state.slot.rank]), others))
+        self._stop_all()
+
+    def _on_agent_gone(self, agent: AgentHandle, code: int) -> None:
+        agent.finished = True
+        lost = [self.ranks[r] for r in agent.ranks if not self.ranks[r].done]
+        if not lost:
+            return
+        how = (f"lost: the agent on host {agent.host} ended ({procs.describe_exit(*_split(code))}) "
+               f"before rank{'s' if len(lost) > 1 else ''} {', '.join(str(r.slot.rank) for r in lost)} exited")
+        for state in lost:
+            state.done, state.code = True, 1
+            state.stopped = self._stop_deadline is not None
+        if self._stop_deadline is None:
+            self._on_failure(lost[0], how)
+
+    def _start_timed_out(self) -> None:
+        late = [a.host for a in self.agents if not (a.started or a.finished)]
+        output.note(f"hosts {', '.join(late)} did not start their workers within --start-timeout "
+                    f"{self.cfg.start_timeout:g}s; stopping")
+        self.first_failure = self.first_failure or RankState(self.ranks[self.agents[0].ranks[0]].slot, True, 1)
+        self._stop_all()
+
+    def _on_interrupt(self, signum: int) -> None:
+        if self.interrupted is not None:
+            output.note("second interrupt: killing every worker now")
+            self._force_kill()
+            return
+        self.interrupted = signum
+        running = sum(1 for r in self.ranks.values() if not r.done)
+        output.note(f"interrupted ({procs.signal_name(signum)}): stopping {running} rank(s)")
+        self._stop_all()
+
+    def _stop_all(self) -> None:
+        if self._stop_deadline is not None:
+            return
+        self._stop_deadline = time.monotonic() + self.cfg.grace + KILL_AFTER_GRACE
+        for agent in self.agents:
+            agent.send({"t": protocol.STOP, "grace": self.cfg.grace})
+
+    def _force_kill(self) -> None:
+        """Close every agent's stdin (they kill their workers) and kill agents that linger."""
+        for agent in self.agents:
+            agent.close_stdin()
+        deadline = time.monotonic() + 3.0
+        for agent in self.agents:
+            try:
+                agent.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                procs.signal_groups([agent.proc.pid], signal.SIGKILL)
+        for state in self.ranks.values():
+            if not state.done:
+                state.done, state.code, state.stopped = True, 1, True
+
+    def _shutdown_agents(self) -> None:
+        for agent in self.agents:
+            agent.close_stdin()
+        for agent in self.agents:
+            try:
+                agent.proc.wait(timeout=5.0)
+            except Exception:
+                procs.signal_groups([agent.proc.pid], signal.SIGKILL)
+                agent.proc.wait()
+
+    def _exit_status(self) -> int:
+        if self.first_failure is not None:
+            state = self.first_failure
+            output.note(f"job failed: rank {state.slot.rank} on host {state.slot.hostname}: "
+                        f"{procs.describe_exit(state.code, state.sig)}")
+            return procs.exit_status(state.code, state.sig)
+        if self.interrupted is not None:
+            return 128 + self.interrupted
+        return 0
+
+
+def _split(returncode: int | None) -> tuple[int | None, int | None]:
+    """Popen's returncode -> (exit code, signal)."""
+    if returncode is not None and returncode < 0:
+        return None, -returncode
+    return returncode, None

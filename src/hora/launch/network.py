@@ -1,0 +1,98 @@
+"""Addresses and interfaces: which address of the launcher the hosts reach, which interface a host uses.
+
+Standard library only (the agent imports this). Linux interface addresses come from ``ioctl``; elsewhere
+the functions return what they can and callers fall back to the defaults.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import logging
+import socket
+import struct
+
+from hora.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_SIOCGIFADDR = 0x8915
+
+
+def interface_addresses() -> dict[str, str]:
+    """IPv4 address of each interface that has one: ``{'lo': '127.0.0.1', 'eth0': '10.0.0.5'}``."""
+    found: dict[str, str] = {}
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return found
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for name in names:
+            try:
+                packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on this interface
+            found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def route_source(target: str) -> str | None:
+    """The local address the kernel would use to reach ``target`` (nothing is sent), or None."""
+    try:
+        infos = socket.getaddrinfo(target.strip("[]"), 9, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as sock:
+                sock.connect(sockaddr)
+                return str(sock.getsockname()[0])
+        except OSError:
+            continue
+    return None
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the interface holding ``address``, or None."""
+    for name, addr in interface_addresses().items():
+        if addr == address:
+            return name
+    return None
+
+
+def interface_towards(target: str) -> str | None:
+    """The interface this host uses to reach ``target`` (e.g. the rendezvous store)."""
+    source = route_source(target)
+    return interface_of(source) if source else None
+
+
+def store_address(remote_hosts: list[str], interfaces: tuple[str, ...]) -> str:
+    """Pick the address of this machine that the workers connect to for the rendezvous store.
+
+    With ``--network-interface`` it is that interface's address. With only local hosts it is loopback.
+    Otherwise it is the source address the kernel routes towards every remote host (they must agree).
+
+    Raises:
+        ConfigError: the interface is unknown, or no single address reaches every host.
+    """
+    if interfaces:
+        addrs = interface_addresses()
+        for name in interfaces:
+            if name in addrs:
+                return addrs[name]
+        known = ", ".join(sorted(addrs)) or "none found"
+        raise ConfigError(f"--network-interface {','.join(interfaces)}: no IPv4 address on this machine "
+                          f"for that interface (interfaces: {known}); pick one of them")
+    if not remote_hosts:
+        return "127.0.0.1"
+    sources = {host: route_source(host) for host in remote_hosts}
+    unroutable = [h for h, s in sources.items() if s is None]
+    if unroutable:
+        raise ConfigError(f"host {unroutable[0]}: cannot resolve it or find a route to it from this machine; "
+                          "check the name, or pass --network-interface")
+    distinct = sorted({s for s in sources.values() if s is not None})
+    usable = [a for a in distinct if not ipaddress.ip_address(a).is_loopback] or distinct
+    if len(usable) > 1:
+        log.warning("hosts are reached from different local addresses %s; using %s for the store "
+                    "(pass --network-interface to choose)", usable, usable[0])
+    return usable[0]

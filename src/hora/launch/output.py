@@ -1,0 +1,117 @@
+"""Everything the launcher prints: worker lines with their rank, per-rank log files, the failure report.
+
+The only module of the launcher that writes to the console. Worker lines look like horovodrun's,
+``[3]<stdout>:text`` (with ``--prefix-output-with-timestamp``, ``Mon Nov 30 05:35:48 2026[3]<stdout>:``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import time
+from typing import IO
+
+TAIL_LINES = 200  # stderr lines kept per rank for the failure report
+REPORT_LINES = 20  # shown when the rank printed no traceback
+TRACEBACK_START = "Traceback (most recent call last):"
+
+
+def line(text: str, stream: IO[str] | None = None) -> None:
+    """Print one line of the launcher's own."""
+    out = stream or sys.stdout
+    out.write(text + "\n")
+    out.flush()
+
+
+def error_line(prog: str, message: str) -> None:
+    """Print a one-line usage or launch error: ``hora run: error: <message>``."""
+    line(f"{prog}: error: {message}", sys.stderr)
+
+
+def note(message: str) -> None:
+    """A launcher message on stderr: ``hora run: <message>``."""
+    line(f"hora run: {message}", sys.stderr)
+
+
+class Console:
+    """Writes workers' lines to the console and to ``--output-filename`` logs; keeps each rank's stderr tail."""
+
+    def __init__(self, *, prefix_timestamp: bool = False, output_dir: str | None = None,
+                 stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> None:
+        self._timestamp = prefix_timestamp
+        self._dir = output_dir
+        self._out = stdout or sys.stdout
+        self._err = stderr or sys.stderr
+        self._logs: dict[tuple[int, str], IO[str]] = {}
+        self.tails: dict[int, collections.deque[str]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=TAIL_LINES))
+
+    def worker_line(self, rank: int, stream: str, text: str, ts: float | None = None) -> None:
+        """One line a worker printed, as the user sees it."""
+        prefix = f"[{rank}]<{stream}>:"
+        if self._timestamp:
+            prefix = time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(ts or time.time())) + prefix
+        (self._err if stream == "stderr" else self._out).write(f"{prefix}{text}\n")
+        if stream == "stderr":
+            self.tails[rank].append(text)
+        if self._dir is not None:
+            self._log(rank, stream).write(text + "\n")
+
+    def _log(self, rank: int, stream: str) -> IO[str]:
+        key = (rank, stream)
+        if key not in self._logs:
+            assert self._dir is not None
+            folder = os.path.join(self._dir, f"rank.{rank}")
+            os.makedirs(folder, exist_ok=True)
+            self._logs[key] = open(os.path.join(folder, stream), "w", buffering=1)
+        return self._logs[key]
+
+    def open_logs(self, ranks: range) -> None:
+        """Create every rank's log files up front, so a silent rank still has (empty) ones."""
+        if self._dir is not None:
+            for rank in ranks:
+                for stream in ("stdout", "stderr"):
+                    self._log(rank, stream)
+
+    def flush(self) -> None:
+        self._out.flush()
+        self._err.flush()
+
+    def close(self) -> None:
+        self.flush()
+        for fh in self._logs.values():
+            fh.close()
+        self._logs.clear()
+
+
+def traceback_of(tail: list[str]) -> list[str] | None:
+    """The last Python traceback in a rank's stderr tail, if it has one."""
+    starts = [i for i, text in enumerate(tail) if text.startswith(TRACEBACK_START)]
+    return tail[starts[-1]:][:80] if starts else None
+
+
+def failure_report(rank: int, host: str, how: str, tail: list[str], others: int) -> list[str]:
+    """The root-cause report: what failed first, where, and its traceback or last stderr lines."""
+    lines = [f"hora run: rank {rank} on host {host} failed first: {how}"]
+    if others:
+        lines.append(f"hora run: stopping the other {others} rank{'s' if others != 1 else ''}")
+    tb = traceback_of(tail)
+    if tb is not None:
+        lines.append(f"hora run: ---- traceback of rank {rank} ({host}) ----")
+        lines.extend(f"[{rank}]: {text}" for text in tb)
+    elif tail:
+        shown = tail[-REPORT_LINES:]
+        lines.append(f"hora run: ---- last {len(shown)} stderr lines of rank {rank} ({host}) ----")
+        lines.extend(f"[{rank}]: {text}" for text in shown)
+    else:
+        lines.append(f"hora run: rank {rank} printed nothing on stderr")
+    lines.append("hora run: ----")
+    return lines
+
+
+def print_lines(lines: list[str]) -> None:
+    """Print launcher report lines on stderr."""
+    for text in lines:
+        sys.stderr.write(text + "\n")
+    sys.stderr.flush()

@@ -1,0 +1,123 @@
+"""Preflight: before anything starts, every remote host is checked in parallel, within --start-timeout.
+
+Checked: the host answers over ssh (BatchMode, no password prompt), it has the launcher's Python, and
+the same Python, torch and hora versions. Each problem is one line naming the host and the fix (for a
+connection failure, the exact ssh command to reproduce it); then the launcher exits with code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import subprocess
+import threading
+from collections.abc import Callable
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+from hora.errors import LaunchError
+from hora.launch import output
+from hora.launch.transport import Transport, describe
+
+if TYPE_CHECKING:
+    from hora.launch.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+PROBE = (
+    "import json,os,platform\n"
+    "from importlib import metadata as m\n"
+    "def v(n):\n"
+    "    try: return m.version(n)\n"
+    "    except Exception: return None\n"
+    "print(json.dumps({'python':platform.python_version(),'torch':v('torch'),'hora':v('hora'),"
+    "'cpus':os.cpu_count(),'hostname':platform.node()}))"
+)
+VERSION_KEYS = ("python", "torch", "hora")
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def hora_version() -> str:
+    """hora's installed version (without importing hora's core)."""
+    return _version("hora") or "unknown"
+
+
+def local_versions() -> dict[str, Any]:
+    """What the probe reports, for this machine."""
+    return {"python": platform.python_version(), "torch": _version("torch"), "hora": _version("hora")}
+
+
+def probe_host(host: str, transport: Transport, python: str, timeout: float) -> tuple[dict[str, Any] | None, str]:
+    """Run the probe on ``host``; return (its answer, "") or (None, the problem as one line)."""
+    argv = [python, "-c", PROBE]
+    reproduce = describe(transport.command(host, [python, "-V"]))
+    proc = transport.start(host, argv)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return None, f"host {host}: no answer within --start-timeout {timeout:g}s; try: {reproduce}"
+    last_err = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
+    if proc.returncode == 255:
+        return None, f"host {host}: cannot connect over ssh ({last_err[0] or 'exit 255'}); try: {reproduce}"
+    if proc.returncode == 127:
+        return None, (f"host {host}: {python} not found there; install the same Python environment at the "
+                      "same path on every host")
+    try:
+        answer = json.loads(out.decode(errors="replace").strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None, f"host {host}: the probe failed (exit {proc.returncode}: {last_err[0]}); try: {reproduce}"
+    return answer, ""
+
+
+def compare(host: str, answer: dict[str, Any], mine: dict[str, Any], python: str) -> list[str]:
+    """Problems (one line each) where ``host``'s versions differ from the launcher's."""
+    problems = []
+    if answer.get("hora") is None:
+        problems.append(f"host {host}: hora is not installed for {python}; install hora {mine['hora']} there")
+    for key in VERSION_KEYS:
+        theirs = answer.get(key)
+        if theirs is not None and theirs != mine[key]:
+            problems.append(f"host {host}: {key} {theirs}, but the launcher has {key} {mine[key]}; "
+                            "install the same versions on every host")
+    return problems
+
+
+def check_hosts(cfg: RunConfig, transport_for: Callable[[str, bool], Transport]) -> dict[str, dict[str, Any]]:
+    """Check every remote host in parallel; return their answers.
+
+    Raises:
+        LaunchError: (exit code 2) after printing one line per problem found.
+    """
+    remote = [h for h in cfg.hosts if not h.is_local]
+    results: dict[str, tuple[dict[str, Any] | None, str]] = {}
+
+    def probe(name: str) -> None:
+        results[name] = probe_host(name, transport_for(name, False), cfg.python, cfg.start_timeout)
+
+    threads = [threading.Thread(target=probe, args=(h.name,), daemon=True) for h in remote]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(cfg.start_timeout + 5)
+    mine = local_versions()
+    problems: list[str] = []
+    for host in remote:
+        answer, problem = results.get(host.name, (None, f"host {host.name}: preflight did not finish"))
+        problems += [problem] if answer is None else compare(host.name, answer, mine, cfg.python)
+        if answer is not None and isinstance(answer.get("cpus"), int) and host.slots > answer["cpus"]:
+            log.warning("host %s: %d slots but %d CPUs", host.name, host.slots, answer["cpus"])
+    if problems:
+        for problem in problems:
+            output.error_line("hora run", problem)
+        raise LaunchError(f"preflight found {len(problems)} problem(s); nothing was started", exit_code=2)
+    log.info("preflight passed for %s", ", ".join(h.name for h in remote))
+    return {name: answer for name, (answer, _) in results.items() if answer is not None}
