@@ -136,7 +136,7 @@ def _grads(rank: int, size: int) -> None:
 
     splits, inputs = _alltoall_case(size, torch.float64)
     x = inputs[rank].clone().requires_grad_()
-    out, received = hvd.alltoall(x, splits=splits[rank])
+    out, _ = hvd.alltoall(x, splits=splits[rank])
     up = [rank_input(r, (sum(splits[s][r] for s in range(size)), 2), torch.float64, salt=9) for r in range(size)]
     out.backward(up[rank])
     # the grad of the rows rank r sent to rank d is what rank d's upstream grad holds for them

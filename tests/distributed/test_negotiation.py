@@ -82,7 +82,6 @@ def _mismatch(rank: int, what: str, call: Callable[[], object]) -> dict:
         call()
     took = time.monotonic() - start
     err = info.value
-    assert isinstance(err, hvd.HorovodInternalError) or isinstance(err, hvd.HoraError)
     # a contract (issue 2, point 5), not a speed figure: a mismatch must surface, never hang
     assert took < 5.0, f"{what}: CollectiveMismatchError after {took:.1f} s"
     return {"what": what, "name": err.name, "ranks": sorted(err.per_rank), "fields": list(err.fields),

@@ -1,0 +1,211 @@
+"""hora's allreduce against raw ``torch.distributed.all_reduce`` on the same tensors, in the same run.
+
+For each message size (4 KB to 256 MB, powers of 4) every rank times, alternating A B C A B C:
+  raw       ``dist.all_reduce(t)`` on the default group (SUM, in place)
+  hora      ``hvd.allreduce_(t, op=hvd.Sum)`` (in place, unnamed: the negotiated path a script takes)
+  hora_oop  ``hvd.allreduce(t, op=hvd.Sum)`` (out of place: allocates its output)
+and reports bus bandwidth (busbw = bytes / time * 2(n-1)/n), the per-pair ratio hora/raw as a median with
+its spread, and the latency of a 1-element op (raw, hora unnamed, hora with a reused name).
+Goal (issue 2): >= 0.95 of raw for >= 1 MB, tiny-op latency <= 2x raw.
+
+    python benchmarks/allreduce_bench.py            # full run, < 5 minutes on 2 cores
+    python benchmarks/allreduce_bench.py --quick    # CI smoke: 3 sizes, few samples
+
+Writes benchmarks/results/allreduce_bench.{json,md,png} (``--out`` to change the directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (
+    RESULTS,
+    alternate,
+    fork_ranks,
+    human_bytes,
+    machine_info,
+    markdown_table,
+    ratio_summary,
+    summarize,
+    write_results,
+)
+
+FULL_SIZES = [4 * 1024 * 4**i for i in range(9)]  # 4 KB .. 256 MB
+QUICK_SIZES = [4 * 1024, 1024 * 1024, 16 * 1024 * 1024]
+VARIANTS = ("raw", "hora", "hora_oop")
+TINY_VARIANTS = ("raw", "hora", "hora_named")
+
+
+def _iterations(sample_call: Any, target_s: float, max_iters: int) -> int:
+    """How many calls make one sample last about ``target_s``, agreed by every rank (rank 0 decides)."""
+    import torch
+    import torch.distributed as dist
+
+    sample_call()
+    start = time.perf_counter()
+    sample_call()
+    one = max(time.perf_counter() - start, 1e-6)
+    n = torch.tensor([max(1, min(max_iters, int(target_s / one)))], dtype=torch.int64)
+    dist.broadcast(n, 0)
+    return int(n.item())
+
+
+def _timer(call: Any, iters: int) -> Any:
+    import torch.distributed as dist
+
+    def sample() -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            call()
+        return (time.perf_counter() - start) / iters
+
+    return sample
+
+
+def _measure(nbytes: int, repeats: int, target_s: float) -> tuple[int, dict[str, list[float]]]:
+    """Alternating samples of the three variants on fresh float32 tensors of ``nbytes``."""
+    import torch
+    import torch.distributed as dist
+
+    import hora as hvd
+
+    n = nbytes // 4
+    raw_t, hora_t, oop_t = torch.zeros(n), torch.zeros(n), torch.zeros(n)  # zeros: sums never overflow
+    calls = {
+        "raw": lambda: dist.all_reduce(raw_t),
+        "hora": lambda: hvd.allreduce_(hora_t, op=hvd.Sum),
+        "hora_oop": lambda: hvd.allreduce(oop_t, op=hvd.Sum),
+    }
+    iters = _iterations(calls["raw"], target_s, 2000)
+    return iters, alternate({k: _timer(c, iters) for k, c in calls.items()}, repeats)
+
+
+def _worker(rank: int, size: int, sizes: list[int], repeats: int, target_s: float) -> dict[str, Any] | None:
+    import torch
+    import torch.distributed as dist
+
+    import hora as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    out: dict[str, Any] = {"sizes": {}, "iters": {}}
+    for nbytes in sizes:
+        out["iters"][nbytes], out["sizes"][nbytes] = _measure(nbytes, repeats, target_s)
+    one = [torch.zeros(1) for _ in range(3)]
+    tiny = {
+        "raw": lambda: dist.all_reduce(one[0]),
+        "hora": lambda: hvd.allreduce_(one[1], op=hvd.Sum),
+        "hora_named": lambda: hvd.allreduce_(one[2], op=hvd.Sum, name="bench.tiny"),
+    }
+    iters = _iterations(tiny["raw"], target_s, 5000)
+    out["tiny_iters"] = iters
+    out["tiny"] = alternate({k: _timer(c, iters) for k, c in tiny.items()}, repeats)
+    hvd.shutdown()
+    return out if rank == 0 else None
+
+
+def busbw(nbytes: int, seconds: float, nranks: int) -> float:
+    """Bus bandwidth in GB/s: bytes / time * 2(n-1)/n (what each link carries in a ring allreduce)."""
+    return nbytes / seconds * 2 * (nranks - 1) / nranks / 1e9
+
+
+def analyse(raw: dict[str, Any], nranks: int) -> dict[str, Any]:
+    """Medians, bandwidths and per-pair ratios from rank 0's samples."""
+    rows = []
+    for nbytes, samples in raw["sizes"].items():
+        s = {k: summarize(v) for k, v in samples.items()}
+        rows.append({
+            "bytes": nbytes,
+            "iters": raw["iters"][nbytes],
+            **{f"{k}_s": s[k]["median"] for k in VARIANTS},
+            **{f"{k}_busbw": busbw(nbytes, s[k]["median"], nranks) for k in VARIANTS},
+            "ratio": ratio_summary(samples["raw"], samples["hora"]),  # busbw hora / busbw raw
+            "ratio_oop": ratio_summary(samples["raw"], samples["hora_oop"]),
+        })
+    tiny = {k: summarize(v) for k, v in raw["tiny"].items()}
+    return {
+        "rows": rows,
+        "tiny": {
+            **{f"{k}_us": tiny[k]["median"] * 1e6 for k in TINY_VARIANTS},
+            "latency_ratio": ratio_summary(raw["tiny"]["hora"], raw["tiny"]["raw"]),  # hora / raw time
+            "latency_ratio_named": ratio_summary(raw["tiny"]["hora_named"], raw["tiny"]["raw"]),
+        },
+    }
+
+
+def _pct(r: dict[str, float]) -> str:
+    return f"{r['median']:.2f} (±{r['spread'] / 2 * 100:.0f}%)"
+
+
+def to_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
+    rows = [[human_bytes(r["bytes"]), f"{r['raw_busbw']:.3f}", f"{r['hora_busbw']:.3f}", _pct(r["ratio"]),
+             f"{r['hora_oop_busbw']:.3f}", _pct(r["ratio_oop"]), r["iters"]] for r in result["rows"]]
+    table = markdown_table(["size", "raw busbw GB/s", "hora busbw GB/s", "hora/raw", "hora out-of-place GB/s",
+                            "oop/raw", "iters/sample"], rows)
+    t = result["tiny"]
+    tiny = markdown_table(["1-element allreduce", "raw µs", "hora µs", "hora/raw time", "hora named µs",
+                           "named/raw time"],
+                          [["latency", f"{t['raw_us']:.0f}", f"{t['hora_us']:.0f}", _pct(t["latency_ratio"]),
+                            f"{t['hora_named_us']:.0f}", _pct(t["latency_ratio_named"])]])
+    m = meta["machine"]
+    return (f"# hora allreduce vs torch.distributed.all_reduce ({meta['nranks']} ranks, Gloo, CPU)\n\n"
+            f"{m['utc']}, {m['cpu']} x{m['cpus']}, torch {m['torch']}, hora {m['hora']} ({m['git_commit']}); "
+            f"median of {meta['repeats']} alternating samples; ratio = per-pair raw time / hora time "
+            f"(= busbw ratio), ± half the min-max spread. Goal: >= 0.95 for >= 1 MB; tiny latency <= 2x.\n\n"
+            f"{table}\n{tiny}")
+
+
+def plot(result: dict[str, Any]) -> Any:
+    def draw(fig: Any) -> None:
+        sizes = [r["bytes"] for r in result["rows"]]
+        ax1, ax2 = fig.subplots(2, 1, sharex=True)
+        for key, label in (("raw", "torch.distributed"), ("hora", "hora allreduce_"), ("hora_oop", "hora allreduce")):
+            ax1.plot(sizes, [r[f"{key}_busbw"] for r in result["rows"]], marker="o", label=label)
+        ax1.set_ylabel("bus bandwidth (GB/s)")
+        ax1.legend()
+        ax1.grid(True, alpha=0.3)
+        med = [r["ratio"]["median"] for r in result["rows"]]
+        lo = [r["ratio"]["median"] - r["ratio"]["min"] for r in result["rows"]]
+        hi = [r["ratio"]["max"] - r["ratio"]["median"] for r in result["rows"]]
+        ax2.errorbar(sizes, med, yerr=[lo, hi], marker="o", capsize=3, label="hora / raw (min-max)")
+        ax2.axhline(0.95, color="red", linestyle="--", label="goal 0.95")
+        ax2.set_xscale("log", base=2)
+        ax2.set_xlabel("message size (bytes)")
+        ax2.set_ylabel("busbw ratio")
+        ax2.legend()
+        ax2.grid(True, alpha=0.3)
+
+    return draw
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="CI smoke: 3 sizes, 3 samples, short samples")
+    p.add_argument("-np", "--nranks", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--repeats", type=int, default=None, help="alternating samples per variant (default 7)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON, Markdown and PNG")
+    args = p.parse_args(argv)
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    repeats = args.repeats or (3 if args.quick else 7)
+    target_s = 0.02 if args.quick else 0.1
+    start = time.monotonic()
+    raw = fork_ranks(_worker, args.nranks, sizes, repeats, target_s)[0]
+    result = analyse(raw, args.nranks)
+    meta = {"nranks": args.nranks, "repeats": repeats, "quick": args.quick, "target_sample_s": target_s,
+            "machine": machine_info(), "wall_s": round(time.monotonic() - start, 1)}
+    name = "allreduce_bench_quick" if args.quick else "allreduce_bench"
+    md = to_markdown(result, meta)
+    paths = write_results(name, {"meta": meta, "samples": raw, "result": result}, md, plot(result), args.out)
+    print(md)
+    print("wrote " + ", ".join(str(p) for p in paths) + f" in {meta['wall_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Shared benchmark helpers: start ranks, time alternately, summarise, write JSON + Markdown + PNG.
+
+Absolute times on shared machines drift 30-50% between runs, so every figure is a ratio of two things
+measured in the same run, alternating A B A B, as a median of several samples with the spread shown
+(PERFORMANCE.md).
+
+Example:
+    >>> samples = alternate({"a": lambda: 1.0, "b": lambda: 2.0}, repeats=5)
+    >>> summarize(samples["b"])["median"]
+    2.0
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict[str, Any]:
+    """What a reader needs to judge the numbers: host, CPU, memory, versions, commit."""
+    import torch
+
+    try:
+        import hora
+
+        hora_version = hora.__version__
+    except Exception:  # noqa: BLE001 - a benchmark still runs (and says so) without hora importable
+        hora_version = "unavailable"
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = 0.0
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        mem_gib = round(pages / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "memory_gib": mem_gib,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "hora": hora_version,
+        "git_commit": _git_commit(),
+        "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def alternate(variants: Mapping[str, Callable[[], float]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Call each variant in turn, A B C A B C ..., ``repeats`` times after ``warmup`` untimed rounds.
+
+    Each callable returns one sample (seconds, or any measure); the result maps name -> samples in order.
+    """
+    for _ in range(warmup):
+        for fn in variants.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            samples[name].append(fn())
+    return samples
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and spread ((max - min) / median) of the samples."""
+    med = statistics.median(samples)
+    return {"median": med, "min": min(samples), "max": max(samples),
+            "spread": (max(samples) - min(samples)) / med if med else 0.0, "n": len(samples)}
+
+
+def ratio_summary(numer: Sequence[float], denom: Sequence[float]) -> dict[str, float]:
+    """Summary of the per-pair ratios numer[i] / denom[i] (pairs measured back to back)."""
+    return summarize([a / b for a, b in zip(numer, denom) if b])
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub-flavoured Markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} GB"
+
+
+def write_results(name: str, data: Mapping[str, Any], markdown: str,
+                  plot: Callable[[Any], None] | None = None, out_dir: Path = RESULTS) -> list[Path]:
+    """Write ``<name>.json`` (data), ``<name>.md`` and, with ``plot(figure)``, ``<name>.png``. Returns paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    paths[0].write_text(json.dumps(data, indent=1, default=str) + "\n")
+    paths[1].write_text(markdown)
+    if plot is not None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return paths
+        fig = plt.figure(figsize=(8, 5))
+        plot(fig)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{name}.png", dpi=110)
+        plt.close(fig)
+        paths.append(out_dir / f"{name}.png")
+    return paths
+
+
+def fork_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 600.0,
+               env: Mapping[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, size, *args)`` on ``nprocs`` fork-started ranks with hora's launcher variables.
+
+    The parent hosts the rendezvous store, as ``hora run``'s driver does; returns the values in rank order
+    and raises RuntimeError with every failed rank's traceback.
+    """
+    import torch.distributed as dist
+
+    ctx = multiprocessing.get_context("fork")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    base = {"HORA_SIZE": str(nprocs), "HORA_LOCAL_SIZE": str(nprocs), "HORA_CROSS_RANK": "0",
+            "HORA_CROSS_SIZE": "1", "HORA_STORE_ADDR": "127.0.0.1", "HORA_STORE_PORT": str(store.port),
+            "HORA_JOB_ID": f"bench-{os.getpid()}-{time.time_ns()}", **(env or {})}
+    pipes, procs = [], []
+    for rank in range(nprocs):
+        recv, send = ctx.Pipe(duplex=False)
+        rank_env = {**base, "HORA_RANK": str(rank), "HORA_LOCAL_RANK": str(rank)}
+        proc = ctx.Process(target=_bench_child, args=(fn, rank, nprocs, args, rank_env, send))
+        proc.start()
+        send.close()
+        pipes.append(recv)
+        procs.append(proc)
+    results: list[Any] = [None] * nprocs
+    errors = []
+    deadline = time.monotonic() + timeout
+    for rank, (recv, proc) in enumerate(zip(pipes, procs)):
+        if not recv.poll(max(0.0, deadline - time.monotonic())):
+            errors.append(f"rank {rank}: no result within {timeout} s")
+            continue
+        try:
+            ok, value = recv.recv()
+        except EOFError:
+            ok, value = False, f"rank {rank} exited with code {proc.exitcode} without a result"
+        if ok:
+            results[rank] = value
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+    del store
+    if errors:
+        raise RuntimeError("benchmark ranks failed:\n" + "\n".join(errors))
+    return results
+
+
+def _bench_child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: Mapping[str, str],
+                 conn: Any) -> None:
+    code = 0
+    try:
+        os.environ.update(env)
+        conn.send((True, fn(rank, size, *args)))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        code = 1
+        conn.send((False, traceback.format_exc()))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
