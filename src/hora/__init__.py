@@ -95,4 +95,4 @@ from hora.ops import (  # noqa: F401
 # (added by the diagnostics work)
 
 # --- launching from Python (launch/) -------------------------------------------------------------------
-# (added by the launcher work)
+from hora.launch.pyrun import run  # noqa: F401

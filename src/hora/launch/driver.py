@@ -172,7 +172,9 @@ class Driver:
             preflight.check_hosts(self.cfg, self.transport_for)
         addr, port = self._start_store()
         self.console.open_logs(range(self.cfg.np))
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {}
+        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
+            previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._start_agents(slots, addr, port)
             self._loop()

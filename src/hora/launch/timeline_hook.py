@@ -1,4 +1,4 @@
-"""After a job: merge the ranks' timeline files, if the diagnostics package provides the merger."""
+"""After a job: merge the ranks' timeline files with the diagnostics package's merger, when it exists."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ log = logging.getLogger(__name__)
 
 
 def merge(filename: str | None, size: int) -> None:
-    """Call ``hora.diagnostics.timeline.merge_timelines`` for ``filename`` when both exist."""
+    """Call ``hora.diagnostics.timeline.finish_job_timeline`` (rank files -> ``filename``) if it exists."""
     if not filename:
         return
     try:
@@ -19,7 +19,7 @@ def merge(filename: str | None, size: int) -> None:
     except ImportError:
         log.info("hora.diagnostics.timeline not available: rank timelines left unmerged")
         return
-    merger = getattr(timeline, "merge_timelines", None)
+    merger = getattr(timeline, "finish_job_timeline", None)
     if merger is None:
         return
     try:

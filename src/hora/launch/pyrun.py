@@ -1,0 +1,118 @@
+"""``hora.run(fn)``: run a Python function on every rank, from a script or a Jupyter notebook.
+
+Example:
+    >>> import hora
+    >>> def work(scale):
+    ...     hora.init()
+    ...     return hora.rank() * scale
+    >>> hora.run(work, args=(10,), np=2)  # doctest: +SKIP
+    [0, 10]
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from hora.errors import HoraError, LaunchError
+from hora.launch import shipping
+from hora.launch.config import RunConfig
+from hora.launch.driver import Driver
+from hora.launch.hosts import HostSpec, parse_hostfile, parse_hosts
+from hora.launch.pyworker import FN_KEY, RESULT_KEY
+
+
+class RemoteTraceback(Exception):
+    """The traceback of the rank where the exception was raised (the ``__cause__`` of what re-raises)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _hosts(np: int, hosts: str | None, hostfile: str | None) -> tuple[HostSpec, ...]:
+    if hosts and hostfile:
+        raise HoraError("hora.run: give hosts= or hostfile=, not both")
+    if hosts:
+        return parse_hosts(hosts)
+    if hostfile:
+        return parse_hostfile(hostfile)
+    return (HostSpec("localhost", np),)
+
+
+def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, np: int = 1,
+        hosts: str | None = None, hostfile: str | None = None, *, ssh_port: int | None = None,
+        ssh_identity_file: str | None = None, ssh_options: Sequence[str] = (),
+        network_interface: str | None = None, env: Mapping[str, str] | None = None,
+        start_timeout: float = 30.0, prefix_output_with_timestamp: bool = False,
+        output_filename: str | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the per-rank results in rank order.
+
+    Each rank is a fresh process started like ``hora run`` starts workers (with the same environment
+    variables), so ``fn`` calls ``hora.init()`` itself. Lambdas and closures work (see
+    :mod:`hora.launch.shipping`). Output lines carry their rank, as with ``hora run``.
+
+    Args:
+        fn: the function; its arguments and return value must be picklable.
+        np: number of ranks. hosts / hostfile: as ``-H`` / ``--hostfile`` (default ``localhost:np``).
+        ssh_port, ssh_identity_file, ssh_options, network_interface: as the ``hora run`` flags.
+        env: extra variables for every worker (like ``-x NAME=VALUE``).
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]``.
+
+    Raises:
+        The exception a rank raised (the first to fail), chained to a :class:`RemoteTraceback` with that
+        rank's traceback; :class:`~hora.errors.LaunchError` if a rank died without raising (a signal).
+    """
+    payload = shipping.dumps((fn, tuple(args), dict(kwargs or {})))
+    cfg = RunConfig(
+        command=(sys.executable, "-m", "hora.launch.pyworker"), np=np, hosts=_hosts(np, hosts, hostfile),
+        ssh_port=ssh_port, ssh_identity_file=ssh_identity_file, ssh_options=tuple(ssh_options),
+        network_interfaces=(network_interface,) if network_interface else (), start_timeout=start_timeout,
+        env=dict(env or {}), prefix_timestamp=prefix_output_with_timestamp, output_filename=output_filename,
+    )
+    driver = Driver(cfg, store_ready=lambda store: store.set(FN_KEY, payload))
+    code = driver.run()
+    try:
+        return _collect(driver, code)
+    finally:
+        driver.store = None  # closes the store's socket
+
+
+def _collect(driver: Driver, code: int) -> list[Any]:
+    store = driver.store
+    records: dict[int, tuple[Any, ...]] = {}
+    for rank in range(driver.cfg.np):
+        key = RESULT_KEY.format(rank=rank)
+        if store.check([key]):
+            records[rank] = shipping.loads(store.get(key))
+    failed = driver.first_failure
+    if code == 0 and len(records) == driver.cfg.np and all(r[0] == "ok" for r in records.values()):
+        return [records[rank][1] for rank in range(driver.cfg.np)]
+    order = ([failed.slot.rank] if failed is not None else []) + sorted(records)
+    for rank in order:
+        record = records.get(rank)
+        if record is not None and record[0] == "error":
+            _reraise(rank, driver.ranks[rank].slot.hostname, record)
+    if failed is not None:
+        from hora.launch.procs import describe_exit
+
+        raise LaunchError(f"hora.run: rank {failed.slot.rank} on host {failed.slot.hostname} failed: "
+                          f"{describe_exit(failed.code, failed.sig)}", exit_code=code)
+    raise LaunchError(f"hora.run: the job ended with status {code} before every rank returned", exit_code=code)
+
+
+def _reraise(rank: int, host: str, record: tuple[Any, ...]) -> None:
+    _, blob, type_name, message, text = record
+    cause = RemoteTraceback(f"rank {rank} on host {host} raised:\n{text}")
+    exc: BaseException | None = None
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+        except Exception:  # noqa: BLE001 - the class may not exist here
+            exc = None
+    if exc is None:
+        exc = HoraError(f"rank {rank} on host {host} raised {type_name}: {message}")
+    raise exc from cause

@@ -1,0 +1,62 @@
+"""The worker side of ``hora.run(fn)``: fetch the function from the store, call it, store the outcome.
+
+Started by the launcher as ``python -m hora.launch.pyworker`` on every rank. The outcome goes to the
+driver's store under ``hora.run/result/<rank>``: ``("ok", value)`` or ``("error", exception or None,
+type name, message, traceback text)``. A rank that raised exits with code 1 after printing its traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import sys
+import traceback
+from typing import Any
+
+from hora.env import WorkerEnv
+from hora.launch import shipping
+
+FN_KEY = "hora.run/fn"
+RESULT_KEY = "hora.run/result/{rank}"
+
+
+def _store(env: WorkerEnv) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore(env.store_addr, env.store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
+
+
+def _error_record(exc: BaseException) -> bytes:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        exc_blob: bytes | None = pickle.dumps(exc)
+        pickle.loads(exc_blob)
+    except Exception:
+        exc_blob = None  # an exception that does not survive pickling: its text still travels
+    return b"P" + pickle.dumps(("error", exc_blob, type(exc).__qualname__, str(exc), text))
+
+
+def main() -> int:
+    """Run this rank's share of ``hora.run``; return the process exit code."""
+    env = WorkerEnv.from_environ()
+    store = _store(env)
+    fn, args, kwargs = shipping.loads(store.get(FN_KEY))
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
+        store.set(RESULT_KEY.format(rank=env.rank), _error_record(exc))
+        traceback.print_exc()
+        return 1
+    try:
+        record = shipping.dumps(("ok", value))
+    except Exception as exc:  # noqa: BLE001
+        store.set(RESULT_KEY.format(rank=env.rank), _error_record(
+            TypeError(f"rank {env.rank}: the return value of {getattr(fn, '__name__', fn)} cannot be "
+                      f"pickled: {exc}")))
+        return 1
+    store.set(RESULT_KEY.format(rank=env.rank), record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
