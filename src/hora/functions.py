@@ -34,7 +34,7 @@ def _as_tensors(params: Any) -> list[torch.Tensor]:
     for item in params:
         t = item[1] if isinstance(item, tuple) else item
         if not isinstance(t, torch.Tensor):
-            raise ValueError(
+            raise TypeError(
                 f"broadcast_parameters takes a state_dict, a list of tensors or (name, tensor) pairs; got {item!r}"
             )
         out.append(t)

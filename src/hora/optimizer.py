@@ -159,7 +159,9 @@ def DistributedOptimizer(
         The distributed optimizer.
     """
     if isinstance(optimizer, _DistributedOptimizer):
-        raise ValueError("this optimizer is already a hora DistributedOptimizer; wrap the plain optimizer once")
+        raise ValueError(  # noqa: TRY004 - Horovod raised ValueError here too
+            "this optimizer is already a hora DistributedOptimizer; wrap the plain optimizer once"
+        )
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     if op not in (Average, Sum, Adasum):

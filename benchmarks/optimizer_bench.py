@@ -1,0 +1,147 @@
+"""Step time of hora's DistributedOptimizer vs DDP vs per-tensor allreduce on ResNet-50, 2 ranks, loopback.
+
+Every variant trains its own copy of ResNet-50 (25.6 M parameters, 161 gradient tensors, 97.5 MB of fp32
+gradients) on small synthetic images, so communication is a large share of the step, as on a real
+multi-node job. Variants run alternately in the same processes (A B C ... A B C), each sample the mean of a
+few steps; figures are medians with the spread, and ratios are taken pair by pair against DDP.
+
+    python benchmarks/optimizer_bench.py            # ~1-2 minutes on 2 cores
+    python benchmarks/optimizer_bench.py --quick    # a smoke run
+
+Variants: ``local`` (no communication, the floor), ``ddp`` (DistributedDataParallel, bucket_cap_mb=25),
+``per_tensor`` (one synchronous torch.distributed allreduce per gradient after backward), ``hora``
+(DistributedOptimizer), ``hora_fp16`` / ``hora_bf16`` (with compression).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from common import (
+    alternate,
+    fork_ranks,
+    machine_info,
+    markdown_table,
+    ratio_summary,
+    summarize,
+    write_results,
+)
+
+VARIANTS = ("local", "ddp", "per_tensor", "hora", "hora_fp16", "hora_bf16")
+
+
+def _build(variant: str) -> tuple[Any, Any, Any]:
+    """(model, optimizer, after_backward) for one variant."""
+    import torch
+    import torch.distributed as dist
+    from resnet50_synthetic import ResNet50
+
+    import hora as hvd
+
+    torch.manual_seed(0)
+    model = ResNet50(num_classes=1000)
+    after = None
+    if variant == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if variant.startswith("hora"):
+        comp = {"hora": hvd.Compression.none, "hora_fp16": hvd.Compression.fp16,
+                "hora_bf16": hvd.Compression.bf16}[variant]
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
+    elif variant == "per_tensor":
+        size = dist.get_world_size()
+
+        def after() -> None:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(size)
+    return model, opt, after
+
+
+def _rank(rank: int, size: int, variants: list[str], repeats: int, steps: int, batch: int, image: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    import hora as hvd
+
+    torch.set_num_threads(1)  # two ranks share two cores
+    hvd.init()
+    built = {v: _build(v) for v in variants}
+    data = torch.randn(batch, 3, image, image)
+    target = torch.randint(0, 1000, (batch,))
+
+    def timed(variant: str):
+        model, opt, after = built[variant]
+
+        def run() -> float:
+            hvd.barrier()  # start together, so no variant pays for another's stragglers
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                opt.zero_grad()
+                F.cross_entropy(model(data), target).backward()
+                if after is not None:
+                    after()
+                opt.step()
+            return (time.perf_counter() - t0) / steps
+        return run
+
+    samples = alternate({v: timed(v) for v in variants}, repeats=repeats, warmup=1)
+    hvd.shutdown()
+    return samples
+
+
+def report(samples: dict[str, list[float]], args: argparse.Namespace) -> str:
+    base = samples.get("ddp")
+    rows = []
+    for v, s in samples.items():
+        st = summarize(s)
+        ratio = ratio_summary(s, base) if base else None
+        rows.append([v, f"{st['median'] * 1e3:.0f}", f"{st['min'] * 1e3:.0f}-{st['max'] * 1e3:.0f}",
+                     f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else ""])
+    head = (f"ResNet-50 ({args.batch}x3x{args.image}x{args.image} per rank), 2 ranks on loopback (Gloo), "
+            f"{args.repeats} alternating samples of {args.steps} steps each.\n\n")
+    return head + markdown_table(["variant", "step ms (median)", "min-max ms", "vs DDP (per-pair ratio)"], rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--steps", type=int, default=3, help="steps per sample")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--image", type=int, default=64)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--quick", action="store_true", help="2 samples of 1 step: checks that it runs")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.steps = 2, 1
+    variants = args.variants.split(",")
+    results = fork_ranks(_rank, 2, variants, args.repeats, args.steps, args.batch, args.image, timeout=1800)
+    samples = results[0]  # rank 0's clock; the barrier aligns the ranks' samples
+    md = report(samples, args)
+    print(md)
+
+    def plot(fig: Any) -> None:
+        ax = fig.add_subplot(1, 1, 1)
+        names = list(samples)
+        med = [summarize(samples[n])["median"] * 1e3 for n in names]
+        lo = [m - min(samples[n]) * 1e3 for m, n in zip(med, names)]
+        hi = [max(samples[n]) * 1e3 - m for m, n in zip(med, names)]
+        ax.bar(names, med, yerr=[lo, hi], capsize=4, color=["#999", "#4477aa", "#cc6677", "#228833", "#66ccee",
+                                                             "#aa3377"][: len(names)])
+        ax.set_ylabel("step time, ms (median, min-max)")
+        ax.set_title("ResNet-50 step, 2 ranks on loopback: hora vs DDP vs per-tensor allreduce")
+
+    data = {"machine": machine_info(), "args": vars(args), "samples_s": results, "markdown": md}
+    for path in write_results("optimizer_bench", data, md, plot):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""DistributedOptimizer beyond the option matrix: sparse gradients, frozen parameters, AMP and clipping,
+a model also wrapped in DDP, schedulers and state dicts, Adasum, and misuse that must fail clearly."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hora as hvd
+from tests.distributed.harness import run_ranks
+from tests.distributed.test_optimizer import ROWS_PER_RANK, STEPS, Net, batch, shard
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _same_everywhere_and_close(results: list[list[torch.Tensor]], expected: list[torch.Tensor],
+                               tol: float = 1e-5) -> None:
+    for rank, params in enumerate(results):
+        assert len(params) == len(expected)
+        for i, (got, want) in enumerate(zip(params, expected)):
+            assert torch.equal(got, results[0][i]), f"rank {rank} parameter {i} differs from rank 0"
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+# --- sparse gradients -----------------------------------------------------------------------------------
+class EmbedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(20, 4, sparse=True)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(idx).mean(1))
+
+
+def _ids(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 20, (rows, 5), generator=g), torch.randn(rows, 3, generator=g)
+
+
+def _train_embed(model: nn.Module, opt: torch.optim.Optimizer, data) -> list[torch.Tensor]:
+    for step in range(STEPS):
+        opt.zero_grad()
+        idx, y = data(step)
+        F.mse_loss(model(idx), y).backward()
+        opt.step()
+    return _params(model)
+
+
+def _sparse_ranks(rank: int, size: int, sparse_as_dense: bool) -> list[torch.Tensor]:
+    model = EmbedNet()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters(), sparse_as_dense=sparse_as_dense)
+
+    def data(step: int):
+        idx, y = _ids(step, ROWS_PER_RANK * size)
+        rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+        return idx[rows], y[rows]
+
+    return _train_embed(model, opt, data)
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients(sparse_as_dense: bool) -> None:
+    model = EmbedNet()
+    expected = _train_embed(model, torch.optim.SGD(model.parameters(), lr=0.5), lambda s: _ids(s, 2 * ROWS_PER_RANK))
+    _same_everywhere_and_close(run_ranks(_sparse_ranks, 2, sparse_as_dense), expected)
+
+
+# --- frozen parameters and requires_grad changing between steps ------------------------------------------
+def _freeze_schedule(model: Net, opt: torch.optim.Optimizer, data) -> list[torch.Tensor]:
+    model.fc1.requires_grad_(False)  # frozen from the start
+    for step in range(STEPS):
+        if step == 1:  # unfreeze one layer, freeze another
+            model.fc1.requires_grad_(True)
+            model.fc3.requires_grad_(False)
+        opt.zero_grad()
+        x, y = data(step)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return _params(model)
+
+
+def _freeze_ranks(rank: int, size: int) -> list[torch.Tensor]:
+    model = Net()
+    model.fc1.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    return _freeze_schedule(model, opt, lambda s: shard(s, 0, rank, size))
+
+
+def test_frozen_parameters_and_requires_grad_changing_between_steps() -> None:
+    model = Net()
+    expected = _freeze_schedule(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                lambda s: batch(s, 0, 2 * ROWS_PER_RANK))
+    assert not torch.equal(expected[0], Net().fc1.weight.detach())  # fc1 did train after unfreezing
+    _same_everywhere_and_close(run_ranks(_freeze_ranks, 2), expected)
+
+
+# --- AMP GradScaler, clipping between synchronize() and step() --------------------------------------------
+def _amp_clip(model: Net, opt: torch.optim.Optimizer, data, distributed: bool) -> list[torch.Tensor]:
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = data(step)
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        if distributed:
+            opt.synchronize()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+        if distributed:
+            with opt.skip_synchronize():
+                scaler.step(opt)
+        else:
+            scaler.step(opt)
+        scaler.update()
+    return _params(model)
+
+
+def _amp_ranks(rank: int, size: int) -> list[torch.Tensor]:
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    return _amp_clip(model, opt, lambda s: shard(s, 0, rank, size), True)
+
+
+def test_grad_scaler_unscale_and_clipping_between_synchronize_and_step() -> None:
+    model = Net()
+    expected = _amp_clip(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         lambda s: batch(s, 0, 2 * ROWS_PER_RANK), False)
+    _same_everywhere_and_close(run_ranks(_amp_ranks, 2), expected)
+
+
+# --- the seed article's script: DDP and DistributedOptimizer together -----------------------------------
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _ddp_ranks(rank: int, size: int) -> tuple[list[torch.Tensor], list[str]]:
+    collect = _Collect()
+    logging.getLogger("hora").addHandler(collect)
+    model = torch.nn.parallel.DistributedDataParallel(Net())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), op=hvd.Sum)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = shard(step, 0, rank, size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return _params(model), [m for m in collect.messages if "DistributedDataParallel" in m]
+
+
+def test_model_in_ddp_and_distributed_optimizer_reduces_once_and_says_so_once() -> None:
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):  # op=Sum: the gradient of the summed loss over ranks
+        opt.zero_grad()
+        x, y = batch(step, 0, 2 * ROWS_PER_RANK)
+        (F.mse_loss(model(x), y) * 2).backward()
+        opt.step()
+    results = run_ranks(_ddp_ranks, 2)
+    _same_everywhere_and_close([r[0] for r in results], _params(model))
+    for _, warnings in results:
+        assert len(warnings) == 1 and "does not reduce them again" in warnings[0]
+
+
+# --- scheduler, state_dict, isinstance, misuse ------------------------------------------------------------
+def _api_ranks(rank: int, size: int) -> dict:
+    model = Net()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = shard(0, 0, rank, size)
+    F.mse_loss(model(x), y).backward()
+    errors = {}
+    try:
+        opt.zero_grad()  # buckets are in flight: must refuse
+    except ValueError as e:
+        errors["zero_grad"] = str(e)
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    for _ in range(2):  # two backward passes with backward_passes_per_step=1
+        F.mse_loss(model(x), y).backward()
+    try:
+        opt.step()
+    except ValueError as e:
+        errors["passes"] = str(e)
+    state = opt.state_dict()
+    fresh = torch.optim.SGD(Net().parameters(), lr=1.0)
+    fresh.load_state_dict(state)
+    try:
+        hvd.DistributedOptimizer(opt)
+    except ValueError as e:
+        errors["twice"] = str(e)
+    return {"isinstance": isinstance(opt, torch.optim.SGD), "class": type(opt).__name__,
+            "lr": opt.param_groups[0]["lr"], "fresh_lr": fresh.param_groups[0]["lr"],
+            "momentum_buffers": sum("momentum_buffer" in s for s in fresh.state.values()), "errors": errors}
+
+
+def test_scheduler_state_dict_isinstance_and_misuse_errors() -> None:
+    for r in run_ranks(_api_ranks, 2):
+        assert r["isinstance"] and r["class"] == "SGD"
+        assert r["lr"] == 0.05 and r["fresh_lr"] == 0.05  # StepLR halved it; state_dict carries it
+        assert r["momentum_buffers"] == 6
+        assert "before optimizer.step() or optimizer.synchronize()" in r["errors"]["zero_grad"]
+        assert "backward_passes_per_step=1" in r["errors"]["passes"]
+        assert "already a hora DistributedOptimizer" in r["errors"]["twice"]
+
+
+# --- Adasum -----------------------------------------------------------------------------------------------
+def _adasum_ranks(rank: int, size: int) -> list[float]:
+    w = nn.Parameter(torch.zeros(2))
+    grads = [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0])]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)], op=hvd.Adasum)
+    (w * grads[rank]).sum().backward()
+    opt.step()
+    return w.detach().tolist()
+
+
+def test_adasum_matches_the_formula_on_a_hand_computed_case() -> None:
+    # a=[1,0], b=[1,1]: a.b=1, |a|^2=1, |b|^2=2 -> (1 - 1/2) a + (1 - 1/4) b = [1.25, 0.75]
+    for w in run_ranks(_adasum_ranks, 2):
+        assert w == pytest.approx([-1.25, -0.75])
+
+
+def _adasum_three(rank: int, size: int) -> str:
+    w = nn.Parameter(torch.zeros(2))
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), op=hvd.Adasum)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_adasum_on_three_ranks_is_refused_with_the_reason() -> None:
+    for msg in run_ranks(_adasum_three, 3):
+        assert "power-of-two" in msg and "got 3" in msg

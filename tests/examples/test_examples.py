@@ -1,0 +1,52 @@
+"""Each example trains briefly on 2 ranks and reports what its user would read."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from tests.distributed.harness import run_ranks
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _run_example(rank: int, size: int, script: str, argv: list[str]) -> dict[str, Any]:
+    spec = importlib.util.spec_from_file_location(Path(script).stem, EXAMPLES / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.main(argv)
+
+
+def test_train_digits_learns_and_averages_accuracy_over_ranks() -> None:
+    results = run_ranks(_run_example, 2, "train_digits.py", ["--epochs", "4"], init=False, timeout=120)
+    assert results[0]["size"] == 2
+    assert results[0]["accuracy"] == results[1]["accuracy"]  # averaged across ranks: one number
+    assert results[0]["accuracy"] > 0.85  # 10 classes: chance is 0.1
+
+
+def test_train_digits_seed_article_variant_with_ddp_and_fp16() -> None:
+    results = run_ranks(_run_example, 2, "train_digits.py", ["--epochs", "4", "--ddp", "--fp16-allreduce"],
+                        init=False, timeout=120)
+    assert results[0]["accuracy"] > 0.85
+
+
+def test_resnet50_synthetic_reports_images_per_second() -> None:
+    argv = ["--batch-size", "2", "--image-size", "32", "--num-iters", "2", "--num-batches-per-iter", "1",
+            "--num-warmup-batches", "1", "--fp16-allreduce"]
+    results = run_ranks(_run_example, 2, "resnet50_synthetic.py", argv, init=False, timeout=120)
+    for r in results:
+        assert r["img_per_sec_per_rank"] > 0
+        assert r["img_per_sec_total"] > r["img_per_sec_per_rank"]  # the sum over 2 ranks
+
+
+def test_unet3d_checkpoints_and_resumes(tmp_path: Path) -> None:
+    common = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "3", "--volume-size", "8",
+              "--num-samples", "8", "--batch-size", "2"]
+    first = run_ranks(_run_example, 2, "unet3d.py", ["--steps", "4", *common], init=False, timeout=120)
+    assert [r["start"] for r in first] == [0, 0] and [r["step"] for r in first] == [4, 4]
+    assert (tmp_path / "checkpoint.pt").exists()
+    second = run_ranks(_run_example, 2, "unet3d.py", ["--steps", "6", *common], init=False, timeout=120)
+    assert [r["start"] for r in second] == [3, 3]  # the last checkpoint was at step 3
+    assert [r["step"] for r in second] == [6, 6]
+    assert 0.0 < second[0]["dice"] <= 1.0
