@@ -1,0 +1,179 @@
+"""``hora run`` end to end on localhost: environment, output, logs, failures, signals, orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+from conftest import PYTHON, alive, hora_run, parent_of, wait_until, write_script
+
+ENV_WORKER = """
+import json, os, sys, datetime
+from torch.distributed import TCPStore
+env = {k: v for k, v in os.environ.items() if k.startswith(("HORA_", "HOROVOD_", "GLOO_"))
+       or k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")}
+store = TCPStore(env["HORA_STORE_ADDR"], int(env["HORA_STORE_PORT"]), is_master=False,
+                 timeout=datetime.timedelta(seconds=30))
+store.set("seen/" + env["HORA_RANK"], "1")
+env["store_ok"] = store.add("count", 1) >= 1
+with open(sys.argv[1] + "/env." + env["HORA_RANK"] + ".json", "w") as fh:
+    json.dump(env, fh)
+print("rank", env["HORA_RANK"], "done")
+"""
+
+
+def test_every_rank_gets_its_place_in_all_three_variable_families(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "envdump.py", ENV_WORKER)
+    result = hora_run(["-np", "3", "-H", "localhost:2,127.0.0.1:2", "-x", "EXTRA_FLAG=on",
+                       PYTHON, script, str(tmp_path)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    envs = [json.loads((tmp_path / f"env.{r}.json").read_text()) for r in range(3)]
+    # rank, size, local rank/size, cross rank/size, host: Horovod's numbering for hosts of 2 then 1 ranks
+    expect = [(0, 0, 2, 0, 2, "localhost"), (1, 1, 2, 0, 1, "localhost"), (2, 0, 1, 1, 2, "127.0.0.1")]
+    for env, (rank, local, local_size, cross, cross_size, host) in zip(envs, expect):
+        for family in ("HORA", "HOROVOD"):
+            assert env[f"{family}_RANK"] == str(rank)
+            assert env[f"{family}_SIZE"] == "3"
+            assert env[f"{family}_LOCAL_RANK"] == str(local)
+            assert env[f"{family}_LOCAL_SIZE"] == str(local_size)
+            assert env[f"{family}_CROSS_RANK"] == str(cross)
+            assert env[f"{family}_CROSS_SIZE"] == str(cross_size)
+            assert env[f"{family}_HOSTNAME"] == host
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
+            str(rank), str(local), "3", str(local_size))
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == (env["HORA_STORE_ADDR"], env["HORA_STORE_PORT"])
+        assert env["HORA_HOST_KEY"] == host
+        assert env["GLOO_SOCKET_IFNAME"] == "lo"
+        assert env["PYTHONPATH"].endswith(os.path.join("hora", "_compat"))
+        assert env["store_ok"] is True
+    assert len({e["HORA_JOB_ID"] for e in envs}) == 1
+    assert sorted(result.stdout.splitlines()) == [f"[{r}]<stdout>:rank {r} done" for r in range(3)]
+
+
+def test_output_lines_carry_rank_and_land_in_per_rank_logs(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "talk.py", """
+        import os, sys
+        r = os.environ["HORA_RANK"]
+        print(f"out {r}")
+        print(f"err {r}", file=sys.stderr)
+        sys.stdout.write("".join(f"\\rstep {i}%" for i in range(101)) + "\\n")
+        sys.stdout.write("no newline at end")
+    """)
+    logs = tmp_path / "logs"
+    result = hora_run(["-np", "2", "--output-filename", str(logs), "--prefix-output-with-timestamp",
+                       PYTHON, script], tmp_path)
+    assert result.returncode == 0, result.stderr
+    out_lines = result.stdout.splitlines()
+    for r in range(2):
+        mine = [line.split(f"[{r}]<stdout>:", 1)[1] for line in out_lines if f"[{r}]<stdout>:" in line]
+        assert mine[0] == f"out {r}"
+        assert mine[-2:] == ["step 100%", "no newline at end"]  # the bar's final state, whole lines
+        assert len(mine) < 10  # 101 redraws thinned, not 101 lines
+        assert f"[{r}]<stderr>:err {r}" in result.stderr
+        stdout_log = (logs / f"rank.{r}" / "stdout").read_text().splitlines()
+        assert stdout_log[0] == f"out {r}" and stdout_log[-1] == "no newline at end"
+        assert (logs / f"rank.{r}" / "stderr").read_text() == f"err {r}\n"
+    assert "\r" not in result.stdout
+    # --prefix-output-with-timestamp: "Mon Nov 30 05:35:48 2026[0]<stdout>:out 0"
+    first = next(line for line in out_lines if line.endswith("[0]<stdout>:out 0"))
+    assert len(first.split("[0]")[0].split()) == 5
+
+
+FAILING = """
+import os, sys, time, signal
+r = int(os.environ["HORA_RANK"])
+open(os.path.join(sys.argv[1], f"pid.{r}"), "w").write(str(os.getpid()))
+if r == 1:
+    time.sleep(0.5)
+    print("working on it", file=sys.stderr)
+    if sys.argv[2] == "raise":
+        def load_batch():
+            raise ValueError("corrupt batch 17")
+        try:
+            load_batch()
+        except ValueError:
+            import traceback; traceback.print_exc()
+            sys.exit(3)
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(60)
+"""
+
+
+def _stopped(tmp_path: Path, ranks: range) -> bool:
+    pids = [int((tmp_path / f"pid.{r}").read_text()) for r in ranks]
+    return not any(alive(p) for p in pids)
+
+
+def test_failing_rank_exit_code_root_cause_first_and_others_stopped(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "fail.py", FAILING)
+    result = hora_run(["-np", "3", PYTHON, script, str(tmp_path), "raise"], tmp_path)
+    assert result.returncode == 3
+    report = result.stderr[result.stderr.index("hora run: rank 1"):].splitlines()
+    assert report[0] == "hora run: rank 1 on host localhost failed first: exit code 3"
+    assert report[1] == "hora run: stopping the other 2 ranks"
+    assert report[2] == "hora run: ---- traceback of rank 1 (localhost) ----"
+    assert report[3] == "[1]: Traceback (most recent call last):"
+    assert "[1]:     raise ValueError(\"corrupt batch 17\")" in report
+    assert "[1]: ValueError: corrupt batch 17" in report
+    assert result.stderr.splitlines()[-1] == "hora run: job failed: rank 1 on host localhost: exit code 3"
+    assert _stopped(tmp_path, range(3))
+
+
+def test_rank_killed_by_sigkill_is_named_and_others_stopped(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "fail.py", FAILING)
+    result = hora_run(["-np", "3", PYTHON, script, str(tmp_path), "kill"], tmp_path)
+    assert result.returncode == 128 + 9
+    assert "hora run: rank 1 on host localhost failed first: signal SIGKILL (9)" in result.stderr
+    assert "[1]: working on it" in result.stderr  # its last stderr lines
+    assert _stopped(tmp_path, range(3))
+
+
+SLEEPER = """
+import os, sys, time
+r = int(os.environ["HORA_RANK"])
+open(os.path.join(sys.argv[1], f"pid.{r}.tmp"), "w").write(str(os.getpid()))
+os.rename(os.path.join(sys.argv[1], f"pid.{r}.tmp"), os.path.join(sys.argv[1], f"pid.{r}"))
+print("sleeping", flush=True)
+time.sleep(120)
+"""
+
+
+def _started(tmp_path: Path, n: int) -> list[int]:
+    assert wait_until(lambda: all((tmp_path / f"pid.{r}").exists() for r in range(n)), 30), "workers never started"
+    return [int((tmp_path / f"pid.{r}").read_text()) for r in range(n)]
+
+
+def test_sigkill_of_the_launcher_leaves_no_worker_and_no_agent(tmp_path: Path, background) -> None:  # type: ignore[no-untyped-def]
+    script = write_script(tmp_path, "sleep.py", SLEEPER)
+    job = background(["-np", "3", "-H", "localhost:2,127.0.0.1:1", PYTHON, script, str(tmp_path)])
+    pids = _started(tmp_path, 3)
+    agents = {parent_of(p) for p in pids}
+    assert len(agents) == 2 and job.proc.pid not in agents  # driver -> agent (one per host) -> workers
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job.proc.wait()
+    assert wait_until(lambda: not any(alive(p) for p in pids + sorted(agents)), 15), [
+        p for p in pids + sorted(agents) if alive(p)]
+
+
+def test_ctrl_c_stops_every_worker(tmp_path: Path, background) -> None:  # type: ignore[no-untyped-def]
+    script = write_script(tmp_path, "sleep.py", SLEEPER)
+    job = background(["-np", "2", PYTHON, script, str(tmp_path)])
+    pids = _started(tmp_path, 2)
+    os.killpg(job.proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    code, _, err = job.finish()
+    assert code == 130
+    assert "hora run: interrupted (SIGINT): stopping 2 rank(s)" in err
+    assert not any(alive(p) for p in pids)
+
+
+def test_horovod_script_runs_unchanged_on_the_shim(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "hvd.py", """
+        import importlib.util, os
+        spec = importlib.util.find_spec("horovod.torch")
+        print("horovod.torch from", os.path.relpath(spec.origin, os.path.dirname(spec.origin) + "/../../.."))
+    """)
+    result = hora_run(["-np", "1", PYTHON, script], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "[0]<stdout>:horovod.torch from _compat/horovod/torch/__init__.py\n"
