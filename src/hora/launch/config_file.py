@@ -36,7 +36,7 @@ def _flatten(data: dict[str, Any], path: str) -> dict[str, Any]:
             for sub, sub_value in value.items():
                 dest = _SECTIONS[key].get(str(sub))
                 if dest is None:
-                    raise ConfigError(f"config file {path}: unknown key {key}.{sub}")
+                    raise ConfigError(f"--config-file {path}: unknown key {key}.{sub}")
                 if dest.startswith("!"):
                     flat[dest[1:]] = not sub_value
                 else:
@@ -50,20 +50,20 @@ def _convert(action: argparse.Action, value: Any, path: str) -> Any:
     flag = action.option_strings[-1]
     if action.nargs == 0:  # store_true
         if not isinstance(value, bool):
-            raise ConfigError(f"config file {path}: {flag} must be true or false, got {value!r}")
+            raise ConfigError(f"--config-file {path}: {flag} must be true or false, got {value!r}")
         return value
     if action.dest in ("x", "ssh_option", "network_interfaces"):
         return [str(v) for v in value] if isinstance(value, list) else [str(value)]
     if isinstance(value, (dict, list)):
-        raise ConfigError(f"config file {path}: {flag} takes one value, got {type(value).__name__}")
+        raise ConfigError(f"--config-file {path}: {flag} takes one value, got {type(value).__name__}")
     kind = action.type if callable(action.type) else str
     try:
         converted = kind(str(value)) if kind is not str else str(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"config file {path}: {flag} value {value!r} is not a valid "
+        raise ConfigError(f"--config-file {path}: {flag} value {value!r} is not a valid "
                           f"{getattr(kind, '__name__', 'value')}") from None
     if action.choices is not None and converted not in action.choices:
-        raise ConfigError(f"config file {path}: {flag} must be one of {', '.join(map(str, action.choices))}")
+        raise ConfigError(f"--config-file {path}: {flag} must be one of {', '.join(map(str, action.choices))}")
     return converted
 
 
@@ -96,6 +96,6 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, An
         if key in ("config_file", "command") or key not in actions:
             close = difflib.get_close_matches(key, list(actions), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"config file {path}: unknown key {key!r}{hint}")
+            raise ConfigError(f"--config-file {path}: unknown key {key!r}{hint}")
         values[key] = _convert(actions[key], value, path)
     return values

@@ -69,17 +69,16 @@ def _parse_entry(entry: str, where: str) -> HostSpec:
         raise ConfigError(f"{where}: missing slot count after ':' in {entry!r}; write host:slots, e.g. {name}:2")
     if not _HOST_RE.match(name):
         raise ConfigError(f"{where}: {name!r} is not a valid host name or address")
-    return HostSpec(name, 1 if slots_text is None else _parse_slots(slots_text, entry, where))
+    return HostSpec(name, 1 if slots_text is None else _parse_slots(slots_text, name, entry, where))
 
 
-def _parse_slots(text: str, entry: str, where: str) -> int:
+def _parse_slots(text: str, host: str, entry: str, where: str) -> int:
     try:
         slots = int(text)
     except ValueError:
         raise ConfigError(f"{where}: slot count {text!r} in {entry!r} is not an integer") from None
     if slots < 1:
-        raise ConfigError(f"{where}: host {entry.rsplit(':', 1)[0]!r} has {slots} slots; "
-                          "each host needs at least 1 slot")
+        raise ConfigError(f"{where}: host {host!r} has {slots} slots; each host needs at least 1 slot")
     return slots
 
 
@@ -117,7 +116,7 @@ def parse_hostfile_text(text: str, path: str) -> tuple[HostSpec, ...]:
         if not m:
             raise ConfigError(f"{where}: cannot read {line!r}; write 'host slots=N' or 'host:N'")
         spec = _parse_entry(fields[0], where)
-        hosts.append(HostSpec(spec.name, _parse_slots(m.group(1), f"{spec.name}:{m.group(1)}", where)))
+        hosts.append(HostSpec(spec.name, _parse_slots(m.group(1), spec.name, line, where)))
     return _check_unique(hosts, f"hostfile {path}")
 
 
