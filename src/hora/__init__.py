@@ -89,7 +89,14 @@ from hora.ops import (  # noqa: F401
 )
 
 # --- helpers, optimizer, SyncBatchNorm (functions.py, optimizer.py, sync_batch_norm.py) ---------------
-# (added by the optimizer work)
+from hora.functions import (  # noqa: F401
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from hora.optimizer import DistributedOptimizer  # noqa: F401
+from hora.sync_batch_norm import SyncBatchNorm  # noqa: F401
 
 # --- diagnostics (diagnostics/) ------------------------------------------------------------------------
 # (added by the diagnostics work)

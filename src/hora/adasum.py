@@ -56,7 +56,7 @@ def adasum_tree(rows: torch.Tensor) -> torch.Tensor:
 class AdasumHandle:
     """An in-flight Adasum allreduce: an allgather now, the tree and the copy-out on ``wait()``."""
 
-    __slots__ = ("tensor", "gather", "size")
+    __slots__ = ("gather", "size", "tensor")
 
     def __init__(self, tensor: torch.Tensor, gather: Any, size: int) -> None:
         self.tensor, self.gather, self.size = tensor, gather, size
@@ -70,7 +70,7 @@ class AdasumHandle:
         return bool(self.gather.poll())
 
 
-def adasum_allreduce_async_(tensor: torch.Tensor, name: str, process_set: Any) -> AdasumHandle:
+def adasum_allreduce_async_(tensor: torch.Tensor, name: str | None, process_set: Any) -> AdasumHandle:
     """Start an in-place Adasum allreduce of ``tensor`` over ``process_set`` (a power-of-two number of ranks)."""
     size = process_set.size()
     if size & (size - 1):
@@ -78,5 +78,16 @@ def adasum_allreduce_async_(tensor: torch.Tensor, name: str, process_set: Any) -
             f"op=hvd.Adasum needs a power-of-two number of ranks, got {size}: run with 2, 4, 8... ranks or use "
             "op=hvd.Average"
         )
-    gather = ops.allgather_async(tensor.reshape(-1), name=f"{name}.adasum", process_set=process_set)
+    gather = ops.allgather_async(tensor.reshape(-1).contiguous(), name=f"{name}.adasum" if name else None,
+                                 process_set=process_set)
     return AdasumHandle(tensor, gather, size)
+
+
+def adasum_allreduce(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
+    """Adasum of ``tensor`` over ``process_set`` (default: all ranks), as a new tensor.
+
+    This is what ``hvd.allreduce(t, op=hvd.Adasum)`` runs.
+    """
+    from hora.process_sets import global_process_set
+
+    return adasum_allreduce_async_(tensor.clone(), name, process_set or global_process_set).wait()

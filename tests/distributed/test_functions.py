@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import hora as hvd
-from tests.distributed.harness import run_ranks
+from tests.distributed.test_optimizer import run_tensors
 
 
 def _model(seed: int) -> nn.Module:
@@ -27,7 +27,7 @@ def _broadcast_parameters(rank: int, size: int) -> dict:
 
 
 def test_broadcast_parameters_every_form_every_dtype() -> None:
-    results = run_ranks(_broadcast_parameters, 3)
+    results = run_tensors(_broadcast_parameters, 3)
     want_a = _model(1).state_dict()
     want_a["1.num_batches_tracked"] = torch.tensor(8)
     for r in results:
@@ -59,7 +59,7 @@ def _broadcast_optimizer_state(rank: int, size: int) -> dict:
 
 
 def test_broadcast_optimizer_state_before_and_after_the_first_step() -> None:
-    results = run_ranks(_broadcast_optimizer_state, 2)
+    results = run_tensors(_broadcast_optimizer_state, 2)
     for r in results:
         assert r["fresh_lr"] == 0.1 and r["fresh_state"] == 0
         assert r["lr"] == 0.01 and tuple(r["betas"]) == (0.8, 0.99)
@@ -80,7 +80,7 @@ def _objects(rank: int, size: int) -> dict:
 
 
 def test_broadcast_object_and_allgather_object() -> None:
-    results = run_ranks(_objects, 3)
+    results = run_tensors(_objects, 3)
     for r in results:
         assert r["got"]["rank"] == 2 and r["got"]["payload"] == list(range(100))
         assert torch.equal(r["got"]["t"], torch.full((2,), 2.0))

@@ -20,6 +20,30 @@ from torch import nn
 import hora as hvd
 from tests.distributed.harness import run_ranks
 
+
+def _convert(obj: Any, leaf: Callable[[Any], Any | None]) -> Any:
+    out = leaf(obj)
+    if out is not None:
+        return out
+    if isinstance(obj, dict):
+        return {k: _convert(v, leaf) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_convert(v, leaf) for v in obj)
+    return obj
+
+
+def run_tensors(fn: Callable[..., Any], nprocs: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """``run_ranks`` for functions that return tensors: they travel as numpy arrays (the harness's pipe
+    cannot carry torch's shared-memory tensors out of a process that exits) and come back as tensors."""
+    import numpy as np
+
+    def child(rank: int, size: int, *a: Any) -> Any:
+        return _convert(fn(rank, size, *a), lambda t: t.detach().numpy().copy() if torch.is_tensor(t) else None)
+
+    back = run_ranks(child, nprocs, *args, **kwargs)
+    return _convert(back, lambda t: torch.from_numpy(t) if isinstance(t, np.ndarray) else None)
+
+
 STEPS = 3
 ROWS_PER_RANK = 4
 TOL = {"fp16": 2e-3, "bf16": 2e-2}
@@ -133,11 +157,11 @@ def check(results: list[dict[str, list[torch.Tensor]]], names: list[str], size: 
 
 def test_every_option_matches_one_process_on_the_whole_batch_2_ranks() -> None:
     names = list(CASES)
-    check(run_ranks(_ranks, 2, names, timeout=120), names, 2)
+    check(run_tensors(_ranks, 2, names, timeout=120), names, 2)
 
 
 def test_options_match_one_process_on_3_ranks() -> None:
-    check(run_ranks(_ranks, 3, THREE_RANK_CASES, timeout=120), THREE_RANK_CASES, 3)
+    check(run_tensors(_ranks, 3, THREE_RANK_CASES, timeout=120), THREE_RANK_CASES, 3)
 
 
 def test_reference_is_sensitive_to_the_options() -> None:

@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hora as hvd
-from tests.distributed.harness import run_ranks
-from tests.distributed.test_optimizer import ROWS_PER_RANK, STEPS, Net, batch, shard
+from tests.distributed.test_optimizer import ROWS_PER_RANK, STEPS, Net, batch, run_tensors, shard
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
@@ -71,7 +70,7 @@ def _sparse_ranks(rank: int, size: int, sparse_as_dense: bool) -> list[torch.Ten
 def test_sparse_gradients(sparse_as_dense: bool) -> None:
     model = EmbedNet()
     expected = _train_embed(model, torch.optim.SGD(model.parameters(), lr=0.5), lambda s: _ids(s, 2 * ROWS_PER_RANK))
-    _same_everywhere_and_close(run_ranks(_sparse_ranks, 2, sparse_as_dense), expected)
+    _same_everywhere_and_close(run_tensors(_sparse_ranks, 2, sparse_as_dense), expected)
 
 
 # --- frozen parameters and requires_grad changing between steps ------------------------------------------
@@ -101,7 +100,7 @@ def test_frozen_parameters_and_requires_grad_changing_between_steps() -> None:
     expected = _freeze_schedule(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                 lambda s: batch(s, 0, 2 * ROWS_PER_RANK))
     assert not torch.equal(expected[0], Net().fc1.weight.detach())  # fc1 did train after unfreezing
-    _same_everywhere_and_close(run_ranks(_freeze_ranks, 2), expected)
+    _same_everywhere_and_close(run_tensors(_freeze_ranks, 2), expected)
 
 
 # --- AMP GradScaler, clipping between synchronize() and step() --------------------------------------------
@@ -135,7 +134,7 @@ def test_grad_scaler_unscale_and_clipping_between_synchronize_and_step() -> None
     model = Net()
     expected = _amp_clip(model, torch.optim.SGD(model.parameters(), lr=0.1),
                          lambda s: batch(s, 0, 2 * ROWS_PER_RANK), False)
-    _same_everywhere_and_close(run_ranks(_amp_ranks, 2), expected)
+    _same_everywhere_and_close(run_tensors(_amp_ranks, 2), expected)
 
 
 # --- the seed article's script: DDP and DistributedOptimizer together -----------------------------------
@@ -170,7 +169,7 @@ def test_model_in_ddp_and_distributed_optimizer_reduces_once_and_says_so_once() 
         x, y = batch(step, 0, 2 * ROWS_PER_RANK)
         (F.mse_loss(model(x), y) * 2).backward()
         opt.step()
-    results = run_ranks(_ddp_ranks, 2)
+    results = run_tensors(_ddp_ranks, 2)
     _same_everywhere_and_close([r[0] for r in results], _params(model))
     for _, warnings in results:
         assert len(warnings) == 1 and "does not reduce them again" in warnings[0]
@@ -192,12 +191,12 @@ def _api_ranks(rank: int, size: int) -> dict:
     opt.step()
     sched.step()
     opt.zero_grad()
-    for _ in range(2):  # two backward passes with backward_passes_per_step=1
-        F.mse_loss(model(x), y).backward()
     try:
-        opt.step()
+        for _ in range(2):  # two backward passes with backward_passes_per_step=1
+            F.mse_loss(model(x), y).backward()
     except ValueError as e:
         errors["passes"] = str(e)
+    opt.step()  # the first pass's gradients are still reduced and applied
     state = opt.state_dict()
     fresh = torch.optim.SGD(Net().parameters(), lr=1.0)
     fresh.load_state_dict(state)
@@ -211,7 +210,7 @@ def _api_ranks(rank: int, size: int) -> dict:
 
 
 def test_scheduler_state_dict_isinstance_and_misuse_errors() -> None:
-    for r in run_ranks(_api_ranks, 2):
+    for r in run_tensors(_api_ranks, 2):
         assert r["isinstance"] and r["class"] == "SGD"
         assert r["lr"] == 0.05 and r["fresh_lr"] == 0.05  # StepLR halved it; state_dict carries it
         assert r["momentum_buffers"] == 6
@@ -232,7 +231,7 @@ def _adasum_ranks(rank: int, size: int) -> list[float]:
 
 def test_adasum_matches_the_formula_on_a_hand_computed_case() -> None:
     # a=[1,0], b=[1,1]: a.b=1, |a|^2=1, |b|^2=2 -> (1 - 1/2) a + (1 - 1/4) b = [1.25, 0.75]
-    for w in run_ranks(_adasum_ranks, 2):
+    for w in run_tensors(_adasum_ranks, 2):
         assert w == pytest.approx([-1.25, -0.75])
 
 
@@ -246,5 +245,5 @@ def _adasum_three(rank: int, size: int) -> str:
 
 
 def test_adasum_on_three_ranks_is_refused_with_the_reason() -> None:
-    for msg in run_ranks(_adasum_three, 3):
+    for msg in run_tensors(_adasum_three, 3):
         assert "power-of-two" in msg and "got 3" in msg

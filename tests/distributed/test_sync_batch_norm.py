@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import hora as hvd
-from tests.distributed.harness import run_ranks
+from tests.distributed.test_optimizer import run_tensors
 
 ROWS = [3, 5, 2]  # a different local batch on each rank
 
@@ -58,7 +58,7 @@ def _reference(shape_tail: tuple[int, ...], size: int) -> dict:
 
 def _check(shape_tail: tuple[int, ...], size: int) -> None:
     want = _reference(shape_tail, size)
-    for rank, got in enumerate(run_ranks(_sync_bn, size, shape_tail)):
+    for rank, got in enumerate(run_tensors(_sync_bn, size, shape_tail)):
         for key in ("y", "dx", "y_eval"):
             torch.testing.assert_close(got[key], _mine(want[key], rank), msg=lambda m, r=rank, k=key: f"rank {r} {k}: {m}")
         for key in ("dw", "db", "running_mean", "running_var"):
