@@ -104,7 +104,6 @@ def cluster_cases(cluster: object, per_host: int = 2) -> dict[str, tuple[Starter
     login = hosts[0]
     spec = ",".join(f"{h.addr}:{per_host}" for h in hosts)
     np = per_host * len(hosts)
-    ssh_opts = " ".join(cluster.ssh_options)  # type: ignore[attr-defined]
 
     def hora(out: Path) -> list[subprocess.Popen[str]]:
         cmd = [
@@ -114,10 +113,8 @@ def cluster_cases(cluster: object, per_host: int = 2) -> dict[str, tuple[Starter
             str(np),
             "-H",
             spec,
-            "-i",
-            str(cluster.key),  # type: ignore[attr-defined]
-            "--ssh-options",
-            ssh_opts,
+            "--ssh-config-file",
+            str(cluster.ssh_config),  # type: ignore[attr-defined]
             PY,
             WORKER,
             "hora",

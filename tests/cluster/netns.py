@@ -265,6 +265,11 @@ class Cluster:
         ]
 
     @property
+    def ssh_config(self) -> Path:
+        """An ssh config file (``ssh -F``) with the same identity and options, for every host."""
+        return self.tmp / "ssh_config"
+
+    @property
     def ssh_args(self) -> list[str]:
         """Arguments for ``ssh`` to reach any host: identity, options, no user config."""
         return ["-F", "none", "-i", str(self.key), *self.ssh_options]
@@ -297,6 +302,8 @@ class Cluster:
     def _build(self, indices: Sequence[int]) -> None:
         _sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "hora-cluster", "-f", str(self.key)])
         (self.tmp / "authorized_keys").write_text(Path(f"{self.key}.pub").read_text())
+        options = [o.replace("=", " ") for o in self.ssh_options[1::2]]
+        self.ssh_config.write_text("\n    ".join(["Host *", f"IdentityFile {self.key}", *options]) + "\n")
         os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation dir
         _sh(f"ip netns add {self.hub}".split())
         _sh(f"ip -n {self.hub} link add br0 type bridge".split())
