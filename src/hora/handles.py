@@ -24,7 +24,7 @@ _UNSET = object()
 class Handle:
     """One submitted collective. Thread-safe: launched by the negotiator, finished by the user's thread."""
 
-    __slots__ = ("name", "kind", "_launched", "_work", "_error", "_finish", "_result", "_on_done", "_lock")
+    __slots__ = ("_error", "_finish", "_launched", "_lock", "_on_done", "_result", "_work", "kind", "name")
 
     def __init__(self, name: str, kind: str, finish: Callable[[], Any], on_done: Callable[[Handle], None]) -> None:
         self.name = name
@@ -91,18 +91,49 @@ def _wait_work(work: Any, name: str, kind: str) -> None:
 
     try:
         work.wait()
-    except Exception as e:  # noqa: BLE001 - c10d reports peer loss as RuntimeError or DistError
+    except Exception as e:  # c10d reports peer loss as RuntimeError or DistError
         raise CollectiveError(
             f"{kind} {name!r} failed in the communication backend: {e}. A peer process probably died or lost "
             "its network link; see that rank's log for the root cause."
         ) from e
 
 
-def poll(handle: Handle) -> bool:
+class GroupHandle:
+    """Several handles that finish together (grouped ops, sparse allreduce). ``wait`` returns the list of
+    results, or ``combine(results)`` when given."""
+
+    def __init__(self, handles: list[Any], combine: Callable[[list[Any]], Any] | None = None) -> None:
+        self.handles = handles
+        self._combine = combine
+
+    def poll(self) -> bool:
+        return all(h.poll() for h in self.handles)
+
+    def wait(self) -> Any:
+        results = [h.wait() for h in self.handles]
+        return self._combine(results) if self._combine is not None else results
+
+    __call__ = wait  # Horovod's sparse handles were callables
+
+
+class DoneHandle:
+    """A handle whose result is already known (an op that ran synchronously, e.g. Adasum)."""
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def poll(self) -> bool:
+        return True
+
+    def wait(self) -> Any:
+        return self._result
+
+
+def poll(handle: Handle | GroupHandle | DoneHandle) -> bool:
     """True when ``synchronize(handle)`` would return without blocking."""
     return handle.poll()
 
 
-def synchronize(handle: Handle) -> Any:
+def synchronize(handle: Handle | GroupHandle | DoneHandle) -> Any:
     """Wait for an async collective and return its output (a tensor, or a tuple for alltoall with splits)."""
     return handle.wait()

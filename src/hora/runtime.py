@@ -20,7 +20,7 @@ import atexit
 import datetime
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,7 @@ class Runtime:
     process_sets: dict[int, ProcessSet] = field(default_factory=dict)
     next_set_id: int = 1
     negotiator: Any = None
+    connect_store: Callable[[], dist.Store] | None = None  # a fresh client connection (the negotiator's bell)
 
     def register_process_set(self, ps: ProcessSet | Sequence[int]) -> ProcessSet:
         ps = ps if isinstance(ps, ProcessSet) else ProcessSet(ps)
@@ -129,9 +130,11 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
     owns = not dist.is_initialized()
     if owns:
         raw = _store(env, timeout)
-        base = dist.PrefixStore(f"hora/{env.job_id}/g{generation}/", raw)
+        prefix = f"hora/{env.job_id}/g{generation}"
+        base = dist.PrefixStore(prefix, raw)
+        connect = _connector(raw, prefix, timeout)
         dist.init_process_group(
-            backend, store=dist.PrefixStore("default/", base), rank=env.rank, world_size=env.size, timeout=timeout
+            backend, store=dist.PrefixStore("default", base), rank=env.rank, world_size=env.size, timeout=timeout
         )
     else:  # the script made the default group itself (e.g. under torchrun): join it
         if dist.get_world_size() != env.size and env.source != "single":
@@ -139,14 +142,16 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
         env = WorkerEnv(rank=dist.get_rank(), size=dist.get_world_size(), local_rank=env.local_rank,
                         local_size=env.local_size, hostname=env.hostname, host_key=env.host_key,
                         source=env.source, job_id=env.job_id)
-        base = dist.PrefixStore(f"hora/g{generation}/", _default_store())
+        prefix = f"hora/g{generation}"
+        base = dist.PrefixStore(prefix, _default_store())
+        connect = _connector(_default_store(), prefix, timeout)
         backend = dist.get_backend()
     ctrl = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     topo = _topology(env, ctrl)
     global_process_set.ranks = list(range(env.size))
     global_process_set._bind(0, dist.new_group(backend=backend), env.rank)
     rt = Runtime(env=env, knobs=knobs, store=base, topo=topo, backend=backend, owns_default_group=owns,
-                 ctrl_group=ctrl, device=device)
+                 ctrl_group=ctrl, device=device, connect_store=connect)
     rt.process_sets[0] = global_process_set
     return rt
 
@@ -168,12 +173,23 @@ def _store(env: WorkerEnv, timeout: datetime.timedelta) -> dist.Store:
         try:
             _stores[key] = dist.TCPStore(env.store_addr, env.store_port, world_size=None, is_master=server,
                                          timeout=timeout, wait_for_workers=False)
-        except Exception as e:  # noqa: BLE001 - c10d raises several types for the same failure
+        except Exception as e:  # c10d raises several types for the same failure
             raise ConfigError(
                 f"rank {env.rank}: cannot reach the rendezvous store at {env.store_addr}:{env.store_port} "
                 f"({e}); check that the address is reachable from this host and the port is open"
             ) from e
     return _stores[key]
+
+
+def _connector(store: dist.Store, prefix: str,
+               timeout: datetime.timedelta) -> Callable[[], dist.Store] | None:
+    """A factory of new client connections to the store (None for an in-memory store)."""
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    if not isinstance(inner, dist.TCPStore):
+        return None
+    return lambda: dist.PrefixStore(prefix, store.clone())
 
 
 def _default_store() -> dist.Store:

@@ -1,0 +1,376 @@
+"""The private core of every collective: validate -> prepare -> submit -> launch -> finish.
+
+``submit()`` validates a call, prepares the wire buffer on the caller's thread (compress, prescale, cast a
+dtype the backend lacks), and hands a :class:`LocalOp` to the negotiator. Once every member has submitted
+the name, the negotiator thread calls the op's *launch* (one c10d call with ``async_op=True``); the caller's
+``synchronize()`` runs its *finish* (average, postscale, decompress, copy out). Each kind is a small class
+with those two steps; the public functions in :mod:`hora.ops` are thin wrappers over ``submit``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hora import runtime
+from hora.compression import Compression, Compressor
+from hora.fusion import wire_op
+from hora.handles import Handle
+from hora.negotiator import Launch, LocalOp
+from hora.plan import Request
+from hora.process_sets import ProcessSet, global_process_set
+from hora.reduce_ops import ReduceOp
+
+# dtypes the backends lack travel as a wider type and are cast back when the op finishes
+_WIRE_CAST = {torch.int16: torch.int32}
+_SUPPORTED = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                        torch.bfloat16, torch.float32, torch.float64, torch.bool})
+_ARITHMETIC_OPS = frozenset({ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.PRODUCT})
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(eq=False)
+class Call:
+    """One validated call: everything launch and finish need."""
+
+    kind: str
+    tensor: torch.Tensor
+    name: str
+    ps: ProcessSet
+    op: ReduceOp = ReduceOp.SUM
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    splits: tuple[int, ...] | None = None
+    compression: Compressor = Compression.none
+    inplace: bool = False
+    wire: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    ctx: Any = None  # compression context
+    out: Any = None  # set by launch: the c10d output buffer
+    meta: Any = None  # set by launch: rows / splits the finish needs
+
+    @property
+    def index(self) -> int:
+        return self.ps.rank()
+
+
+def _validate(call: Call, rank: int) -> None:
+    t = call.tensor
+    where = f"{call.kind} {call.name!r} on rank {rank}"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _SUPPORTED:
+        raise TypeError(f"{where}: dtype {t.dtype} is not supported; use one of "
+                        f"{sorted(dtype_name(d) for d in _SUPPORTED)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{where}: the tensor is not contiguous; call .contiguous() on it first")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{where}: tensors on {t.device} are not supported (CPU and CUDA are)")
+    if t.is_cuda and runtime.state().device is None:
+        raise ValueError(f"{where}: a CUDA tensor, but hora was initialised without NCCL/CUDA")
+    if call.ps.process_set_id is None:
+        raise ValueError(f"{where}: {call.ps!r} is not registered; use hvd.add_process_set() first")
+    if not call.ps.included():
+        raise ValueError(f"{where}: rank {rank} is not a member of {call.ps!r}")
+    if call.kind in ("allreduce", "reducescatter"):
+        _validate_reduction(call, where)
+    if call.kind == "broadcast" and call.root not in call.ps.ranks:
+        raise ValueError(f"{where}: root rank {call.root} is not in {call.ps.ranks} "
+                         f"(world size {runtime.size()}); root_rank is a global rank")
+    if call.kind in ("allgather", "alltoall", "reducescatter") and t.dim() == 0:
+        raise ValueError(f"{where}: needs a tensor with at least one dimension (dim 0 is split or gathered)")
+
+
+def _validate_reduction(call: Call, where: str) -> None:
+    t = call.tensor
+    if call.op == ReduceOp.ADASUM:
+        raise ValueError(f"{where}: Adasum goes through hora.adasum, not the plain allreduce core")
+    if t.dtype == torch.bool and call.op in _ARITHMETIC_OPS:
+        raise TypeError(f"{where}: {call.op.name.capitalize()} of bool tensors is not defined; use Min or Max")
+    if (call.prescale != 1.0 or call.postscale != 1.0) and not t.is_floating_point():
+        raise TypeError(f"{where}: prescale/postscale factors need a floating-point tensor, got {t.dtype}")
+
+
+def _request(call: Call) -> Request:
+    t = call.wire
+    return Request(call.name, call.kind, dtype_name(t.dtype), tuple(call.tensor.shape), int(call.op), call.root,
+                   float(call.prescale), float(call.postscale), tuple(call.ps.ranks), t.device.type, call.splits)
+
+
+def submit(call: Call) -> Handle:
+    """Validate, prepare the wire buffer, and hand the op to the negotiator."""
+    return submit_many([call])[0]
+
+
+def submit_many(calls: list[Call]) -> list[Handle]:
+    """Submit several calls in one negotiation round; nothing is submitted if any call is invalid."""
+    if not calls:
+        return []
+    rt = runtime.state(f"hvd.{calls[0].kind}()")
+    neg = rt.negotiator
+    ops = []
+    for call in calls:
+        if not call.name:
+            call.name = neg.unnamed(call.ps.process_set_id)
+        elif not isinstance(call.name, str):
+            raise TypeError(f"collective names are strings, got {call.name!r}")
+        _validate(call, rt.topo.rank)
+    for call in calls:
+        ops.append(_local_op(call, neg))
+    return neg.submit_many(ops)
+
+
+def _local_op(call: Call, neg: Any) -> LocalOp:
+    kind = KINDS[call.kind]
+    kind.prepare(call)
+    handle = Handle(call.name, call.kind, lambda: kind.finish(call), neg.done)
+    event = None
+    if call.wire.is_cuda:
+        event = torch.cuda.Event()
+        event.record()
+    fusable = call.wire if call.kind == "allreduce" else None
+    return LocalOp(_request(call), handle, lambda launch: kind.launch(call, launch), wire=fusable, event=event)
+
+
+# --- the kinds ----------------------------------------------------------------------------------------------
+def _to_wire(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    cast = _WIRE_CAST.get(t.dtype)
+    if cast is not None:
+        return t.to(cast)
+    return t.clone() if copy else t
+
+
+def _from_wire(call: Call, result: torch.Tensor) -> torch.Tensor:
+    dtype = call.tensor.dtype
+    return result.to(dtype) if result.dtype != dtype and dtype in _WIRE_CAST else result
+
+
+def _scale_after(call: Call, result: torch.Tensor) -> None:
+    """Average (over the set's full size, joined ranks included) and postscale, in place."""
+    n = call.ps.size()
+    if call.op == ReduceOp.AVERAGE:
+        if result.is_floating_point():
+            result.mul_(call.postscale / n)
+            return
+        result.div_(n, rounding_mode="trunc")
+    if call.postscale != 1.0:
+        result.mul_(call.postscale)
+
+
+def _prepare_reduction(call: Call) -> None:
+    compressed, call.ctx = call.compression.compress(call.tensor)
+    shared = compressed is call.tensor  # never write into the caller's tensor unless asked to (in-place)
+    copy = shared and not call.inplace and (call.kind == "allreduce" or call.prescale != 1.0)
+    call.wire = _to_wire(compressed, copy=copy)
+    if call.prescale != 1.0:
+        call.wire.mul_(call.prescale)
+
+
+def _finish_reduction(call: Call, result: torch.Tensor) -> torch.Tensor:
+    if result.dtype != call.tensor.dtype and call.ctx is None:
+        result = _from_wire(call, result)
+    _scale_after(call, result)
+    result = call.compression.decompress(result, call.ctx)
+    if call.inplace and result is not call.tensor:
+        call.tensor.copy_(result)
+        return call.tensor
+    return result
+
+
+class Allreduce:
+    prepare = staticmethod(_prepare_reduction)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Any:
+        return dist.all_reduce(call.wire, op=wire_op(call.op), group=launch.group, async_op=True)
+
+    @staticmethod
+    def finish(call: Call) -> torch.Tensor:
+        return _finish_reduction(call, call.wire)
+
+
+class Allgather:
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = _to_wire(call.tensor, copy=False)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Any:
+        call.meta = rows = member_rows(launch)
+        call.out, work = gather_rows(call.wire, rows, launch.group)
+        return work
+
+    @staticmethod
+    def finish(call: Call) -> torch.Tensor:
+        return _from_wire(call, unpad_rows(call.out, call.meta))
+
+
+def member_rows(launch: Launch) -> list[int]:
+    """Rows each member contributes to an allgather (a joined rank contributes none)."""
+    reqs = launch.entry.requests
+    return [reqs[r].shape[0] if r in reqs else 0 for r in launch.entry.first.ps]
+
+
+def gather_rows(wire: torch.Tensor, rows: list[int], group: Any) -> tuple[torch.Tensor, Any]:
+    """Allgather with uneven dim 0: pad every contribution to the largest, trim in ``unpad_rows``."""
+    top = max(rows)
+    rest = tuple(wire.shape[1:])
+    out = torch.empty((top * len(rows), *rest), dtype=wire.dtype, device=wire.device)
+    if wire.shape[0] != top:
+        padded = torch.zeros((top, *rest), dtype=wire.dtype, device=wire.device)
+        padded[: wire.shape[0]].copy_(wire)
+        wire = padded
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return out, fn(out, wire, group=group, async_op=True)
+
+
+def unpad_rows(out: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    top = max(rows)
+    if all(r == top for r in rows):
+        return out
+    return torch.cat([out[i * top : i * top + r] for i, r in enumerate(rows)])
+
+
+class Broadcast:
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = _to_wire(call.tensor, copy=not call.inplace)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Any:
+        return dist.broadcast(call.wire, src=call.root, group=launch.group, async_op=True)
+
+    @staticmethod
+    def finish(call: Call) -> torch.Tensor:
+        result = _from_wire(call, call.wire)
+        if call.inplace and result is not call.tensor:
+            call.tensor.copy_(result)
+            return call.tensor
+        return result
+
+
+def even_splits(rows: int, n: int) -> list[int]:
+    """Rows per rank when dim 0 is divided evenly: the first ``rows % n`` ranks get one more."""
+    return [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+
+
+class Alltoall:
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = _to_wire(call.tensor, copy=False)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Any:
+        me = call.index
+        reqs = launch.entry.requests
+        recv = [reqs[r].splits[me] for r in launch.entry.first.ps]  # type: ignore[index]
+        rest = tuple(call.wire.shape[1:])
+        call.out = torch.empty((sum(recv), *rest), dtype=call.wire.dtype, device=call.wire.device)
+        call.meta = recv
+        return dist.all_to_all_single(call.out, call.wire, output_split_sizes=recv,
+                                      input_split_sizes=list(call.splits or ()), group=launch.group, async_op=True)
+
+    @staticmethod
+    def finish(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        return _from_wire(call, call.out), torch.tensor(call.meta, dtype=torch.int32)
+
+
+class Reducescatter:
+    prepare = staticmethod(_prepare_reduction)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Any:
+        call.out, work = scatter_rows(call.wire, len(launch.entry.first.ps), call.index, call.op, launch.group)
+        return work
+
+    @staticmethod
+    def finish(call: Call) -> torch.Tensor:
+        return _finish_reduction(call, call.out)
+
+
+def scatter_rows(wire: torch.Tensor, n: int, index: int, op: int, group: Any) -> tuple[torch.Tensor, Any]:
+    """Reduce-scatter along dim 0 with the uneven rule, padding every chunk to the largest."""
+    counts = even_splits(wire.shape[0], n)
+    top = counts[0]
+    rest = tuple(wire.shape[1:])
+    if any(c != top for c in counts):
+        padded = torch.zeros((top * n, *rest), dtype=wire.dtype, device=wire.device)
+        start = 0
+        for i, c in enumerate(counts):
+            padded[i * top : i * top + c].copy_(wire[start : start + c])
+            start += c
+        wire = padded
+    out = torch.empty((top, *rest), dtype=wire.dtype, device=wire.device)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    work = fn(out, wire, op=wire_op(op), group=group, async_op=True)
+    return out[: counts[index]], work
+
+
+class Barrier:
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = call.tensor
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Any:
+        return dist.barrier(group=launch.group, async_op=True)
+
+    @staticmethod
+    def finish(call: Call) -> None:
+        return None
+
+
+class Join:
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = call.tensor
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> None:
+        from hora.plan import last_joined
+
+        call.meta = last_joined(launch.entry)
+
+    @staticmethod
+    def finish(call: Call) -> int:
+        return int(call.meta)
+
+
+KINDS: dict[str, Any] = {"allreduce": Allreduce, "allgather": Allgather, "broadcast": Broadcast,
+                         "alltoall": Alltoall, "reducescatter": Reducescatter, "barrier": Barrier, "join": Join}
+
+
+def launch_joined(launch: Launch) -> Any:
+    """Take part in a collective for a rank that has called ``join()``: contribute zeros or nothing."""
+    from hora.fusion import to_dtype
+
+    req = launch.entry.first
+    dtype, device = to_dtype(req.dtype), torch.device(req.device, torch.cuda.current_device()) \
+        if req.device == "cuda" else torch.device("cpu")
+    group = launch.group
+    if req.kind == "allreduce":
+        return dist.all_reduce(torch.zeros(req.shape, dtype=dtype, device=device), op=wire_op(req.op),
+                               group=group, async_op=True)
+    if req.kind == "allgather":
+        empty = torch.zeros((0, *req.shape[1:]), dtype=dtype, device=device)
+        return gather_rows(empty, member_rows(launch), group)[1]
+    if req.kind == "broadcast":
+        return dist.broadcast(torch.empty(req.shape, dtype=dtype, device=device), src=req.root, group=group,
+                              async_op=True)
+    if req.kind == "reducescatter":
+        index = list(req.ps).index(launch.rank)
+        zeros = torch.zeros(req.shape, dtype=dtype, device=device)
+        return scatter_rows(zeros, len(req.ps), index, req.op, group)[1]
+    if req.kind == "barrier":
+        return dist.barrier(group=group, async_op=True)
+    return None
+
+
+def default_set(process_set: ProcessSet | None) -> ProcessSet:
+    return global_process_set if process_set is None else process_set

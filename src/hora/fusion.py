@@ -1,0 +1,111 @@
+"""Tensor fusion: small allreduces that become ready together run as one, in a reused flat buffer.
+
+Fusion is decided from the negotiation table alone (never from local state), so every rank, including a
+rank that has joined and only contributes zeros, issues exactly the same c10d calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hora.plan import Entry
+from hora.reduce_ops import ReduceOp
+
+MAX_FUSED_TENSOR_BYTES = 1 << 20  # larger tensors run alone: fusion would only add copies
+
+_WIRE_OPS = {
+    ReduceOp.AVERAGE: dist.ReduceOp.SUM,  # the division happens when the op finishes
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+}
+
+
+def wire_op(op: int) -> Any:
+    """The c10d reduce op that carries a hora reduce op on the wire."""
+    return _WIRE_OPS[ReduceOp(op)]
+
+
+def to_dtype(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32``."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def nbytes(entry: Entry) -> int:
+    req = entry.first
+    numel = 1
+    for d in req.shape:
+        numel *= d
+    return numel * to_dtype(req.dtype).itemsize
+
+
+def _key(entry: Entry, threshold: int) -> tuple[object, ...] | None:
+    req = entry.first
+    if req.kind != "allreduce" or threshold <= 0 or nbytes(entry) > min(threshold, MAX_FUSED_TENSOR_BYTES):
+        return None
+    return (req.dtype, int(wire_op(req.op)), req.ps, req.device)
+
+
+def plan_batches(ready: Sequence[Entry], threshold: int) -> list[list[Entry]]:
+    """Group consecutive fusable allreduces (same dtype, wire op, process set, device) up to ``threshold``
+    bytes; everything else is a batch of one. Order is kept."""
+    batches: list[list[Entry]] = []
+    current: list[Entry] = []
+    current_key: tuple[object, ...] | None = None
+    current_bytes = 0
+    for entry in ready:
+        key = _key(entry, threshold)
+        size = nbytes(entry) if key is not None else 0
+        if key is not None and key == current_key and current_bytes + size <= threshold:
+            current.append(entry)
+            current_bytes += size
+            continue
+        if current:
+            batches.append(current)
+        current, current_key, current_bytes = [entry], key, size
+    if current:
+        batches.append(current)
+    return batches
+
+
+class FusionBuffers:
+    """One growable flat buffer per (dtype, device), reused by every fused allreduce."""
+
+    def __init__(self, threshold: int) -> None:
+        self.threshold = threshold
+        self._buffers: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+
+    def _get(self, dtype: torch.dtype, device: str, numel: int) -> torch.Tensor:
+        buf = self._buffers.get((dtype, device))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1024), dtype=dtype, device=device)
+            self._buffers[(dtype, device)] = buf
+        return buf[:numel]
+
+    def allreduce(self, wires: Sequence[torch.Tensor | None], entries: Sequence[Entry], group: Any) -> None:
+        """Reduce ``wires`` in place as one c10d allreduce; a None wire (a joined rank) contributes zeros."""
+        req = entries[0].first
+        sizes = [int(torch.Size(e.first.shape).numel()) for e in entries]
+        flat = self._get(to_dtype(req.dtype), req.device, sum(sizes))
+        offset = 0
+        for wire, n in zip(wires, sizes):
+            if wire is None:
+                flat[offset : offset + n].zero_()
+            else:
+                flat[offset : offset + n].copy_(wire.reshape(-1))
+            offset += n
+        dist.all_reduce(flat, op=wire_op(req.op), group=group, async_op=True).wait()
+        offset = 0
+        for wire, n in zip(wires, sizes):
+            if wire is not None:
+                wire.view(-1).copy_(flat[offset : offset + n]) if wire.is_contiguous() else wire.copy_(
+                    flat[offset : offset + n].view_as(wire))
+            offset += n

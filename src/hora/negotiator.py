@@ -1,0 +1,553 @@
+"""The negotiator: matches collectives across ranks by name, then runs them in one agreed order.
+
+One background thread per process. In each *round* every rank contributes the requests it submitted since
+the last round, in one control-plane allgather on a dedicated Gloo group; every rank adds them to the same
+:class:`hora.plan.Table` and reaches the same decision (ready / mismatched, and the order to run them). Only
+this thread issues hora's data-plane collectives, in that order, on hora's own groups.
+
+Rounds are event-driven. While work is pending they run back to back; when a round makes no progress every
+negotiator goes idle and blocks on a store key (the *bell*) for the next round; a rank that submits while
+idle rings it. No busy loop, no fixed cycle, no CPU while idle.
+
+A name seen before with identical metadata is sent as a small integer (the response cache), so steady-state
+rounds carry a few bytes. The stall inspector lives here too: the table knows which ranks have not submitted
+a pending name and since when.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from hora import fusion
+from hora.diagnostics import stall as stall_mod
+from hora.diagnostics import timeline as timeline_mod
+from hora.diagnostics import where
+from hora.errors import CollectiveError, CollectiveTimeoutError
+from hora.handles import Handle
+from hora.plan import JOIN, SHUTDOWN, Decision, Entry, Request, Table
+
+if TYPE_CHECKING:
+    from hora.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+_SLOT = 1024  # bytes per rank in the first control allgather of a round; larger payloads take a second
+_CACHE_CAP = 4096  # named ops remembered by the response cache
+_UNNAMED = "noname."
+_IDLE_WAIT_S = 3600.0  # store waits time out noisily in c10d's C++ log: wake only when rung
+
+
+@dataclass(eq=False)
+class LocalOp:
+    """An op this rank submitted: its request, its handle, and how to issue it once ready."""
+
+    req: Request
+    handle: Handle
+    launch: Callable[[Launch], Any]  # issues the c10d call on the negotiator thread; returns a Work or None
+    wire: torch.Tensor | None = None  # the buffer an allreduce sends: fusion may copy it into a fused buffer
+    event: Any = None  # CUDA event recorded at submit on the user's stream
+    submitted_at: float = 0.0
+
+
+@dataclass(eq=False)
+class Launch:
+    """What a launch needs beyond its own request: every member's request, and the group to run on."""
+
+    entry: Entry
+    group: Any
+    rank: int
+    joined: frozenset[int]
+
+
+class Negotiator:
+    """See the module docstring. Created by ``init()``; ``submit()`` is the only call ops make."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.rank = rt.topo.rank
+        self.size = rt.topo.size
+        self.table = Table(self.size)
+        self.policy = stall_mod.StallPolicy.from_knobs(rt.knobs)
+        self._lock = threading.Lock()
+        self._outbox: list[LocalOp] = []
+        self._mine: dict[str, LocalOp] = {}  # submitted, not yet launched or failed
+        self._in_flight: set[str] = set()  # names whose handle has not been synchronized
+        self._flags: dict[str, Any] = {}
+        self._broken: BaseException | None = None
+        self._idle_round: int | None = 0  # every negotiator starts idle, waiting for round 0's bell
+        self._rung = False
+        self._seq: dict[int, int] = {}
+        self._cache_ids: dict[Request, int] = {}
+        self._cache: list[dict[int, Request]] = []
+        self._use_cache = not rt.knobs.disable_cache
+        self._fused = fusion.FusionBuffers(rt.knobs.fusion_threshold)
+        self._joined_works: list[Any] = []
+        self._stopped = threading.Event()
+        self._exit_requested = False
+        self._bell = _make_bell(rt)
+        self._watchdog = _Watchdog(self._on_watchdog)
+        self._exchange = _Exchange(self.size, rt.ctrl_group)
+        self._thread = threading.Thread(target=self._run, name="hora-negotiator", daemon=True)
+
+    # --- user side ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        self._watchdog.start()
+
+    def unnamed(self, ps_id: int) -> str:
+        """A sequence name for an unnamed op: shared by every kind in a process set, so a rank calling a
+        different collective than its peers is a mismatch at once, not a silent hang."""
+        with self._lock:
+            n = self._seq.get(ps_id, 0)
+            self._seq[ps_id] = n + 1
+        return f"{_UNNAMED}ps{ps_id}.{n}"
+
+    def submit(self, op: LocalOp) -> Handle:
+        return self.submit_many([op])[0]
+
+    def submit_many(self, ops: list[LocalOp]) -> list[Handle]:
+        """Queue ops for the next round, all in the same round (grouped ops stay together)."""
+        with self._lock:
+            if self._broken is not None:
+                raise CollectiveError(f"hora cannot run {ops[0].req.kind} {ops[0].req.name!r}: {self._broken}"
+                                      ) from self._broken
+            names = [op.req.name for op in ops]
+            for name in names:
+                if name in self._in_flight or names.count(name) > 1:
+                    raise ValueError(
+                        f"collective name {name!r} is still in flight on rank {self.rank}: synchronize() its "
+                        "handle before submitting the name again, or use a different name"
+                    )
+            now = time.perf_counter()
+            for op in ops:
+                self._in_flight.add(op.req.name)
+                op.submitted_at = now
+                self._mine[op.req.name] = op
+                self._outbox.append(op)
+            self._ring_if_idle()
+        return [op.handle for op in ops]
+
+    def done(self, handle: Handle) -> None:
+        """Called when a handle is synchronized: its name may be used again."""
+        with self._lock:
+            self._in_flight.discard(handle.name)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Collective shutdown: wait (up to ``timeout``) until every rank stops, then end the thread."""
+        if not self._thread.is_alive():
+            return
+        if self._broken is None:
+            h = Handle("__shutdown__", SHUTDOWN, lambda: None, self.done)
+            req = Request("__shutdown__", SHUTDOWN, "", (), ps=tuple(range(self.size)))
+            try:
+                self.submit(LocalOp(req, h, lambda launch: None))
+                deadline = time.monotonic() + timeout
+                while not h.poll() and time.monotonic() < deadline and self._thread.is_alive():
+                    time.sleep(0.01)
+                if not h.poll():
+                    log.warning("rank %d: peers did not shut down within %.0fs; leaving anyway", self.rank, timeout)
+            except CollectiveError:
+                pass
+        with self._lock:
+            self._exit_requested = True
+            self._ring_if_idle()
+        self._thread.join(timeout=2.0)
+        self._watchdog.stop()
+
+    def _ring_if_idle(self) -> None:  # caller holds self._lock
+        if self._idle_round is not None and not self._rung:
+            self._rung = True
+            try:
+                self._bell.ring(self._idle_round)
+            except Exception as e:  # the store is gone: the launcher died
+                self._break(CollectiveError(f"rank {self.rank} lost the rendezvous store: {e}"))
+
+    # --- negotiator thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        if self.rt.device is not None:
+            torch.cuda.set_device(self.rt.device)
+        round_no = 0
+        try:
+            while True:
+                if self._idle_round is not None and not self._wait_bell(round_no):
+                    return
+                progress, finished = self._round(round_no)
+                if finished:
+                    return
+                with self._lock:
+                    # Keep going while rounds make progress and this rank has more to send; otherwise every
+                    # rank goes idle on the next round's bell (the decision is the same everywhere).
+                    self._idle_round = round_no + 1
+                    self._rung = False
+                    if self._outbox or self._flags:
+                        self._ring_if_idle()
+                round_no += 1
+        except Exception as e:  # any failure ends negotiation; users see it on their handles
+            self._break(CollectiveError(f"rank {self.rank}: negotiation with peers failed: {e}"))
+        finally:
+            self._stopped.set()
+
+    def _wait_bell(self, round_no: int) -> bool:
+        """Block until some rank rings ``round_no``. The watchdog rings it if a pending op stalls."""
+        if self.rank == 0 and round_no > 0:
+            self._bell.clear(round_no - 1)  # everyone is past that bell: they all took part in its round
+        delay = self._stall_check_in()
+        if delay is not None:
+            self._watchdog.arm(round_no, delay)
+        try:
+            while not self._bell.wait(round_no, _IDLE_WAIT_S):
+                pass
+        finally:
+            self._watchdog.disarm()
+        with self._lock:
+            self._idle_round = None
+            return not (self._exit_requested and not self._outbox)
+
+    def _on_watchdog(self, round_no: int) -> None:
+        """Runs on the watchdog thread when a stall deadline passes while this rank is idle."""
+        with self._lock:
+            if self._idle_round == round_no and self._stall_due():
+                self._ring_if_idle()
+
+    def _round(self, round_no: int) -> tuple[bool, bool]:
+        with self._lock:
+            outgoing, self._outbox = self._outbox, []
+            flags, self._flags = self._flags, {}
+        payload = pickle.dumps(([self._encode(op.req) for op in outgoing], flags), protocol=5)
+        t0 = time.perf_counter()
+        gathered = [pickle.loads(b) for b in self._exchange.allgather(payload)]
+        tl = timeline_mod.active()
+        if tl is not None and tl.mark_cycles:
+            tl.instant("round", t0, row="negotiator", round=round_no)
+        decision = Decision()
+        now = time.monotonic()
+        any_news = False
+        for rank, (entries, rank_flags) in enumerate(gathered):
+            any_news = any_news or bool(entries) or bool(rank_flags)
+            for item in entries:
+                fresh = not isinstance(item, int)
+                req = item if fresh else self._cache[item][rank]
+                self.table.add(rank, req, round_no, now, decision, fresh=fresh)
+        self.table.decide(decision)
+        self._apply(decision)
+        finished = self._handle_flags(gathered, decision)
+        progress = any_news or bool(decision.ready or decision.failed or decision.late_failures)
+        return progress, finished
+
+    def _encode(self, req: Request) -> Request | int:
+        if self._use_cache:
+            cached = self._cache_ids.get(req)
+            if cached is not None:
+                return cached
+        return req
+
+    def _remember(self, entry: Entry) -> None:
+        """Give a fresh named entry a cache id. Every rank runs this on the same entries in the same order,
+        so ids agree everywhere; a rank then sends its identical request as that id."""
+        if not entry.fresh or entry.name.startswith(_UNNAMED) or entry.first.kind in (JOIN, SHUTDOWN):
+            return
+        if len(self._cache) >= _CACHE_CAP:
+            return
+        mine = entry.requests.get(self.rank)
+        if mine is not None:
+            self._cache_ids[mine] = len(self._cache)
+        self._cache.append(dict(entry.requests))
+
+    def _apply(self, decision: Decision) -> None:
+        for entry, error in decision.failed:
+            self._fail_local(entry.name, error)
+        for rank, name, error in decision.late_failures:
+            if rank == self.rank:
+                self._fail_local(name, error)
+        joined = self.table.joined
+        self._joined_works = [w for w in self._joined_works if not w.is_completed()]
+        for batch in fusion.plan_batches(decision.ready, self._fused.threshold):
+            members = [e for e in batch if self.rank in e.first.ps]
+            if not members:
+                continue
+            if len(members) > 1:
+                self._launch_fused(members, joined)
+            else:
+                self._launch_one(members[0], joined)
+        for entry in decision.ready:
+            self._remember(entry)
+
+    def _launch_one(self, entry: Entry, joined: frozenset[int]) -> None:
+        op = self._take_local(entry.name)
+        group = self._group_of(entry)
+        launch = Launch(entry, group, self.rank, joined)
+        kind = entry.first.kind
+        if op is None:  # this rank has joined: contribute zeros / nothing
+            from hora.collectives import launch_joined
+
+            work = launch_joined(launch)
+            if work is not None:
+                self._joined_works.append(work)
+            return
+        try:
+            self._wait_cuda(op)
+            work = op.launch(launch)
+        except Exception as e:  # report on the handle, keep negotiating
+            op.handle.fail(CollectiveError(f"{kind} {entry.name!r} could not start on rank {self.rank}: {e}"))
+            return
+        op.handle.launched(work)
+        self._trace(op, "negotiate")
+
+    def _launch_fused(self, entries: list[Entry], joined: frozenset[int]) -> None:
+        ops_ = [self._take_local(e.name) for e in entries]
+        for op in ops_:
+            if op is not None:
+                self._wait_cuda(op)
+        group = self._group_of(entries[0])
+        try:
+            self._fused.allreduce([op.wire if op is not None else None for op in ops_], entries, group)
+        except Exception as e:
+            err = CollectiveError(f"fused allreduce of {len(entries)} tensors failed on rank {self.rank}: {e}")
+            for op in ops_:
+                if op is not None:
+                    op.handle.fail(err)
+            return
+        for op in ops_:
+            if op is not None:
+                op.handle.launched(None)
+                self._trace(op, "negotiate")
+
+    def _trace(self, op: LocalOp, phase: str) -> None:
+        tl = timeline_mod.active()
+        if tl is not None:
+            r = op.req
+            tl.span(r.name, phase, op.submitted_at, time.perf_counter(), kind=r.kind, dtype=r.dtype,
+                    shape=list(r.shape))
+
+    def _take_local(self, name: str) -> LocalOp | None:
+        with self._lock:
+            return self._mine.pop(name, None)
+
+    def _fail_local(self, name: str, error: BaseException) -> None:
+        op = self._take_local(name)
+        if op is not None:
+            op.handle.fail(error)
+
+    def _group_of(self, entry: Entry) -> Any:
+        for ps in self.rt.process_sets.values():
+            if tuple(ps.ranks) == entry.first.ps:
+                return ps.group
+        raise CollectiveError(f"{entry.name!r}: no process set with ranks {list(entry.first.ps)} on rank {self.rank}")
+
+    @staticmethod
+    def _wait_cuda(op: LocalOp) -> None:
+        if op.event is not None:
+            torch.cuda.current_stream().wait_event(op.event)
+
+    # --- stall inspector ----------------------------------------------------------------------------
+    def _oldest_wait(self) -> tuple[Entry | None, float]:
+        now = time.monotonic()
+        oldest = min(self.table.entries.values(), key=lambda e: e.first_time, default=None)
+        waited = now - oldest.first_time if oldest is not None else 0.0
+        return oldest, waited
+
+    def _stall_check_in(self) -> float | None:
+        oldest, waited = self._oldest_wait()
+        if oldest is None or oldest.first.kind in (JOIN, SHUTDOWN):
+            return None
+        return self.policy.next_check_s(waited, oldest.reported)
+
+    def _stall_due(self) -> bool:  # caller holds self._lock
+        now = time.monotonic()
+        due = []
+        for e in self.table.entries.values():
+            if e.first.kind in (JOIN, SHUTDOWN):
+                continue
+            action = self.policy.decide(now - e.first_time, e.reported)
+            if action is not stall_mod.StallAction.NONE:
+                due.append((e.name, action.value))
+        if due:
+            self._flags["stall_query"] = due
+        return bool(due)
+
+    def _handle_flags(self, gathered: list[Any], decision: Decision) -> bool:
+        queries = [f.get("stall_query") for _, f in gathered if f.get("stall_query")]
+        if queries:  # every rank answers in the next round with where it is
+            with self._lock:
+                self._flags["where"] = (where.describe_location(threading.main_thread().ident),
+                                        dict(queries[0]))
+        answers = {r: f["where"] for r, (_, f) in enumerate(gathered) if "where" in f}
+        if answers:
+            self._report_stalls(answers)
+        return any(e.first.kind == SHUTDOWN for e in decision.ready)
+
+    def _report_stalls(self, answers: dict[int, tuple[str, dict[str, str]]]) -> None:
+        asked: dict[str, str] = {}
+        for _, (_, names) in sorted(answers.items()):
+            for name, action in names.items():
+                if asked.get(name) != "shutdown":
+                    asked[name] = action
+        now = time.monotonic()
+        for name, action in asked.items():
+            entry = self.table.entries.get(name)
+            if entry is None:
+                continue  # it ran meanwhile
+            arrived = sorted(entry.requests)
+            missing = [r for r in entry.first.ps if r not in entry.requests]
+            report = stall_mod.format_stall_report(
+                entry.first.kind, name, entry.first_round, now - entry.first_time, arrived,
+                {r: (self.rt.topo.hostnames[r], answers.get(r, ("(no answer)", {}))[0]) for r in missing},
+            )
+            if not entry.reported and self.rank == arrived[0]:
+                log.error("%s", report)
+            entry.reported = True
+            if action == "shutdown":
+                del self.table.entries[name]
+                self._fail_local(name, CollectiveTimeoutError(report))
+
+    def _break(self, error: BaseException) -> None:
+        with self._lock:
+            if self._broken is None:
+                self._broken = error
+                log.error("%s", error)
+            pending = list(self._mine.values()) + self._outbox
+            self._mine.clear()
+            self._outbox = []
+        for op in pending:
+            op.handle.fail(error)
+
+
+class _Watchdog:
+    """One sleeping thread that calls ``fire(round)`` when an armed deadline passes (stall checks while the
+    negotiator is blocked on the bell). Costs nothing while nothing is armed."""
+
+    def __init__(self, fire: Callable[[int], None]) -> None:
+        self._fire = fire
+        self._cond = threading.Condition()
+        self._armed: tuple[int, float] | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="hora-stall-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def arm(self, round_no: int, delay_s: float) -> None:
+        with self._cond:
+            self._armed = (round_no, time.monotonic() + max(delay_s, 0.0))
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._armed = None
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and self._armed is None:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                round_no, deadline = self._armed  # type: ignore[misc]
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._armed = None
+            self._fire(round_no)
+
+
+# --- control-plane plumbing -------------------------------------------------------------------------------
+class _Exchange:
+    """A round's allgather of variable-size payloads over the control group, in preallocated buffers."""
+
+    def __init__(self, size: int, group: Any) -> None:
+        self.size = size
+        self.group = group
+        self.slot = torch.zeros(_SLOT, dtype=torch.uint8)
+        self.gathered = torch.zeros(_SLOT * size, dtype=torch.uint8)
+        self._slot_np = self.slot.numpy()
+        self._gathered_np = self.gathered.numpy()
+
+    def allgather(self, payload: bytes) -> list[bytes]:
+        n = len(payload)
+        struct.pack_into("<I", self._slot_np, 0, n)
+        if n <= _SLOT - 4:
+            self._slot_np[4 : 4 + n] = memoryview(payload)
+        _all_gather_single(self.gathered, self.slot, self.group)
+        lengths = [struct.unpack_from("<I", self._gathered_np, r * _SLOT)[0] for r in range(self.size)]
+        if max(lengths) <= _SLOT - 4:
+            return [self._gathered_np[r * _SLOT + 4 : r * _SLOT + 4 + n_r].tobytes() for r, n_r in enumerate(lengths)]
+        big = max(lengths)  # rare: a round with many new requests
+        mine = torch.zeros(big, dtype=torch.uint8)
+        mine[:n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = torch.empty(big * self.size, dtype=torch.uint8)
+        _all_gather_single(out, mine, self.group)
+        raw = out.numpy()
+        return [raw[r * big : r * big + n_r].tobytes() for r, n_r in enumerate(lengths)]
+
+
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+class _LocalBell:
+    """The bell of a single-process job."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._rung: set[int] = set()
+
+    def ring(self, round_no: int) -> None:
+        with self._cond:
+            self._rung.add(round_no)
+            self._cond.notify_all()
+
+    def wait(self, round_no: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: round_no in self._rung, timeout)
+
+    def clear(self, round_no: int) -> None:
+        with self._cond:
+            self._rung.discard(round_no)
+
+
+class _StoreBell:
+    """The bell of a multi-process job: one store key per idle round. Two store connections, because a
+    client blocked in ``wait`` holds its socket and the ring must not queue behind it."""
+
+    def __init__(self, connect: Callable[[], dist.Store]) -> None:
+        self._waiter = connect()
+        self._ringer = connect()
+
+    def ring(self, round_no: int) -> None:
+        self._ringer.set(f"bell/{round_no}", b"1")
+
+    def wait(self, round_no: int, timeout: float) -> bool:
+        try:
+            self._waiter.wait([f"bell/{round_no}"], datetime.timedelta(seconds=timeout))
+            return True
+        except RuntimeError as e:  # DistStoreError on timeout; anything else means the store is gone
+            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+                return False
+            raise
+
+    def clear(self, round_no: int) -> None:
+        self._waiter.delete_key(f"bell/{round_no}")
+
+
+def _make_bell(rt: Runtime) -> _LocalBell | _StoreBell:
+    if rt.topo.size == 1 or rt.connect_store is None:
+        return _LocalBell()
+    return _StoreBell(rt.connect_store)

@@ -1,0 +1,362 @@
+"""Horovod's collectives: sync, ``_async`` (a handle), in-place ``_`` and ``grouped_`` variants.
+
+Every function here is a thin wrapper over one private core (:mod:`hora.collectives`). Ops are matched
+across ranks by ``name``; leave it out and a per-process-set sequence name is used, so ordinary SPMD code
+needs none. Signatures and defaults are Horovod's (see COMPAT.md).
+
+Example:
+    >>> avg = hvd.allreduce(torch.tensor([float(hvd.rank())]))          # doctest: +SKIP
+    >>> h = hvd.allgather_async(torch.ones(hvd.rank() + 1, 2), name="g") # doctest: +SKIP
+    >>> hvd.synchronize(h).shape                                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hora import runtime
+from hora.collectives import Call, even_splits, submit
+from hora.compression import Compression, Compressor
+from hora.handles import GroupHandle, Handle
+from hora.process_sets import ProcessSet, global_process_set
+from hora.reduce_ops import ReduceOp, resolve_op
+
+
+def _allreduce_call(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
+                    prescale_factor: float, postscale_factor: float, process_set: ProcessSet,
+                    compression: Compressor = Compression.none, inplace: bool = False) -> Call:
+    return Call("allreduce", tensor, name or "", process_set, op=resolve_op(op, average),
+                prescale=prescale_factor, postscale=postscale_factor, compression=compression, inplace=inplace)
+
+
+def _allreduce_submit(call: Call) -> Any:
+    if call.op == ReduceOp.ADASUM:
+        from hora.handles import DoneHandle
+
+        return DoneHandle(_adasum(call))
+    return submit(call)
+
+
+def _adasum(call: Call) -> torch.Tensor:
+    try:
+        from hora.adasum import adasum_allreduce
+    except ImportError:
+        raise NotImplementedError("op=hvd.Adasum needs hora.adasum, which this build lacks") from None
+    out = adasum_allreduce(call.tensor, name=call.name or None, process_set=call.ps)
+    if call.inplace:
+        call.tensor.copy_(out)
+        return call.tensor
+    return out
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start an allreduce; ``synchronize(handle)`` returns a new tensor with the result."""
+    return _allreduce_submit(_allreduce_call(tensor, average, name, op, prescale_factor, postscale_factor,
+                                             process_set))
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """Start an in-place allreduce; ``synchronize(handle)`` returns ``tensor`` holding the result."""
+    return _allreduce_submit(_allreduce_call(tensor, average, name, op, prescale_factor, postscale_factor,
+                                             process_set, inplace=True))
+
+
+class _AllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, call: Call) -> torch.Tensor:  # type: ignore[override]
+        ctx.call = call
+        return _allreduce_submit(call).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        c = ctx.call
+        return allreduce(grad.contiguous(), op=c.op, prescale_factor=c.prescale, postscale_factor=c.postscale,
+                         process_set=c.ps), None
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: Compressor = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` over the process set (Average by default) and return the result as a new tensor.
+
+    Differentiable: the gradient is the allreduce of the gradient with the same op and factors.
+    """
+    call = _allreduce_call(tensor, average, name, op, prescale_factor, postscale_factor, process_set, compression)
+    return _AllreduceFn.apply(tensor, call)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """In-place allreduce: ``tensor`` holds the result afterwards (and is returned)."""
+    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set).wait()
+
+
+def _grouped(calls: list[Call]) -> GroupHandle:
+    from hora.collectives import submit_many
+
+    return GroupHandle(submit_many(calls))
+
+
+def _group_names(name: str | None, n: int) -> list[str]:
+    return [f"{name}.{i}" for i in range(n)] if name else [""] * n
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                            op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set, _inplace: bool = False) -> GroupHandle:
+    """Start allreduces of a list of tensors as one group (submitted together, fused where small)."""
+    calls = [_allreduce_call(t, average, n, op, prescale_factor, postscale_factor, process_set, inplace=_inplace)
+             for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    if calls and calls[0].op == ReduceOp.ADASUM:
+        from hora.handles import DoneHandle
+
+        return GroupHandle([DoneHandle(_adasum(c)) for c in calls])
+    return _grouped(calls)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> GroupHandle:
+    """In-place variant of :func:`grouped_allreduce_async`."""
+    return grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set,
+                                   _inplace=True)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                      compression: Compressor = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allreduce a list of tensors as one group; returns the list of results."""
+    calls = [_allreduce_call(t, average, n, op, prescale_factor, postscale_factor, process_set, compression)
+             for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    if calls and calls[0].op == ReduceOp.ADASUM:
+        return [_adasum(c) for c in calls]
+    return _grouped(calls).wait()
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """In-place grouped allreduce."""
+    return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                    process_set).wait()
+
+
+# --- allgather ---------------------------------------------------------------------------------------------
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start an allgather (concatenation along dim 0; dim 0 may differ per rank)."""
+    return submit(Call("allgather", tensor, name or "", process_set))
+
+
+class _AllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, ps: ProcessSet) -> torch.Tensor:  # type: ignore[override]
+        call = Call("allgather", tensor, name or "", ps)
+        out = submit(call).wait()
+        ctx.rows, ctx.index, ctx.ps = call.meta, ps.rank(), ps
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        reduced = allreduce(grad.contiguous(), op=ReduceOp.AVERAGE, process_set=ctx.ps)
+        start = sum(ctx.rows[: ctx.index])
+        return reduced.narrow(0, start, ctx.rows[ctx.index]), None, None
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Concatenate every member's ``tensor`` along dim 0. Differentiable."""
+    return _AllgatherFn.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> GroupHandle:
+    """Start allgathers of a list of tensors as one group."""
+    return _grouped([Call("allgather", t, n, process_set) for t, n in zip(tensors, _group_names(name, len(tensors)))])
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allgather a list of tensors as one group."""
+    return grouped_allgather_async(tensors, name, process_set).wait()
+
+
+# --- broadcast ---------------------------------------------------------------------------------------------
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
+    """Start a broadcast from the global rank ``root_rank``; the result is a new tensor."""
+    return submit(Call("broadcast", tensor, name or "", process_set, root=int(root_rank)))
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
+    """Start an in-place broadcast."""
+    return submit(Call("broadcast", tensor, name or "", process_set, root=int(root_rank), inplace=True))
+
+
+class _BroadcastFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root: int, name: str | None, ps: ProcessSet) -> torch.Tensor:  # type: ignore[override]
+        ctx.root, ctx.ps = root, ps
+        return broadcast_async(tensor, root, name, ps).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        reduced = allreduce(grad.contiguous(), op=ReduceOp.AVERAGE, process_set=ctx.ps)
+        if runtime.rank() != ctx.root:
+            reduced.zero_()
+        return reduced, None, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Return ``root_rank``'s tensor on every member. Differentiable."""
+    return _BroadcastFn.apply(tensor, int(root_rank), name, process_set)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """In-place broadcast: ``tensor`` holds root's value afterwards."""
+    return broadcast_async_(tensor, root_rank, name, process_set).wait()
+
+
+# --- alltoall ----------------------------------------------------------------------------------------------
+def _alltoall_call(tensor: torch.Tensor, splits: Any, name: str | None, ps: ProcessSet) -> Call:
+    n = ps.size() if ps.process_set_id is not None else runtime.size()
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    if splits is None:
+        parts = even_splits(tensor.shape[0], n)
+    else:
+        parts = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+        if len(parts) != n or any(s < 0 for s in parts) or sum(parts) != tensor.shape[0]:
+            raise ValueError(f"alltoall splits {parts} must be {n} non-negative row counts summing to dim 0 "
+                             f"({tensor.shape[0]})")
+    return Call("alltoall", tensor, name or "", ps, splits=tuple(parts))
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
+    """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
+    return submit(_alltoall_call(tensor, splits, name, process_set))
+
+
+class _AlltoallFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None, ps: ProcessSet) -> Any:  # type: ignore[override]
+        out, received = alltoall_async(tensor, splits, name, ps).wait()
+        ctx.received, ctx.ps = received, ps
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> Any:  # type: ignore[override]
+        back, _ = alltoall_async(grad.contiguous(), ctx.received, None, ctx.ps).wait()
+        return back, None, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Send ``splits[i]`` rows to member i and receive theirs. Returns ``(output, received_splits)`` when
+    ``splits`` is given, else the output (dim 0 divided evenly). Differentiable."""
+    out, received = _AlltoallFn.apply(tensor, splits, name, process_set)
+    return (out, received) if splits is not None else out
+
+
+# --- reducescatter -----------------------------------------------------------------------------------------
+def _reducescatter_call(tensor: torch.Tensor, name: str | None, compression: Compressor, op: Any,
+                        ps: ProcessSet, prescale_factor: float, postscale_factor: float) -> Call:
+    return Call("reducescatter", tensor, name or "", ps, op=resolve_op(op, None), prescale=prescale_factor,
+                postscale=postscale_factor, compression=compression)
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compression: Compressor = Compression.none,
+                        op: Any = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start a reduce-scatter along dim 0 (the first ``dim0 % size`` members get one extra row)."""
+    return submit(_reducescatter_call(tensor, name, compression, op, process_set, prescale_factor, postscale_factor))
+
+
+class _ReducescatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, call: Call) -> torch.Tensor:  # type: ignore[override]
+        ctx.call = call
+        return submit(call).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        c = ctx.call
+        full = allgather(grad.contiguous(), process_set=c.ps)
+        scale = c.prescale * c.postscale / (c.ps.size() if c.op == ReduceOp.AVERAGE else 1)
+        return (full * scale if scale != 1.0 else full), None
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Compressor = Compression.none,
+                  op: Any = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce over the set, then give each member its slice of dim 0. Differentiable."""
+    call = _reducescatter_call(tensor, name, compression, op, process_set, prescale_factor, postscale_factor)
+    return _ReducescatterFn.apply(tensor, call)
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                compression: Compressor = Compression.none, op: Any = ReduceOp.AVERAGE,
+                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> GroupHandle:
+    """Start reduce-scatters of a list of tensors as one group."""
+    return _grouped([_reducescatter_call(t, n, compression, op, process_set, prescale_factor, postscale_factor)
+                     for t, n in zip(tensors, _group_names(name, len(tensors)))])
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: Compressor = Compression.none, op: Any = ReduceOp.AVERAGE,
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reduce-scatter a list of tensors as one group."""
+    return grouped_reducescatter_async(tensors, name, compression, op, process_set, prescale_factor,
+                                       postscale_factor).wait()
+
+
+# --- sparse, barrier, join ---------------------------------------------------------------------------------
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Any = ReduceOp.AVERAGE,
+                           process_set: ProcessSet = global_process_set) -> GroupHandle:
+    """Allreduce a sparse COO tensor by allgathering its indices and values; ``synchronize`` returns a
+    coalesced sparse tensor. Average divides the values by the set's size."""
+    op = resolve_op(op, None)
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError(f"sparse allreduce supports Average and Sum, not {op.name.capitalize()}")
+    t = tensor.coalesce()
+    base = name or runtime.state("hvd.sparse_allreduce_async()").negotiator.unnamed(process_set.process_set_id)
+    handles = _grouped([Call("allgather", t.indices().t().contiguous(), f"{base}.indices", process_set),
+                        Call("allgather", t.values().contiguous(), f"{base}.values", process_set)]).handles
+    n = process_set.size()
+
+    def combine(results: list[torch.Tensor]) -> torch.Tensor:
+        indices, values = results
+        if op == ReduceOp.AVERAGE:
+            values = values / n
+        return torch.sparse_coo_tensor(indices.t(), values, t.shape).coalesce()
+
+    return GroupHandle(handles, combine)
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every member of the set reaches the barrier."""
+    submit(Call("barrier", torch.empty(0), "", process_set)).wait()
+
+
+def join(device: int = -1) -> int:
+    """Say this rank has no more data: until every rank joins, its negotiator contributes zeros to the
+    others' allreduces (Average still divides by the full size). Returns the rank that joined last."""
+    return int(submit(Call("join", torch.empty(0), "__join__", global_process_set)).wait())
+

@@ -1,0 +1,171 @@
+"""The negotiation table: pure, deterministic logic every rank runs on the same inputs.
+
+Each round, every rank contributes the requests it submitted since the last round. Every rank adds all of
+them to its :class:`Table` in the same order, so every rank reaches the same :class:`Decision`: which names
+are ready (every member of the process set has submitted them, or joined), which failed because ranks
+disagree on their metadata, and in which order to run them. No I/O here: the negotiator does that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from hora.errors import CollectiveError, CollectiveMismatchError
+
+JOIN = "join"
+SHUTDOWN = "shutdown"
+# kinds a joined rank can take part in (it contributes zeros, or nothing)
+JOIN_OK = frozenset({"allreduce", "allgather", "broadcast", "barrier", "reducescatter", JOIN, SHUTDOWN})
+
+
+class Request(NamedTuple):
+    """What a rank says about one op it submitted. Every field but ``splits`` must agree across ranks
+    (for allgather/alltoall only the trailing dimensions of ``shape`` must agree)."""
+
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    op: int = 0
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    ps: tuple[int, ...] = ()  # member ranks of the process set
+    device: str = "cpu"
+    splits: tuple[int, ...] | None = None
+
+
+_FIELDS = ("kind", "dtype", "shape", "op", "root", "prescale", "postscale", "ps", "device")
+_ROWS_MAY_DIFFER = frozenset({"allgather", "alltoall"})
+
+
+def signature(req: Request) -> tuple[object, ...]:
+    """The part of a request that must be identical on every rank."""
+    shape = req.shape[1:] if req.kind in _ROWS_MAY_DIFFER else req.shape
+    return (req.kind, req.dtype, shape, req.op, req.root, req.prescale, req.postscale, req.ps, req.device)
+
+
+def describe(req: Request) -> str:
+    """A request as a user would read it in an error message."""
+    parts = [req.kind, f"dtype={req.dtype}", f"shape={list(req.shape)}"]
+    if req.kind in ("allreduce", "reducescatter"):
+        from hora.reduce_ops import ReduceOp
+
+        parts.append(f"op={ReduceOp(req.op).name.capitalize()}")
+        if req.prescale != 1.0 or req.postscale != 1.0:
+            parts.append(f"prescale={req.prescale} postscale={req.postscale}")
+    if req.kind == "broadcast":
+        parts.append(f"root={req.root}")
+    parts.append(f"process_set={list(req.ps)}")
+    parts.append(f"device={req.device}")
+    return " ".join(parts)
+
+
+def differing_fields(reqs: Iterable[Request]) -> list[str]:
+    sigs = [signature(r) for r in reqs]
+    return [f for i, f in enumerate(_FIELDS) if len({s[i] for s in sigs}) > 1]
+
+
+@dataclass(eq=False)
+class Entry:
+    """A name some rank has submitted and that has not run yet."""
+
+    name: str
+    requests: dict[int, Request]
+    first_round: int
+    first_time: float  # local clock when it first appeared: the stall inspector's start
+    arrival: dict[int, int] = field(default_factory=dict)  # rank -> round its request arrived
+    reported: bool = False
+    fresh: bool = False  # some rank sent its request in full (not as a cache id) this time
+
+    @property
+    def first(self) -> Request:
+        return next(iter(self.requests.values()))
+
+
+@dataclass
+class Decision:
+    ready: list[Entry] = field(default_factory=list)  # in the order every rank runs them
+    failed: list[tuple[Entry, CollectiveError]] = field(default_factory=list)
+    late_failures: list[tuple[int, str, CollectiveError]] = field(default_factory=list)  # (rank, name, error)
+
+
+class Table:
+    """Pending names and their requests, identical on every rank after every round."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: dict[str, Entry] = {}
+        # names that failed before every member submitted: the latecomers get the same error
+        self.tombstones: dict[str, tuple[CollectiveError, set[int]]] = {}
+
+    @property
+    def joined(self) -> frozenset[int]:
+        e = self.entries.get("__join__")
+        return frozenset(e.requests) if e is not None else frozenset()
+
+    def add(self, rank: int, req: Request, round_no: int, now: float, decision: Decision,
+            fresh: bool = True) -> None:
+        tomb = self.tombstones.get(req.name)
+        if tomb is not None and rank in tomb[1]:
+            tomb[1].discard(rank)
+            if not tomb[1]:
+                del self.tombstones[req.name]
+            decision.late_failures.append((rank, req.name, tomb[0]))
+            return
+        entry = self.entries.get(req.name)
+        if entry is None:
+            entry = self.entries[req.name] = Entry(req.name, {}, round_no, now)
+        entry.requests[rank] = req
+        entry.arrival[rank] = round_no
+        entry.fresh = entry.fresh or fresh
+
+    def decide(self, decision: Decision) -> Decision:
+        """Move ready and failed entries out of the table, in table order."""
+        joined = self.joined
+        for name, entry in list(self.entries.items()):
+            error = self._check(entry, joined)
+            if error is not None:
+                del self.entries[name]
+                owed = set(self._required(entry, joined)) - set(entry.requests)
+                if owed:
+                    self.tombstones[name] = (error, owed)
+                decision.failed.append((entry, error))
+            elif set(self._required(entry, joined)) <= set(entry.requests):
+                del self.entries[name]
+                decision.ready.append(entry)
+        return decision
+
+    @staticmethod
+    def _required(entry: Entry, joined: frozenset[int]) -> tuple[int, ...]:
+        members = entry.first.ps
+        if entry.first.kind in (JOIN, SHUTDOWN):
+            return members
+        return tuple(r for r in members if r not in joined)
+
+    def _check(self, entry: Entry, joined: frozenset[int]) -> CollectiveError | None:
+        reqs = entry.requests
+        if len(reqs) > 1:
+            fields = differing_fields(reqs.values())
+            if fields:
+                return CollectiveMismatchError(entry.name, {r: describe(q) for r, q in reqs.items()}, fields)
+        req = entry.first
+        blocked = joined.intersection(req.ps) - set(reqs)
+        if blocked and req.kind not in JOIN_OK:
+            return CollectiveError(
+                f"{req.kind} {entry.name!r} cannot run: rank(s) {sorted(blocked)} already called join(). "
+                "Only allreduce, allgather, broadcast, reducescatter and barrier work while ranks have joined."
+            )
+        if blocked and req.kind == "broadcast" and req.root in blocked:
+            return CollectiveError(
+                f"broadcast {entry.name!r} cannot run: its root rank {req.root} already called join()"
+            )
+        return None
+
+
+
+def last_joined(entry: Entry) -> int:
+    """The rank whose join arrived last (ties: the highest rank)."""
+    return max(entry.arrival, key=lambda r: (entry.arrival[r], r))
