@@ -15,6 +15,9 @@ from typing import Any
 STARTED, OUT, EXIT, DONE = "started", "out", "exit", "done"
 # Driver -> agent commands.
 STOP, PING = "stop", "ping"
+# hora.run: store keys for the shipped function and each rank's outcome.
+PYRUN_FN_KEY = "hora.run/fn"
+PYRUN_RESULT_KEY = "hora.run/result/{rank}"
 
 
 def encode(message: dict[str, Any]) -> bytes:

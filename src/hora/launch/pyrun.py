@@ -21,7 +21,8 @@ from hora.launch import shipping
 from hora.launch.config import RunConfig
 from hora.launch.driver import Driver
 from hora.launch.hosts import HostSpec, parse_hostfile, parse_hosts
-from hora.launch.pyworker import FN_KEY, RESULT_KEY
+from hora.launch.protocol import PYRUN_FN_KEY as FN_KEY
+from hora.launch.protocol import PYRUN_RESULT_KEY as RESULT_KEY
 
 
 class RemoteTraceback(Exception):

@@ -15,9 +15,8 @@ from typing import Any
 
 from hora.env import WorkerEnv
 from hora.launch import shipping
-
-FN_KEY = "hora.run/fn"
-RESULT_KEY = "hora.run/result/{rank}"
+from hora.launch.protocol import PYRUN_FN_KEY as FN_KEY
+from hora.launch.protocol import PYRUN_RESULT_KEY as RESULT_KEY
 
 
 def _store(env: WorkerEnv) -> Any:
@@ -27,7 +26,8 @@ def _store(env: WorkerEnv) -> Any:
 
 
 def _error_record(exc: BaseException) -> bytes:
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # from the user's function on
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
     try:
         exc_blob: bytes | None = pickle.dumps(exc)
         pickle.loads(exc_blob)
@@ -44,8 +44,9 @@ def main() -> int:
     try:
         value = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
-        store.set(RESULT_KEY.format(rank=env.rank), _error_record(exc))
-        traceback.print_exc()
+        record = _error_record(exc)
+        store.set(RESULT_KEY.format(rank=env.rank), record)
+        sys.stderr.write(pickle.loads(record[1:])[4])
         return 1
     try:
         record = shipping.dumps(("ok", value))

@@ -1,0 +1,106 @@
+"""``hora run`` flags -> RunConfig: the frozen flag set, knobs for workers, config files, env forwarding,
+ssh command lines."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from hora.env import Knobs
+from hora.launch import config as run_config
+from hora.launch import envvars
+from hora.launch.cli import build_parser, parse_run_args
+from hora.launch.hosts import HostSpec, SlotInfo
+from hora.launch.transport import SshTransport
+
+FLAGS = [
+    "--blacklist-cooldown-range", "--check-build", "--config-file", "--cycle-time-ms", "--disable-cache",
+    "--elastic-timeout", "--fusion-threshold-mb", "--gloo", "--help", "--host-discovery-script", "--hostfile",
+    "--hosts", "--jsrun", "--log-level", "--max-np", "--min-np", "--mpi", "--mpi-args", "--network-interface",
+    "--network-interfaces", "--no-stall-check", "--num-proc", "--output-filename", "--prefix-output-with-timestamp",
+    "--reset-limit", "--slots-per-host", "--ssh-config-file", "--ssh-identity-file", "--ssh-option", "--ssh-port",
+    "--stall-check-shutdown-time-seconds", "--stall-check-warning-time-seconds", "--start-timeout",
+    "--timeline-filename", "--timeline-mark-cycles", "--verbose", "-H", "-cb", "-h", "-i", "-np", "-p", "-x",
+]
+
+
+def test_the_set_of_flags_is_frozen() -> None:
+    """A new flag is a decision: add it here and to docs/launcher.md."""
+    assert sorted(s for a in build_parser()._actions for s in a.option_strings) == FLAGS
+
+
+def _cfg(argv: list[str], environ: dict[str, str] | None = None) -> run_config.RunConfig:
+    return run_config.from_args(parse_run_args(argv), environ if environ is not None else {"PATH": "/usr/bin"})
+
+
+def test_horovodrun_tuning_flags_become_worker_knobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(["-np", "2", "--timeline-filename", "t.json", "--timeline-mark-cycles", "--no-stall-check",
+                "--stall-check-warning-time-seconds", "5", "--stall-check-shutdown-time-seconds", "30",
+                "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5", "--disable-cache", "--log-level", "debug",
+                "--start-timeout", "45", "--gloo", sys.executable, "-V"])
+    knobs = Knobs.from_environ(cfg.env)
+    assert (knobs.timeline, knobs.timeline_mark_cycles) == (str(tmp_path / "t.json"), True)
+    assert (knobs.stall_check_disable, knobs.stall_check_time_seconds, knobs.stall_shutdown_time_seconds) == (
+        True, 5.0, 30.0)
+    assert (knobs.fusion_threshold, knobs.cycle_time, knobs.disable_cache) == (32 * 1024 * 1024, 2.5, True)
+    assert (knobs.log_level, knobs.start_timeout, cfg.start_timeout) == ("DEBUG", 45.0, 45.0)
+    assert cfg.command == (sys.executable, "-V") and cfg.np == 2
+
+
+def test_x_sets_or_forwards_variables() -> None:
+    cfg = _cfg(["-x", "A=1", "-x", "B", "-x", "C=x=y", sys.executable, "-V"], {"PATH": "/usr/bin", "B": "from-env"})
+    assert cfg.env == {"A": "1", "B": "from-env", "C": "x=y"}
+
+
+def test_np_defaults_to_the_hosts_slots() -> None:
+    cfg = _cfg(["-H", "localhost:3", sys.executable, "-V"])
+    assert (cfg.np, cfg.hosts, cfg.all_local) == (3, (HostSpec("localhost", 3),), True)
+
+
+def test_config_file_flat_and_horovod_sections_and_command_line_wins(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("np: 4\nhosts: localhost:4\nverbose: true\nx: [A=1]\n"
+                    "params: {fusion_threshold_mb: 8}\ntimeline: {mark_cycles: true}\n"
+                    "stall_check: {enabled: false, warning_time_seconds: 9}\nlogging: {level: info}\n")
+    ns = parse_run_args(["--config-file", str(path), "-np", "2", sys.executable, "-V"])
+    assert (ns.np, ns.hosts, ns.verbose, ns.x) == (2, "localhost:4", True, ["A=1"])
+    assert (ns.fusion_threshold_mb, ns.timeline_mark_cycles, ns.no_stall_check) == (8.0, True, True)
+    assert (ns.stall_check_warning_time_seconds, ns.log_level) == (9.0, "INFO")
+
+
+def test_forwarded_environment_drops_host_specific_and_rank_variables() -> None:
+    environ = {"PATH": "/p", "HOME": "/h", "MY_SETTING": "1", "CUDA_VISIBLE_DEVICES": "0,1", "HOSTNAME": "login1",
+               "SSH_CONNECTION": "x", "BASH_FUNC_module%%": "() {}", "DISPLAY": ":0", "RANK": "5",
+               "HOROVOD_RANK": "5", "SLURM_PROCID": "3", "PWD": "/x"}
+    env = envvars.forwarded(environ, {"EXTRA": "2"})
+    assert env == {"PATH": "/p", "HOME": "/h", "MY_SETTING": "1", "CUDA_VISIBLE_DEVICES": "0,1",
+                   "PYTHONUNBUFFERED": "1", "EXTRA": "2"}
+
+
+def test_rank_env_contract() -> None:
+    slot = SlotInfo(rank=5, size=8, local_rank=1, local_size=4, cross_rank=1, cross_size=2, hostname="n2",
+                    host_index=1)
+    env = envvars.rank_env(slot, store_addr="10.0.0.1", store_port=1234, job_id="j1")
+    assert {k: env[k] for k in ("HORA_RANK", "HORA_SIZE", "HORA_LOCAL_RANK", "HORA_LOCAL_SIZE", "HORA_CROSS_RANK",
+                                "HORA_CROSS_SIZE", "HORA_HOSTNAME", "HORA_HOST_KEY", "HORA_STORE_ADDR",
+                                "HORA_STORE_PORT", "HORA_JOB_ID")} == {
+        "HORA_RANK": "5", "HORA_SIZE": "8", "HORA_LOCAL_RANK": "1", "HORA_LOCAL_SIZE": "4", "HORA_CROSS_RANK": "1",
+        "HORA_CROSS_SIZE": "2", "HORA_HOSTNAME": "n2", "HORA_HOST_KEY": "n2", "HORA_STORE_ADDR": "10.0.0.1",
+        "HORA_STORE_PORT": "1234", "HORA_JOB_ID": "j1"}
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["MASTER_ADDR"],
+            env["MASTER_PORT"]) == ("5", "1", "8", "4", "10.0.0.1", "1234")
+    assert (env["HOROVOD_RANK"], env["HOROVOD_CROSS_SIZE"], env["HOROVOD_HOSTNAME"]) == ("5", "2", "n2")
+
+
+def test_ssh_command_line_is_batch_mode_with_port_key_and_options() -> None:
+    ssh = SshTransport(port=2222, identity_file="/keys/id", options=("StrictHostKeyChecking=no",),
+                       config_file="/keys/cfg", connect_timeout=7)
+    assert ssh.command("10.78.0.3", ["python", "-c", "print('a b')"], cwd="/work dir") == [
+        "ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=7", "-o", "ServerAliveInterval=5",
+        "-o", "ServerAliveCountMax=3", "-F", "/keys/cfg", "-p", "2222", "-i", "/keys/id",
+        "-o", "StrictHostKeyChecking=no", "10.78.0.3",
+        "cd '/work dir' 2>/dev/null; exec python -c 'print('\"'\"'a b'\"'\"')'"]
+    assert ssh.command("[fe80::1]", ["true"])[-2:] == ["fe80::1", "exec true"]

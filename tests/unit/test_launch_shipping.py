@@ -1,0 +1,64 @@
+"""Shipping functions by value without cloudpickle (the fallback ``hora.run`` uses when it is missing)."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from hora.errors import ConfigError
+from hora.launch.shipping import dumps_plain, loads
+
+OFFSET = 100
+
+
+def _round_trip_in_fresh_process(blob: bytes) -> str:
+    code = ("import sys, pickle; from hora.launch.shipping import loads; "
+            "fn, args = loads(sys.stdin.buffer.read()); print(fn(*args))")
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, timeout=60)
+    assert out.returncode == 0, out.stderr.decode()
+    return out.stdout.decode().strip()
+
+
+def test_lambda_closure_and_module_global_survive() -> None:
+    scale = 3
+
+    def outer() -> object:
+        bias = 5
+        return lambda x: x * scale + bias + OFFSET + math.floor(0.5)
+
+    assert loads(dumps_plain(outer()))(2) == 2 * 3 + 5 + 100
+
+
+def test_recursive_local_function() -> None:
+    def fact(n: int) -> int:
+        return 1 if n <= 1 else n * fact(n - 1)
+
+    assert loads(dumps_plain(fact))(5) == 120
+
+
+def test_defaults_and_keyword_only_defaults() -> None:
+    def f(a: int, b: int = 2, *, c: int = 3) -> int:
+        return a + b * c
+
+    g = loads(dumps_plain(f))
+    assert (g(1), g(1, c=10)) == (7, 21)
+
+
+def test_importable_functions_travel_by_reference() -> None:
+    assert b"shipping" not in dumps_plain(math.sqrt)
+    assert loads(dumps_plain(pickle.dumps)) is pickle.dumps
+
+
+def test_a_lambda_runs_in_another_process() -> None:
+    factor = 7
+    assert _round_trip_in_fresh_process(dumps_plain((lambda x: x * factor, (6,)))) == "42"
+
+
+def test_class_defined_in_main_is_a_clear_error() -> None:
+    cls = type("Model", (), {"__module__": "__main__"})
+    with pytest.raises(ConfigError, match="class Model is defined in __main__"):
+        dumps_plain(cls)
