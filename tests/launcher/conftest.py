@@ -26,7 +26,8 @@ def write_script(tmp_path: Path, name: str, body: str) -> str:
 
 def hora_run(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """``hora run ARGS`` to completion, capturing what the user sees."""
-    return subprocess.run([*HORA, "run", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*HORA, "run", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          check=False)
 
 
 def alive(pid: int) -> bool:

@@ -35,8 +35,8 @@ CASES: list[tuple[list[str], str]] = [
     (["-np", "2", P, "missing.py"], "script 'missing.py' not found in {cwd}; check the path"),
     (["-np", "2"], "no command given; usage: hora run -np 2 python train.py"),
     (["-np", "2", "definitely-not-a-program-xyz"],
-     "command 'definitely-not-a-program-xyz' not found (not a file, not on PATH); check the spelling or give its "
-     "full path"),
+     ("command 'definitely-not-a-program-xyz' not found (not a file, not on PATH); check the spelling or give its "
+     "full path")),
     (["--hostfile", "nofile", *OK], "--hostfile nofile: no such file"),
     (["--hostfile", "hf_dir", *OK], "--hostfile hf_dir: is a directory, not a hostfile"),
     (["--hostfile", "hf_badslots", *OK],
@@ -49,12 +49,12 @@ CASES: list[tuple[list[str], str]] = [
     (["-H", "a:1", "--hostfile", "hf_badline", *OK], "-H and --hostfile both given; use only one of them"),
     (["--hostfle", "h", *OK], "unknown flag --hostfle. Did you mean --hostfile?"),
     (["--num-procs", "2", *OK], "unknown flag --num-procs. Did you mean --num-proc?"),
-    (["--mpi", *OK], "--mpi: hora has no MPI controller (it runs on torch.distributed with Gloo/NCCL); drop the "
-     "flag, or launch with mpirun directly (hora.init() reads Open MPI/MPICH variables)"),
-    (["--mpi-args=-x FOO", *OK], "--mpi-args: hora has no MPI controller (it runs on torch.distributed with "
-     "Gloo/NCCL); drop the flag, or launch with mpirun directly (hora.init() reads Open MPI/MPICH variables)"),
-    (["--jsrun", *OK], "--jsrun: hora cannot launch through jsrun; use -H/--hostfile (ssh), or start ranks with "
-     "jsrun yourself and let hora.init() read their environment"),
+    (["--mpi", *OK], ("--mpi: hora has no MPI controller (it runs on torch.distributed with Gloo/NCCL); drop the "
+     "flag, or launch with mpirun directly (hora.init() reads Open MPI/MPICH variables)")),
+    (["--mpi-args=-x FOO", *OK], ("--mpi-args: hora has no MPI controller (it runs on torch.distributed with "
+     "Gloo/NCCL); drop the flag, or launch with mpirun directly (hora.init() reads Open MPI/MPICH variables)")),
+    (["--jsrun", *OK], ("--jsrun: hora cannot launch through jsrun; use -H/--hostfile (ssh), or start ranks with "
+     "jsrun yourself and let hora.init() read their environment")),
     (["--config-file", "nope.yaml", *OK], "--config-file nope.yaml: no such file"),
     (["--config-file", "bad.yaml", *OK], "--config-file bad.yaml: not valid YAML at line 2"),
     (["--config-file", "unknown.yaml", *OK], "--config-file unknown.yaml: unknown key 'nump'; did you mean 'np'?"),
@@ -64,20 +64,20 @@ CASES: list[tuple[list[str], str]] = [
     (["-i", "nokey", "-H", "h1:1", *OK], "-i nokey: no such file"),
     (["--start-timeout", "0", *OK], "--start-timeout 0: must be more than 0 seconds"),
     (["--stall-check-warning-time-seconds", "-1", *OK], "--stall-check-warning-time-seconds -1: must not be negative"),
-    (["-x", "1BAD=2", *OK], "-x 1BAD=2: '1BAD' is not a valid environment variable name; write -x NAME or "
-     "-x NAME=VALUE"),
-    (["-x", "NOT_SET_ANYWHERE_XYZ", *OK], "-x NOT_SET_ANYWHERE_XYZ: NOT_SET_ANYWHERE_XYZ is not set in the "
-     "launcher's environment; set it or write -x NOT_SET_ANYWHERE_XYZ=VALUE"),
-    (["--output-filename", "afile", *OK], "--output-filename afile: exists and is not a directory; give a "
-     "directory (logs go to DIR/rank.N/stdout|stderr)"),
-    (["--log-level", "LOUD", *OK], "--log-level: invalid choice: 'LOUD' (choose from 'DEBUG', 'INFO', 'WARNING', "
-     "'ERROR', 'CRITICAL', 'TRACE')"),
-    (["--network-interface", "nosuch0", *OK], "--network-interface nosuch0: no IPv4 address on this machine for "
-     "that interface (interfaces: {ifaces}); pick one of them"),
-    (["--min-np", "2", *OK], "--min-np: elastic jobs are not supported by this `hora run` yet; run with a fixed "
-     "-np, or see docs/launcher.md"),
-    (["--timeline-filename", "nodir/t.json", *OK], "--timeline-filename nodir/t.json: directory {cwd}/nodir does "
-     "not exist"),
+    (["-x", "1BAD=2", *OK], ("-x 1BAD=2: '1BAD' is not a valid environment variable name; write -x NAME or "
+     "-x NAME=VALUE")),
+    (["-x", "NOT_SET_ANYWHERE_XYZ", *OK], ("-x NOT_SET_ANYWHERE_XYZ: NOT_SET_ANYWHERE_XYZ is not set in the "
+     "launcher's environment; set it or write -x NOT_SET_ANYWHERE_XYZ=VALUE")),
+    (["--output-filename", "afile", *OK], ("--output-filename afile: exists and is not a directory; give a "
+     "directory (logs go to DIR/rank.N/stdout|stderr)")),
+    (["--log-level", "LOUD", *OK], ("--log-level: invalid choice: 'LOUD' (choose from 'DEBUG', 'INFO', 'WARNING', "
+     "'ERROR', 'CRITICAL', 'TRACE')")),
+    (["--network-interface", "nosuch0", *OK], ("--network-interface nosuch0: no IPv4 address on this machine for "
+     "that interface (interfaces: {ifaces}); pick one of them")),
+    (["--min-np", "2", *OK], ("--min-np: elastic jobs are not supported by this `hora run` yet; run with a fixed "
+     "-np, or see docs/launcher.md")),
+    (["--timeline-filename", "nodir/t.json", *OK], ("--timeline-filename nodir/t.json: directory {cwd}/nodir does "
+     "not exist")),
 ]
 
 
@@ -122,5 +122,6 @@ def test_unknown_subcommand_suggests_the_right_one(capsys: pytest.CaptureFixture
      "hora run: error: -np 3 is more than the 2 slots the hosts offer; lower -np or add slots (-H host:slots)"),
 ])
 def test_the_hora_command_prints_the_same_line(argv: list[str], line: str, workdir: Path) -> None:
-    result = subprocess.run([P, "-m", "hora", *argv], cwd=workdir, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([P, "-m", "hora", *argv], cwd=workdir, capture_output=True, text=True, timeout=60,
+                            check=False)
     assert (result.returncode, result.stderr, result.stdout) == (2, line + "\n", "")

@@ -12,7 +12,6 @@ Only the standard library and light hora modules (``env``, ``errors``, this pack
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 import queue
@@ -97,7 +96,7 @@ class Agent:
                 proc = subprocess.Popen(
                     command, env=env, cwd=self.spec.get("cwd") or None, stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                    preexec_fn=procs.child_setup(os.getpid()),
+                    preexec_fn=procs.child_setup(os.getpid()),  # noqa: PLW1509 - only prctl, before threads matter
                 )
             except OSError as exc:
                 self._spawn_failed(rank, command, exc)

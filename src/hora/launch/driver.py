@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import signal
+import subprocess
 import threading
 import time
 import uuid
@@ -292,7 +293,7 @@ class Driver:
         for agent in self.agents:
             try:
                 agent.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
+            except subprocess.TimeoutExpired:
                 procs.signal_groups([agent.proc.pid], signal.SIGKILL)
         for state in self.ranks.values():
             if not state.done:
@@ -304,7 +305,7 @@ class Driver:
         for agent in self.agents:
             try:
                 agent.proc.wait(timeout=5.0)
-            except Exception:
+            except subprocess.TimeoutExpired:
                 procs.signal_groups([agent.proc.pid], signal.SIGKILL)
                 agent.proc.wait()
 

@@ -64,7 +64,7 @@ class Console:
             assert self._dir is not None
             folder = os.path.join(self._dir, f"rank.{rank}")
             os.makedirs(folder, exist_ok=True)
-            self._logs[key] = open(os.path.join(folder, stream), "w", buffering=1)
+            self._logs[key] = open(os.path.join(folder, stream), "w", buffering=1)  # noqa: SIM115 - open for the job
         return self._logs[key]
 
     def open_logs(self, ranks: range) -> None:

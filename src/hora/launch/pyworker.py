@@ -28,10 +28,11 @@ def _store(env: WorkerEnv) -> Any:
 def _error_record(exc: BaseException) -> bytes:
     tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # from the user's function on
     text = "".join(traceback.format_exception(type(exc), exc, tb))
+    exc_blob: bytes | None = None
     try:
-        exc_blob: bytes | None = pickle.dumps(exc)
+        exc_blob = pickle.dumps(exc)
         pickle.loads(exc_blob)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to round-trip means: send the text only
         exc_blob = None  # an exception that does not survive pickling: its text still travels
     return b"P" + pickle.dumps(("error", exc_blob, type(exc).__qualname__, str(exc), text))
 

@@ -24,5 +24,5 @@ def merge(filename: str | None, size: int) -> None:
         return
     try:
         merger(filename, size)
-    except Exception as exc:  # a broken merge must not change the job's exit status
+    except Exception as exc:  # noqa: BLE001 - a broken merge must not change the job's exit status
         output.note(f"could not merge the timeline files into {filename}: {exc}")

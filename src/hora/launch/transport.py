@@ -52,7 +52,7 @@ class Transport(Protocol):
 def _popen(argv: list[str], cwd: str | None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True, preexec_fn=procs.child_setup(os.getpid()),
+        start_new_session=True, preexec_fn=procs.child_setup(os.getpid()),  # noqa: PLW1509 - only prctl
     )
 
 
