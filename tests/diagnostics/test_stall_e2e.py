@@ -97,7 +97,7 @@ def test_rank_that_skips_a_collective_is_reported_then_the_job_is_stopped():
     # every rank stops with the report as its error instead of hanging forever
     assert all(o.startswith("timeout: hora stall:") for o in outcomes), outcomes
     assert "allreduce 'grad.a'" in outcomes[0] and "allreduce 'grad.b'" in outcomes[2]
-    reports = dict((text.splitlines()[0].split("'")[1], (who, text)) for who, text in _reports(results))
+    reports = {text.splitlines()[0].split("'")[1]: (who, text) for who, text in _reports(results)}
     assert sorted(reports) == ["grad.a", "grad.b"]  # one report per stalled name, not per rank
     who, text = reports["grad.a"]
     assert who == 0

@@ -161,3 +161,24 @@ def test_merge_skips_missing_and_repairs_truncated_files(tmp_path):
     events = json.loads(out.read_text())
     assert n == len(events)
     assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {"rank 0", "rank 1"}
+
+
+def test_unnamed_ops_share_a_few_rows_without_overlapping(tmp_path):
+    tl = T.start_timeline(str(tmp_path / "t.json"), rank=0, size=1)
+    for step in range(50):  # synchronous unnamed ops, one after the other: one row for all
+        t = float(step)
+        tl.span(f"noname.ps0.{step}", "negotiate", t, t + 0.1, kind="allreduce")
+        tl.span(f"noname.ps0.{step}", "copy_out", t + 0.1, t + 0.2, kind="allreduce")
+    # two async ones in flight together: a second lane
+    tl.span("noname.ps0.50", "negotiate", 60.0, 61.0, kind="allreduce")
+    tl.span("noname.ps0.51", "negotiate", 60.5, 61.5, kind="allreduce")
+    tl.span("noname.ps0.50", "copy_out", 61.0, 61.1, kind="allreduce")
+    tl.span("noname.ps0.51", "copy_out", 61.5, 61.6, kind="allreduce")
+    tl.span("named", "negotiate", 0.0, 1.0, kind="allreduce")
+    T.stop_timeline()
+    events = json.loads((tmp_path / "t.json").read_text())
+    rows = _row_names(events, 0)
+    assert sorted(rows.values()) == ["named", "unnamed allreduce", "unnamed allreduce (2)"]
+    lane = {e["args"]["name"]: rows[e["tid"]] for e in _spans(events)}
+    assert {lane[f"noname.ps0.{s}"] for s in range(50)} == {"unnamed allreduce"}
+    assert (lane["noname.ps0.50"], lane["noname.ps0.51"]) == ("unnamed allreduce", "unnamed allreduce (2)")

@@ -3,7 +3,8 @@
 The file is a JSON array of trace events (the format chrome://tracing and https://ui.perfetto.dev open).
 Each rank is a process row (``pid`` = rank, named ``rank N``); inside it each collective name is a thread
 row, and its phases are slices: ``negotiate`` (waiting for peers), ``compress``, ``communicate``,
-``copy_in``, ``copy_out``, ``decompress``, with the name, bytes, dtype and shape as arguments.
+``copy_in``, ``copy_out``, ``decompress``, with the name, bytes, dtype and shape as arguments. Unnamed ops
+(generated names) share a few rows per kind instead of one row each.
 
 The file is valid JSON at every moment, even if the process is killed: events are appended with one
 ``pwrite`` that overwrites the closing ``]`` and writes a new one, so a reader never sees a half-written
@@ -36,6 +37,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PHASES = ("negotiate", "compress", "communicate", "copy_in", "copy_out", "decompress")
+LAST_PHASE = "copy_out"  # every op that completes ends with it (the handle's finish)
+UNNAMED_PREFIX = "noname."  # the negotiator's generated names: these ops share a few pooled rows
 _FLUSH_EVENTS = 512
 _FLUSH_SECONDS = 0.5
 _encode = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
@@ -61,6 +64,9 @@ class Timeline:
         self._lock = threading.Lock()
         self._buf: list[dict[str, Any]] = []
         self._rows: dict[str, int] = {}
+        self._lanes: dict[str, list[int]] = {}  # unnamed ops: label -> its rows
+        self._busy: set[int] = set()  # rows held by an unnamed op in flight
+        self._bound: dict[str, int] = {}  # unnamed op in flight -> its row
         self._offset_us = (time.time() - time.perf_counter()) * 1e6
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
@@ -87,9 +93,28 @@ class Timeline:
                               "args": {"sort_index": tid}})
         return tid
 
-    def _add(self, event: dict[str, Any]) -> None:
+    def _pooled_row(self, name: str, label: str, last: bool) -> int:
+        """A row for an unnamed op: the first free lane labelled ``label`` (a new one if all are busy), held
+        until its last phase, so unnamed ops share a few rows instead of one row each."""
+        tid = self._bound.get(name)
+        if tid is None:
+            lanes = self._lanes.setdefault(label, [])
+            tid = next((t for t in lanes if t not in self._busy), 0)
+            if not tid:
+                tid = self._row(label if not lanes else f"{label} ({len(lanes) + 1})")
+                lanes.append(tid)
+            self._busy.add(tid)
+            self._bound[name] = tid
+        if last:
+            del self._bound[name]
+            self._busy.discard(tid)
+        return tid
+
+    def _add(self, event: dict[str, Any], pool: str | None = None) -> None:
         with self._lock:
-            if event["ph"] != "C":
+            if pool is not None:
+                event["tid"] = self._pooled_row(event.pop("row"), pool, event["name"] == LAST_PHASE)
+            elif event["ph"] != "C":
                 event["tid"] = self._row(event.pop("row"))
             self._buf.append(event)
             full = len(self._buf) >= _FLUSH_EVENTS
@@ -102,6 +127,8 @@ class Timeline:
 
         Args:
             name: the collective's name (``grad.bucket.3``); the row it goes to unless ``row`` is given.
+                Generated names (``noname.*``) share a few rows per kind ("unnamed allreduce"), each op
+                holding its row until its ``copy_out`` phase, so a long job does not get a row per step.
             phase: one of :data:`PHASES`, or the op kind for a slice that encloses all its phases.
             start_s: ``time.perf_counter()`` at the start.
             end_s: ``time.perf_counter()`` at the end.
@@ -109,9 +136,10 @@ class Timeline:
             **args: shown when the slice is selected: ``bytes``, ``dtype``, ``shape``...
         """
         args["name"] = name
+        pool = f"unnamed {args.get('kind', 'ops')}" if row is None and name.startswith(UNNAMED_PREFIX) else None
         self._add({"name": phase, "cat": "hora", "ph": "X", "pid": self.rank, "row": row or name,
                    "ts": round(start_s * 1e6 + self._offset_us, 3),
-                   "dur": round(max(end_s - start_s, 0.0) * 1e6, 3), "args": args})
+                   "dur": round(max(end_s - start_s, 0.0) * 1e6, 3), "args": args}, pool)
 
     def instant(self, name: str, at_s: float | None = None, row: str | None = None, **args: Any) -> None:
         """A marker at ``at_s`` (default now), e.g. a negotiation round with ``--timeline-mark-cycles``."""
