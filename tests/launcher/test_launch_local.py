@@ -170,10 +170,15 @@ def test_ctrl_c_stops_every_worker(tmp_path: Path, background) -> None:  # type:
 
 def test_horovod_script_runs_unchanged_on_the_shim(tmp_path: Path) -> None:
     script = write_script(tmp_path, "hvd.py", """
-        import importlib.util, os
-        spec = importlib.util.find_spec("horovod.torch")
-        print("horovod.torch from", os.path.relpath(spec.origin, os.path.dirname(spec.origin) + "/../../.."))
+        import os
+        import horovod.torch as hvd
+        import hora
+        hvd.init()
+        where = os.sep.join(hvd.__file__.split(os.sep)[-4:])
+        print(where, hvd.allreduce is hora.allreduce, hvd.size(), hvd.rank())
+        hvd.shutdown()
     """)
-    result = hora_run(["-np", "1", PYTHON, script], tmp_path)
+    result = hora_run(["-np", "2", PYTHON, script], tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "[0]<stdout>:horovod.torch from _compat/horovod/torch/__init__.py\n"
+    assert sorted(result.stdout.splitlines()) == [
+        f"[{r}]<stdout>:_compat/horovod/torch/__init__.py True 2 {r}" for r in range(2)]
