@@ -9,6 +9,7 @@ with those two steps; the public functions in :mod:`hora.ops` are thin wrappers 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from hora import runtime
 from hora.compression import Compression, Compressor
+from hora.diagnostics import timeline
 from hora.fusion import wire_op
 from hora.handles import Handle
 from hora.negotiator import Launch, LocalOp
@@ -128,7 +130,12 @@ def submit_many(calls: list[Call]) -> list[Handle]:
 
 def _local_op(call: Call, neg: Any) -> LocalOp:
     kind = KINDS[call.kind]
+    tl = timeline.active()
+    t0 = time.perf_counter() if tl is not None else 0.0
     kind.prepare(call)
+    if tl is not None and call.wire is not call.tensor:  # a copy or compression happened (diagnostics)
+        phase = "copy_in" if call.compression is Compression.none else "compress"
+        tl.span(call.name, phase, t0, time.perf_counter(), kind=call.kind, bytes=call.wire.nbytes)
     handle = Handle(call.name, call.kind, lambda: kind.finish(call), neg.done)
     event = None
     if call.wire.is_cuda:
@@ -140,6 +147,7 @@ def _local_op(call: Call, neg: Any) -> LocalOp:
 
 # --- the kinds ----------------------------------------------------------------------------------------------
 def _to_wire(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    t = t.detach()  # same storage; autograd is handled by hora.ops' Functions, never on the wire
     cast = _WIRE_CAST.get(t.dtype)
     if cast is not None:
         return t.to(cast)
@@ -164,8 +172,8 @@ def _scale_after(call: Call, result: torch.Tensor) -> None:
 
 
 def _prepare_reduction(call: Call) -> None:
-    compressed, call.ctx = call.compression.compress(call.tensor)
-    shared = compressed is call.tensor  # never write into the caller's tensor unless asked to (in-place)
+    compressed, call.ctx = call.compression.compress(call.tensor.detach())
+    shared = compressed.data_ptr() == call.tensor.data_ptr()  # never write into the caller's tensor unless asked to (in-place)
     copy = shared and not call.inplace and (call.kind == "allreduce" or call.prescale != 1.0)
     call.wire = _to_wire(compressed, copy=copy)
     if call.prescale != 1.0:

@@ -175,6 +175,7 @@ class Negotiator:
 
     # --- negotiator thread --------------------------------------------------------------------------
     def _run(self) -> None:
+        torch.set_grad_enabled(False)  # thread-local: collectives never record autograd history
         if self.rt.device is not None:
             torch.cuda.set_device(self.rt.device)
         round_no = 0
@@ -297,12 +298,13 @@ class Negotiator:
             return
         try:
             self._wait_cuda(op)
+            t_launch = time.perf_counter()
             work = op.launch(launch)
         except Exception as e:  # report on the handle, keep negotiating
             op.handle.fail(CollectiveError(f"{kind} {entry.name!r} could not start on rank {self.rank}: {e}"))
             return
         op.handle.launched(work)
-        self._trace(op, "negotiate")
+        self._trace(op, t_launch, work)
 
     def _launch_fused(self, entries: list[Entry], joined: frozenset[int]) -> None:
         ops_ = [self._take_local(e.name) for e in entries]
@@ -310,6 +312,7 @@ class Negotiator:
             if op is not None:
                 self._wait_cuda(op)
         group = self._group_of(entries[0])
+        t_launch = time.perf_counter()
         try:
             self._fused.allreduce([op.wire if op is not None else None for op in ops_], entries, group)
         except Exception as e:
@@ -321,14 +324,29 @@ class Negotiator:
         for op in ops_:
             if op is not None:
                 op.handle.launched(None)
-                self._trace(op, "negotiate")
+                self._trace(op, t_launch, None, fused=len(entries))
 
-    def _trace(self, op: LocalOp, phase: str) -> None:
+    @staticmethod
+    def _trace(op: LocalOp, t_launch: float, work: Any, fused: int = 0) -> None:
+        """Timeline (diagnostics): ``negotiate`` from submit to launch, ``communicate`` from launch until
+        the c10d work completes (a future callback, so a late synchronize() does not stretch it)."""
         tl = timeline_mod.active()
-        if tl is not None:
-            r = op.req
-            tl.span(r.name, phase, op.submitted_at, time.perf_counter(), kind=r.kind, dtype=r.dtype,
-                    shape=list(r.shape))
+        if tl is None:
+            return
+        r = op.req
+        args: dict[str, Any] = {"kind": r.kind, "dtype": r.dtype, "shape": list(r.shape),
+                                "bytes": _nbytes(r.dtype, r.shape)}
+        tl.span(r.name, "negotiate", op.submitted_at, t_launch, **args)
+        if fused:
+            args["fused"] = fused
+        if work is None:  # done in place already (fused, or nothing to send)
+            tl.span(r.name, "communicate", t_launch, time.perf_counter(), **args)
+            return
+        try:
+            work.get_future().add_done_callback(
+                lambda _: tl.span(r.name, "communicate", t_launch, time.perf_counter(), **args))
+        except (RuntimeError, AttributeError):  # a backend without futures: no communicate slice
+            pass
 
     def _take_local(self, name: str) -> LocalOp | None:
         with self._lock:
@@ -358,10 +376,12 @@ class Negotiator:
         return oldest, waited
 
     def _stall_check_in(self) -> float | None:
-        oldest, waited = self._oldest_wait()
-        if oldest is None or oldest.first.kind in (JOIN, SHUTDOWN):
-            return None
-        return self.policy.next_check_s(waited, oldest.reported)
+        # every pending name, not just the oldest: an older name already reported must not hide a younger
+        # one's warning deadline (diagnostics)
+        now = time.monotonic()
+        delays = [self.policy.next_check_s(now - e.first_time, e.reported) for e in list(self.table.entries.values())
+                  if e.first.kind not in (JOIN, SHUTDOWN)]
+        return min((d for d in delays if d is not None), default=None)
 
     def _stall_due(self) -> bool:  # caller holds self._lock
         now = time.monotonic()
@@ -465,6 +485,14 @@ class _Watchdog:
                     continue
                 self._armed = None
             self._fire(round_no)
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    t = getattr(torch, dtype, None)
+    return numel * (t.itemsize if isinstance(t, torch.dtype) else 0)
 
 
 # --- control-plane plumbing -------------------------------------------------------------------------------

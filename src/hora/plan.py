@@ -37,7 +37,7 @@ class Request(NamedTuple):
     splits: tuple[int, ...] | None = None
 
 
-_FIELDS = ("kind", "dtype", "shape", "op", "root", "prescale", "postscale", "ps", "device")
+_FIELDS = ("kind", "dtype", "shape", "op", "root", "prescale", "postscale", "process_set", "device")
 _ROWS_MAY_DIFFER = frozenset({"allgather", "alltoall"})
 
 
@@ -123,27 +123,32 @@ class Table:
         entry.fresh = entry.fresh or fresh
 
     def decide(self, decision: Decision) -> Decision:
-        """Move ready and failed entries out of the table, in table order."""
+        """Move ready and failed entries out of the table, in table order.
+
+        Metadata is compared once every member has submitted, so a mismatch error names what each rank sent.
+        """
         joined = self.joined
         for name, entry in list(self.entries.items()):
-            error = self._check(entry, joined)
+            required = self._required(entry, joined)
+            complete = required <= set(entry.requests)
+            error = self._check(entry, joined) if complete else self._join_conflict(entry, joined)
             if error is not None:
                 del self.entries[name]
-                owed = set(self._required(entry, joined)) - set(entry.requests)
+                owed = required - set(entry.requests)
                 if owed:
                     self.tombstones[name] = (error, owed)
                 decision.failed.append((entry, error))
-            elif set(self._required(entry, joined)) <= set(entry.requests):
+            elif complete:
                 del self.entries[name]
                 decision.ready.append(entry)
         return decision
 
     @staticmethod
-    def _required(entry: Entry, joined: frozenset[int]) -> tuple[int, ...]:
-        members = entry.first.ps
+    def _required(entry: Entry, joined: frozenset[int]) -> set[int]:
+        members = {r for req in entry.requests.values() for r in req.ps}  # ranks may disagree on the set
         if entry.first.kind in (JOIN, SHUTDOWN):
             return members
-        return tuple(r for r in members if r not in joined)
+        return members - joined
 
     def _check(self, entry: Entry, joined: frozenset[int]) -> CollectiveError | None:
         reqs = entry.requests
@@ -151,8 +156,12 @@ class Table:
             fields = differing_fields(reqs.values())
             if fields:
                 return CollectiveMismatchError(entry.name, {r: describe(q) for r, q in reqs.items()}, fields)
+        return self._join_conflict(entry, joined)
+
+    @staticmethod
+    def _join_conflict(entry: Entry, joined: frozenset[int]) -> CollectiveError | None:
         req = entry.first
-        blocked = joined.intersection(req.ps) - set(reqs)
+        blocked = joined.intersection(req.ps) - set(entry.requests)
         if blocked and req.kind not in JOIN_OK:
             return CollectiveError(
                 f"{req.kind} {entry.name!r} cannot run: rank(s) {sorted(blocked)} already called join(). "
@@ -163,7 +172,6 @@ class Table:
                 f"broadcast {entry.name!r} cannot run: its root rank {req.root} already called join()"
             )
         return None
-
 
 
 def last_joined(entry: Entry) -> int:
