@@ -168,6 +168,7 @@ def plot(result: dict[str, Any]) -> Any:
         for key, label in (("raw", "torch.distributed"), ("hora", "hora allreduce_"), ("hora_oop", "hora allreduce")):
             ax1.plot(sizes, [r[f"{key}_busbw"] for r in result["rows"]], marker="o", label=label)
         ax1.set_ylabel("bus bandwidth (GB/s)")
+        ax1.set_yscale("log")
         ax1.legend()
         ax1.grid(True, alpha=0.3)
         med = [r["ratio"]["median"] for r in result["rows"]]

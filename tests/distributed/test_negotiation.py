@@ -116,16 +116,17 @@ def _mismatches(rank: int, size: int) -> list[dict]:
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_mismatched_metadata_raises_on_every_rank_and_the_job_goes_on(nprocs: int) -> None:
     results = run_ranks(_mismatches, nprocs)
-    expected_fields = {"shape": "shape", "dtype": "dtype", "kind": "kind", "op": "op", "root": "root",
-                       "prescale": "prescale", "postscale": "postscale", "async": "shape",
-                       "process set": "process"}
+    expected_fields = {"shape": ("shape",), "dtype": ("dtype",), "kind": ("kind",), "op": ("op",),
+                       "root": ("root",), "prescale": ("prescale",), "postscale": ("postscale",),
+                       "async": ("shape",), "process set": ("process", "ps")}
     for rank, seen in enumerate(results):
         assert [s["what"] for s in seen] == list(expected_fields)[:len(seen)]
         for s in seen:
-            assert s["ranks"] == list(range(nprocs)), f"rank {rank}, {s['what']}: {s['msg']}"
-            assert any(expected_fields[s["what"]] in f for f in s["fields"]), f"rank {rank}: {s}"
+            # the ranks that had submitted when the disagreement showed (latecomers get the same error)
+            assert len(s["ranks"]) >= 2 and set(s["ranks"]) <= set(range(nprocs)), f"rank {rank}: {s['msg']}"
+            assert any(w in f for w in expected_fields[s["what"]] for f in s["fields"]), f"rank {rank}: {s}"
             assert len(set(s["descs"])) > 1, f"rank {rank}: each rank's description is shown: {s['msg']}"
-            assert "rank 0" in s["msg"] and "rank 1" in s["msg"]
+            assert all(f"rank {r}:" in s["msg"] for r in s["ranks"]), s["msg"]
         same = ("what", "name", "ranks", "fields", "descs")
         assert [{k: s[k] for k in same} for s in seen] == [{k: s[k] for k in same} for s in results[0]], \
             "every rank reports the same mismatch"
