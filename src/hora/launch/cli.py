@@ -143,6 +143,9 @@ def run_main(argv: Sequence[str]) -> int:
     except LaunchError as exc:
         output.error_line("hora run", str(exc))
         return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before any worker started (preflight, store)
+        output.error_line("hora run", "interrupted before the job started; nothing is running")
+        return 130
 
 
 def _check_build() -> int:
