@@ -283,6 +283,15 @@ class Negotiator:
                 self._launch_one(members[0], joined)
         for entry in decision.ready:
             self._remember(entry)
+            if self.rank in joined and entry.name.startswith(_UNNAMED):
+                self._advance_sequence(entry.name)
+
+    def _advance_sequence(self, name: str) -> None:
+        """A joined rank took part in an unnamed op it never submitted: keep its sequence in step."""
+        ps_part, _, n = name[len(_UNNAMED):].partition(".")
+        ps_id = int(ps_part.removeprefix("ps"))
+        with self._lock:
+            self._seq[ps_id] = max(self._seq.get(ps_id, 0), int(n) + 1)
 
     def _launch_one(self, entry: Entry, joined: frozenset[int]) -> None:
         op = self._take_local(entry.name)

@@ -65,7 +65,5 @@ def _unnamed_after_join(rank: int, size: int) -> None:
     close(hvd.allreduce(x[rank], op=hvd.Sum), reduce(x, hvd.Sum), "unnamed allreduce after join")
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: a joined rank's unnamed-op sequence does not advance for the "
-                   "unnamed ops it contributed zeros to, so the next unnamed collective hangs on every rank")
 def test_unnamed_ops_after_join_still_match() -> None:
     run_ranks(_unnamed_after_join, 3, timeout=15)
