@@ -22,6 +22,7 @@ import struct
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hora.errors import ConfigError
@@ -212,7 +213,8 @@ def collect(hosts: Sequence[str] = (), run_remote: RemoteRunner | None = None) -
         infos = [local_info()]
     else:
         assert run_remote is not None, "collect(hosts=...) needs run_remote"
-        infos = [_remote_info(h, run_remote) for h in hosts]
+        with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:  # hosts answer in parallel
+            infos = list(pool.map(lambda h: _remote_info(h, run_remote), hosts))
     disagree = version_disagreements(infos)
     ok = all(h.get("reachable") for h in infos) and not disagree
     return {"hosts": infos, "disagree": disagree, "ok": ok}
