@@ -1,0 +1,103 @@
+"""Step-time cost of the stall inspector (on by default) and of the timeline, 2 ranks, loopback Gloo.
+
+In the same two processes, alternating A B C A B C (PERFORMANCE.md), each sample the mean of ``--steps``
+training steps of a small MLP with ``DistributedOptimizer`` (short steps, so a per-step cost would show)
+and of a loop of 1-element allreduces (the cheapest collective, where a per-op cost shows most):
+
+* ``stall_off``: the stall inspector disabled (``--no-stall-check``)
+* ``stall_on``:  the default (warning after 60 s; no stall happens)
+* ``timeline``:  stall inspector on and a timeline being written
+
+Ratios are per pair (samples measured back to back), median with min-max.
+
+    .venv/bin/python benchmarks/diagnostics_overhead.py [--repeats 7] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import alternate, fork_ranks, machine_info, markdown_table, ratio_summary, summarize, write_results
+
+VARIANTS = ("stall_off", "stall_on", "timeline")
+
+
+def _rank(rank: int, size: int, repeats: int, steps: int, tmp: str) -> dict[str, Any]:
+    import torch
+
+    import hora as hvd
+    from hora import runtime
+    from hora.diagnostics import stall, timeline
+
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    one = torch.ones(1)
+    neg = runtime.state().negotiator
+
+    def setup(variant: str) -> None:
+        neg.policy = stall.StallPolicy(enabled=variant != "stall_off")
+        if variant == "timeline":
+            timeline.start_timeline(f"{tmp}/t.json", rank=rank, size=size)
+        else:
+            timeline.stop_timeline()
+
+    def train(variant: str) -> float:
+        setup(variant)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return (time.perf_counter() - t0) / steps
+
+    def tiny(variant: str) -> float:
+        setup(variant)
+        t0 = time.perf_counter()
+        for _ in range(steps * 5):
+            hvd.allreduce(one, op=hvd.Sum)
+        return (time.perf_counter() - t0) / (steps * 5)
+
+    out = {"step": alternate({v: (lambda v=v: train(v)) for v in VARIANTS}, repeats),
+           "tiny_allreduce": alternate({v: (lambda v=v: tiny(v)) for v in VARIANTS}, repeats)}
+    timeline.stop_timeline()
+    hvd.shutdown()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = fork_ranks(_rank, 2, args.repeats, args.steps, tmp)
+    r0 = results[0]
+    rows = []
+    for what, samples in r0.items():
+        for v in VARIANTS:
+            s = summarize(samples[v])
+            rows.append([what, v, f"{s['median'] * 1e3:.3f}", f"{s['min'] * 1e3:.3f}-{s['max'] * 1e3:.3f}", ""])
+        for num, den in (("stall_on", "stall_off"), ("timeline", "stall_on")):
+            r = ratio_summary(samples[num], samples[den])
+            rows.append([what, f"{num}/{den}", "", "", f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"])
+    md = markdown_table(["measure", "variant", "median ms", "min-max ms", "ratio (min-max)"], rows)
+    sys.stdout.write(md)
+    write_results("diagnostics_overhead", {"machine": machine_info(), "args": vars(args), "rank0": r0}, md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
