@@ -113,6 +113,16 @@ def _variants(rank: int, size: int) -> None:
                                                   hvd.Sum), f"unnamed async #{i}")
 
 
+    # sparse: each rank holds different rows of a (6, 2) matrix; the result is the dense reduction, coalesced
+    dense = [torch.zeros(6, 2, dtype=torch.float64) for _ in range(size)]
+    for r in range(size):
+        dense[r][[r, r + 2, 5]] = rank_input(r, (3, 2), torch.float64, salt=3)
+    for op in (hvd.Average, hvd.Sum):
+        out = hvd.synchronize(hvd.sparse_allreduce_async(dense[rank].to_sparse(), name=f"sparse.{op.name}", op=op))
+        assert out.is_sparse and out.is_coalesced()
+        close(out.to_dense(), reduce(dense, op), f"sparse_allreduce_async {op.name}")
+
+
 def test_allreduce_inplace_async_grouped_variants() -> None:
     run_ranks(_variants, 2)
 
