@@ -77,13 +77,13 @@ class LaunchError(HoraError):
 HorovodInternalError = CollectiveError
 
 __all__ = [
-    "HoraError",
-    "NotInitializedError",
-    "ConfigError",
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "ConfigError",
+    "HoraError",
+    "HorovodInternalError",
     "HostsUpdatedInterrupt",
     "LaunchError",
-    "HorovodInternalError",
+    "NotInitializedError",
 ]
