@@ -16,10 +16,8 @@ a pending name and since when.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import pickle
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -27,9 +25,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from hora import fusion
+from hora.control import Exchange, Watchdog, make_bell
 from hora.diagnostics import stall as stall_mod
 from hora.diagnostics import timeline as timeline_mod
 from hora.diagnostics import where
@@ -42,7 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_SLOT = 1024  # bytes per rank in the first control allgather of a round; larger payloads take a second
 _CACHE_CAP = 4096  # named ops remembered by the response cache
 _UNNAMED = "noname."
 _IDLE_WAIT_S = 3600.0  # store waits time out noisily in c10d's C++ log: wake only when rung
@@ -85,6 +82,7 @@ class Negotiator:
         self._in_flight: set[str] = set()  # names whose handle has not been synchronized
         self._flags: dict[str, Any] = {}
         self._broken: BaseException | None = None
+        self._stall_shutdown = False  # a stalled collective was failed: do not wait for peers at stop()
         self._idle_round: int | None = 0  # every negotiator starts idle, waiting for round 0's bell
         self._rung = False
         self._seq: dict[int, int] = {}
@@ -95,9 +93,9 @@ class Negotiator:
         self._joined_works: list[Any] = []
         self._stopped = threading.Event()
         self._exit_requested = False
-        self._bell = _make_bell(rt)
-        self._watchdog = _Watchdog(self._on_watchdog)
-        self._exchange = _Exchange(self.size, rt.ctrl_group)
+        self._bell = make_bell(rt)
+        self._watchdog = Watchdog(self._on_watchdog)
+        self._exchange = Exchange(self.size, rt.ctrl_group)
         self._thread = threading.Thread(target=self._run, name="hora-negotiator", daemon=True)
 
     # --- user side ----------------------------------------------------------------------------------
@@ -147,7 +145,7 @@ class Negotiator:
         """Collective shutdown: wait (up to ``timeout``) until every rank stops, then end the thread."""
         if not self._thread.is_alive():
             return
-        if self._broken is None:
+        if self._broken is None and not self._stall_shutdown:
             h = Handle("__shutdown__", SHUTDOWN, lambda: None, self.done)
             req = Request("__shutdown__", SHUTDOWN, "", (), ps=tuple(range(self.size)))
             try:
@@ -438,6 +436,7 @@ class Negotiator:
             entry.reported = True
             if action == "shutdown":
                 del self.table.entries[name]
+                self._stall_shutdown = True  # the stalled peers will not join a collective shutdown
                 self._fail_local(name, CollectiveTimeoutError(report))
 
     def _break(self, error: BaseException) -> None:
@@ -452,139 +451,9 @@ class Negotiator:
             op.handle.fail(error)
 
 
-class _Watchdog:
-    """One sleeping thread that calls ``fire(round)`` when an armed deadline passes (stall checks while the
-    negotiator is blocked on the bell). Costs nothing while nothing is armed."""
-
-    def __init__(self, fire: Callable[[int], None]) -> None:
-        self._fire = fire
-        self._cond = threading.Condition()
-        self._armed: tuple[int, float] | None = None
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="hora-stall-watchdog", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def arm(self, round_no: int, delay_s: float) -> None:
-        with self._cond:
-            self._armed = (round_no, time.monotonic() + max(delay_s, 0.0))
-            self._cond.notify()
-
-    def disarm(self) -> None:
-        with self._cond:
-            self._armed = None
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stop and self._armed is None:
-                    self._cond.wait()
-                if self._stop:
-                    return
-                round_no, deadline = self._armed  # type: ignore[misc]
-                left = deadline - time.monotonic()
-                if left > 0:
-                    self._cond.wait(left)
-                    continue
-                self._armed = None
-            self._fire(round_no)
-
-
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     numel = 1
     for d in shape:
         numel *= d
     t = getattr(torch, dtype, None)
     return numel * (t.itemsize if isinstance(t, torch.dtype) else 0)
-
-
-# --- control-plane plumbing -------------------------------------------------------------------------------
-class _Exchange:
-    """A round's allgather of variable-size payloads over the control group, in preallocated buffers."""
-
-    def __init__(self, size: int, group: Any) -> None:
-        self.size = size
-        self.group = group
-        self.slot = torch.zeros(_SLOT, dtype=torch.uint8)
-        self.gathered = torch.zeros(_SLOT * size, dtype=torch.uint8)
-        self._slot_np = self.slot.numpy()
-        self._gathered_np = self.gathered.numpy()
-
-    def allgather(self, payload: bytes) -> list[bytes]:
-        n = len(payload)
-        struct.pack_into("<I", self._slot_np, 0, n)
-        if n <= _SLOT - 4:
-            self._slot_np[4 : 4 + n] = memoryview(payload)
-        _all_gather_single(self.gathered, self.slot, self.group)
-        lengths = [struct.unpack_from("<I", self._gathered_np, r * _SLOT)[0] for r in range(self.size)]
-        if max(lengths) <= _SLOT - 4:
-            return [self._gathered_np[r * _SLOT + 4 : r * _SLOT + 4 + n_r].tobytes() for r, n_r in enumerate(lengths)]
-        big = max(lengths)  # rare: a round with many new requests
-        mine = torch.zeros(big, dtype=torch.uint8)
-        mine[:n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        out = torch.empty(big * self.size, dtype=torch.uint8)
-        _all_gather_single(out, mine, self.group)
-        raw = out.numpy()
-        return [raw[r * big : r * big + n_r].tobytes() for r, n_r in enumerate(lengths)]
-
-
-def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
-
-
-class _LocalBell:
-    """The bell of a single-process job."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._rung: set[int] = set()
-
-    def ring(self, round_no: int) -> None:
-        with self._cond:
-            self._rung.add(round_no)
-            self._cond.notify_all()
-
-    def wait(self, round_no: int, timeout: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: round_no in self._rung, timeout)
-
-    def clear(self, round_no: int) -> None:
-        with self._cond:
-            self._rung.discard(round_no)
-
-
-class _StoreBell:
-    """The bell of a multi-process job: one store key per idle round. Two store connections, because a
-    client blocked in ``wait`` holds its socket and the ring must not queue behind it."""
-
-    def __init__(self, connect: Callable[[], dist.Store]) -> None:
-        self._waiter = connect()
-        self._ringer = connect()
-
-    def ring(self, round_no: int) -> None:
-        self._ringer.set(f"bell/{round_no}", b"1")
-
-    def wait(self, round_no: int, timeout: float) -> bool:
-        try:
-            self._waiter.wait([f"bell/{round_no}"], datetime.timedelta(seconds=timeout))
-            return True
-        except RuntimeError as e:  # DistStoreError on timeout; anything else means the store is gone
-            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
-                return False
-            raise
-
-    def clear(self, round_no: int) -> None:
-        self._waiter.delete_key(f"bell/{round_no}")
-
-
-def _make_bell(rt: Runtime) -> _LocalBell | _StoreBell:
-    if rt.topo.size == 1 or rt.connect_store is None:
-        return _LocalBell()
-    return _StoreBell(rt.connect_store)

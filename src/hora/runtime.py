@@ -189,7 +189,12 @@ def _connector(store: dist.Store, prefix: str,
         inner = inner.underlying_store
     if not isinstance(inner, dist.TCPStore):
         return None
-    return lambda: dist.PrefixStore(prefix, store.clone())
+    clone = getattr(store, "clone", None)
+    if clone is not None:  # torch >= 2.5: a new connection to the same server
+        return lambda: dist.PrefixStore(prefix, clone())
+    host, port = inner.host, inner.port
+    return lambda: dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=timeout,
+                                                          wait_for_workers=False))
 
 
 def _default_store() -> dist.Store:

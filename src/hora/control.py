@@ -1,0 +1,148 @@
+"""The negotiator's control plane: the per-round allgather, the bell idle negotiators wait on, and the
+watchdog that rings it when a pending collective stalls. Plumbing only; the logic is in negotiator.py."""
+
+from __future__ import annotations
+
+import datetime
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from hora.runtime import Runtime
+
+_SLOT = 1024  # bytes per rank in the first control allgather of a round; larger payloads take a second
+
+
+class Watchdog:
+    """One sleeping thread that calls ``fire(round)`` when an armed deadline passes (stall checks while the
+    negotiator is blocked on the bell). Costs nothing while nothing is armed."""
+
+    def __init__(self, fire: Callable[[int], None]) -> None:
+        self._fire = fire
+        self._cond = threading.Condition()
+        self._armed: tuple[int, float] | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="hora-stall-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def arm(self, round_no: int, delay_s: float) -> None:
+        with self._cond:
+            self._armed = (round_no, time.monotonic() + max(delay_s, 0.0))
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._armed = None
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and self._armed is None:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                round_no, deadline = self._armed  # type: ignore[misc]
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._armed = None
+            self._fire(round_no)
+
+
+class Exchange:
+    """A round's allgather of variable-size payloads over the control group, in preallocated buffers."""
+
+    def __init__(self, size: int, group: Any) -> None:
+        self.size = size
+        self.group = group
+        self.slot = torch.zeros(_SLOT, dtype=torch.uint8)
+        self.gathered = torch.zeros(_SLOT * size, dtype=torch.uint8)
+        self._slot_np = self.slot.numpy()
+        self._gathered_np = self.gathered.numpy()
+
+    def allgather(self, payload: bytes) -> list[bytes]:
+        n = len(payload)
+        struct.pack_into("<I", memoryview(self._slot_np), 0, n)
+        if n <= _SLOT - 4:
+            self._slot_np[4 : 4 + n] = memoryview(payload)
+        _all_gather_single(self.gathered, self.slot, self.group)
+        lengths = [struct.unpack_from("<I", memoryview(self._gathered_np), r * _SLOT)[0] for r in range(self.size)]
+        if max(lengths) <= _SLOT - 4:
+            return [self._gathered_np[r * _SLOT + 4 : r * _SLOT + 4 + n_r].tobytes() for r, n_r in enumerate(lengths)]
+        big = max(lengths)  # rare: a round with many new requests
+        mine = torch.zeros(big, dtype=torch.uint8)
+        mine[:n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = torch.empty(big * self.size, dtype=torch.uint8)
+        _all_gather_single(out, mine, self.group)
+        raw = out.numpy()
+        return [raw[r * big : r * big + n_r].tobytes() for r, n_r in enumerate(lengths)]
+
+
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+class LocalBell:
+    """The bell of a single-process job."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._rung: set[int] = set()
+
+    def ring(self, round_no: int) -> None:
+        with self._cond:
+            self._rung.add(round_no)
+            self._cond.notify_all()
+
+    def wait(self, round_no: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: round_no in self._rung, timeout)
+
+    def clear(self, round_no: int) -> None:
+        with self._cond:
+            self._rung.discard(round_no)
+
+
+class StoreBell:
+    """The bell of a multi-process job: one store key per idle round. Two store connections, because a
+    client blocked in ``wait`` holds its socket and the ring must not queue behind it."""
+
+    def __init__(self, connect: Callable[[], dist.Store]) -> None:
+        self._waiter = connect()
+        self._ringer = connect()
+
+    def ring(self, round_no: int) -> None:
+        self._ringer.set(f"bell/{round_no}", "1")
+
+    def wait(self, round_no: int, timeout: float) -> bool:
+        try:
+            self._waiter.wait([f"bell/{round_no}"], datetime.timedelta(seconds=timeout))
+            return True
+        except RuntimeError as e:  # DistStoreError on timeout; anything else means the store is gone
+            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+                return False
+            raise
+
+    def clear(self, round_no: int) -> None:
+        self._waiter.delete_key(f"bell/{round_no}")
+
+
+def make_bell(rt: Runtime) -> LocalBell | StoreBell:
+    if rt.topo.size == 1 or rt.connect_store is None:
+        return LocalBell()
+    return StoreBell(rt.connect_store)
