@@ -76,11 +76,11 @@ class Exchange:
 
     def allgather(self, payload: bytes) -> list[bytes]:
         n = len(payload)
-        struct.pack_into("<I", memoryview(self._slot_np), 0, n)
+        struct.pack_into("<I", self._slot_np.data, 0, n)
         if n <= _SLOT - 4:
             self._slot_np[4 : 4 + n] = memoryview(payload)
         _all_gather_single(self.gathered, self.slot, self.group)
-        lengths = [struct.unpack_from("<I", memoryview(self._gathered_np), r * _SLOT)[0] for r in range(self.size)]
+        lengths = [struct.unpack_from("<I", self._gathered_np.data, r * _SLOT)[0] for r in range(self.size)]
         if max(lengths) <= _SLOT - 4:
             return [self._gathered_np[r * _SLOT + 4 : r * _SLOT + 4 + n_r].tobytes() for r, n_r in enumerate(lengths)]
         big = max(lengths)  # rare: a round with many new requests
