@@ -122,7 +122,7 @@ class FlatBucket:
     ``views[k]`` is the slice of the buffer that holds parameter ``plan.params[k]``'s gradient.
     """
 
-    __slots__ = ("plan", "name", "buffer", "views", "pending", "handle", "ctx", "wire")
+    __slots__ = ("buffer", "ctx", "handle", "name", "pending", "plan", "views", "wire")
 
     def __init__(self, plan: BucketPlan, name: str, wire_dtype: torch.dtype) -> None:
         self.plan = plan

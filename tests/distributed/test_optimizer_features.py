@@ -247,3 +247,46 @@ def _adasum_three(rank: int, size: int) -> str:
 def test_adasum_on_three_ranks_is_refused_with_the_reason() -> None:
     for msg in run_tensors(_adasum_three, 3):
         assert "power-of-two" in msg and "got 3" in msg
+
+
+def _allreduce_adasum(rank: int, size: int) -> list[float]:
+    grads = [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0])]
+    return hvd.allreduce(grads[rank], op=hvd.Adasum, name="adasum").tolist()
+
+
+def test_allreduce_with_op_adasum_uses_the_same_rule() -> None:
+    for out in run_tensors(_allreduce_adasum, 2):
+        assert out == pytest.approx([1.25, 0.75])
+
+
+# --- process sets and set_backward_passes_per_step -----------------------------------------------------
+def _process_set_ranks(rank: int, size: int) -> list[torch.Tensor]:
+    evens = hvd.add_process_set([0, 2])
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), process_set=evens)
+    opt.set_backward_passes_per_step(2)  # two half-shards per step, accumulated locally
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = shard(step, 0, rank, size)
+        for half in (slice(0, ROWS_PER_RANK // 2), slice(ROWS_PER_RANK // 2, ROWS_PER_RANK)):
+            (F.mse_loss(model(x[half]), y[half]) / 2).backward()
+        opt.step()
+    return _params(model)
+
+
+def test_process_set_reduces_only_among_its_members() -> None:
+    results = run_tensors(_process_set_ranks, 3)
+
+    def alone(ranks: list[int]) -> list[torch.Tensor]:  # one process on the members' shards
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = zip(*(shard(step, 0, r, 3) for r in ranks))
+            F.mse_loss(model(torch.cat(x)), torch.cat(y)).backward()
+            opt.step()
+        return _params(model)
+
+    _same_everywhere_and_close([results[0], results[2]], alone([0, 2]))
+    _same_everywhere_and_close([results[1]], alone([1]))
