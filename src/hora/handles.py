@@ -15,8 +15,11 @@ Example:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
+
+from hora.diagnostics import timeline
 
 _UNSET = object()
 
@@ -66,7 +69,11 @@ class Handle:
                     raise self._error
                 if self._work is not None:
                     _wait_work(self._work, self.name, self.kind)
+                tl = timeline.active()
+                t0 = time.perf_counter() if tl is not None else 0.0
                 self._result = self._finish()
+                if tl is not None:  # scale, decompress, copy out (diagnostics)
+                    tl.span(self.name, "copy_out", t0, time.perf_counter(), kind=self.kind)
                 return self._result
             finally:
                 self._on_done(self)
