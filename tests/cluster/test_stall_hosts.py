@@ -1,0 +1,52 @@
+"""The stall inspector and the timeline across hosts: a rank stuck on another host is named with its host
+and function, the job stops, and every host's rank ends up in one merged timeline on the launcher host."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jobs
+import netns
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+SCRIPT = '''
+import time
+import torch
+import hora as hvd
+
+
+def stuck_in_data_loader():
+    time.sleep(600)
+
+
+hvd.init()
+hvd.allreduce(torch.ones(2), name="warmup")
+if hvd.rank() == 2:
+    stuck_in_data_loader()
+hvd.allreduce(torch.ones(2), name="loss")
+'''
+
+
+def test_rank_stuck_on_another_host_is_named_and_the_job_stopped(hosts: netns.Cluster, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    trace = tmp_path / "trace.json"
+    spec = ",".join(f"{h.addr}:1" for h in hosts.hosts)
+    flags = ["-np", "3", "-H", spec, *jobs.hora_ssh_flags(hosts), "--stall-check-warning-time-seconds", "1",
+             "--stall-check-shutdown-time-seconds", "4", "--timeline-filename", str(trace)]
+    code, job = jobs.run_job(hosts, flags, [jobs.PYTHON, str(script)], tmp_path, timeout=120)
+    out = job.stdout + job.stderr
+    assert code not in (0, None), job.describe()
+    logged = [line for line in out.splitlines() if re.match(r"\[\d+\]<stderr>:hora stall:", line)]
+    assert len(logged) == 1 and logged[0].startswith("[0]<stderr>:hora stall: allreduce 'loss'"), job.describe()
+    stuck = hosts.host(4).addr
+    assert re.search(rf"missing: rank 2 on {re.escape(stuck)}: running train\.py:\d+ stuck_in_data_loader", out)
+    assert "CollectiveTimeoutError: hora stall: allreduce 'loss'" in out
+    events = json.loads(trace.read_text())
+    assert {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"} == {
+        0: "rank 0", 1: "rank 1", 2: "rank 2"}
+    assert jobs.leftovers(hosts, within=15) == {}
