@@ -12,10 +12,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora.plan import Entry
+from hora.plan import Entry, Request
 from hora.reduce_ops import ReduceOp
 
 MAX_FUSED_TENSOR_BYTES = 1 << 20  # larger tensors run alone: fusion would only add copies
+INLINE_MAX_BYTES = 256  # allreduces this small travel inside the negotiation round itself
 
 _WIRE_OPS = {
     ReduceOp.AVERAGE: dist.ReduceOp.SUM,  # the division happens when the op finishes
@@ -109,3 +110,36 @@ class FusionBuffers:
                 wire.view(-1).copy_(flat[offset : offset + n]) if wire.is_contiguous() else wire.copy_(
                     flat[offset : offset + n].view_as(wire))
             offset += n
+
+
+def inline_bytes(req: Request, wire: torch.Tensor | None) -> bytes | None:
+    """The data of a tiny CPU allreduce, to send with its request (None when it goes on the data plane)."""
+    if wire is None or req.kind != "allreduce" or req.device != "cpu":
+        return None
+    size = wire.numel() * wire.element_size()
+    if size > INLINE_MAX_BYTES:
+        return None
+    return wire.reshape(-1).view(torch.uint8).numpy().tobytes() if size else b""
+
+
+def reduce_inline(entry: Entry) -> torch.Tensor:
+    """Reduce the members' inline data in rank order (the same arithmetic on every rank)."""
+    req = entry.first
+    dtype = to_dtype(req.dtype)
+    parts = [torch.frombuffer(bytearray(entry.inline[r]), dtype=torch.uint8).view(dtype)
+             for r in sorted(entry.inline)]
+    stacked = torch.stack(parts) if parts else torch.zeros((1, 0), dtype=dtype)
+    op = ReduceOp(req.op)
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        out = stacked[0].clone()
+        for part in stacked[1:]:
+            out += part
+    elif op == ReduceOp.PRODUCT:
+        out = stacked[0].clone()
+        for part in stacked[1:]:
+            out *= part
+    elif op == ReduceOp.MIN:
+        out = stacked.amin(0)
+    else:
+        out = stacked.amax(0)
+    return out.reshape(req.shape)

@@ -223,7 +223,8 @@ class Negotiator:
         with self._lock:
             outgoing, self._outbox = self._outbox, []
             flags, self._flags = self._flags, {}
-        payload = pickle.dumps(([self._encode(op.req) for op in outgoing], flags), protocol=5)
+        inline = [fusion.inline_bytes(op.req, op.wire) for op in outgoing]
+        payload = pickle.dumps(([self._encode(op.req) for op in outgoing], inline, flags), protocol=5)
         t0 = time.perf_counter()
         gathered = [pickle.loads(b) for b in self._exchange.allgather(payload)]
         tl = timeline_mod.active()
@@ -232,12 +233,12 @@ class Negotiator:
         decision = Decision()
         now = time.monotonic()
         any_news = False
-        for rank, (entries, rank_flags) in enumerate(gathered):
+        for rank, (entries, inline, rank_flags) in enumerate(gathered):
             any_news = any_news or bool(entries) or bool(rank_flags)
-            for item in entries:
+            for item, data in zip(entries, inline):
                 fresh = not isinstance(item, int)
                 req = item if fresh else self._cache[item][rank]
-                self.table.add(rank, req, round_no, now, decision, fresh=fresh)
+                self.table.add(rank, req, round_no, now, decision, fresh=fresh, data=data)
         self.table.decide(decision)
         self._apply(decision)
         finished = self._handle_flags(gathered, decision)
@@ -271,7 +272,11 @@ class Negotiator:
                 self._fail_local(name, error)
         joined = self.table.joined
         self._joined_works = [w for w in self._joined_works if not w.is_completed()]
-        for batch in fusion.plan_batches(decision.ready, self._fused.threshold):
+        for entry in decision.ready:
+            if entry.inline and self.rank in entry.first.ps:
+                self._finish_inline(entry, joined)
+        on_wire = [e for e in decision.ready if not e.inline]
+        for batch in fusion.plan_batches(on_wire, self._fused.threshold):
             members = [e for e in batch if self.rank in e.first.ps]
             if not members:
                 continue
@@ -283,6 +288,19 @@ class Negotiator:
             self._remember(entry)
             if self.rank in joined and entry.name.startswith(_UNNAMED):
                 self._advance_sequence(entry.name)
+
+    def _finish_inline(self, entry: Entry, joined: frozenset[int]) -> None:
+        """A tiny allreduce whose data every member sent with its request: reduce it here, in rank order,
+        identically on every rank. No data-plane op at all."""
+        op = self._take_local(entry.name)
+        if op is None:
+            return  # a joined rank: nothing to return
+        try:
+            op.wire.copy_(fusion.reduce_inline(entry))  # type: ignore[union-attr]
+        except Exception as e:  # report on the handle, keep negotiating
+            op.handle.fail(CollectiveError(f"allreduce {entry.name!r} failed on rank {self.rank}: {e}"))
+            return
+        op.handle.launched(None)
 
     def _advance_sequence(self, name: str) -> None:
         """A joined rank took part in an unnamed op it never submitted: keep its sequence in step."""
@@ -404,12 +422,12 @@ class Negotiator:
         return bool(due)
 
     def _handle_flags(self, gathered: list[Any], decision: Decision) -> bool:
-        queries = [f.get("stall_query") for _, f in gathered if f.get("stall_query")]
+        queries = [f.get("stall_query") for _, _, f in gathered if f.get("stall_query")]
         if queries:  # every rank answers in the next round with where it is
             with self._lock:
                 self._flags["where"] = (where.describe_location(threading.main_thread().ident),
                                         dict(queries[0]))
-        answers = {r: f["where"] for r, (_, f) in enumerate(gathered) if "where" in f}
+        answers = {r: f["where"] for r, (_, _, f) in enumerate(gathered) if "where" in f}
         if answers:
             self._report_stalls(answers)
         return any(e.first.kind == SHUTDOWN for e in decision.ready)

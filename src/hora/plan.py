@@ -79,6 +79,7 @@ class Entry:
     arrival: dict[int, int] = field(default_factory=dict)  # rank -> round its request arrived
     reported: bool = False
     fresh: bool = False  # some rank sent its request in full (not as a cache id) this time
+    inline: dict[int, bytes] = field(default_factory=dict)  # tiny allreduces: each rank's data, sent inline
 
     @property
     def first(self) -> Request:
@@ -107,7 +108,7 @@ class Table:
         return frozenset(e.requests) if e is not None else frozenset()
 
     def add(self, rank: int, req: Request, round_no: int, now: float, decision: Decision,
-            fresh: bool = True) -> None:
+            fresh: bool = True, data: bytes | None = None) -> None:
         tomb = self.tombstones.get(req.name)
         if tomb is not None and rank in tomb[1]:
             tomb[1].discard(rank)
@@ -121,6 +122,8 @@ class Table:
         entry.requests[rank] = req
         entry.arrival[rank] = round_no
         entry.fresh = entry.fresh or fresh
+        if data is not None:
+            entry.inline[rank] = data
 
     def decide(self, decision: Decision) -> Decision:
         """Move ready and failed entries out of the table, in table order.
