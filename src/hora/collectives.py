@@ -173,7 +173,8 @@ def _scale_after(call: Call, result: torch.Tensor) -> None:
 
 def _prepare_reduction(call: Call) -> None:
     compressed, call.ctx = call.compression.compress(call.tensor.detach())
-    shared = compressed.data_ptr() == call.tensor.data_ptr()  # never write into the caller's tensor unless asked to (in-place)
+    # never write into the caller's tensor unless asked to (in-place)
+    shared = compressed.data_ptr() == call.tensor.data_ptr()
     copy = shared and not call.inplace and (call.kind == "allreduce" or call.prescale != 1.0)
     call.wire = _to_wire(compressed, copy=copy)
     if call.prescale != 1.0:
