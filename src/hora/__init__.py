@@ -99,7 +99,7 @@ from hora.optimizer import DistributedOptimizer  # noqa: F401
 from hora.sync_batch_norm import SyncBatchNorm  # noqa: F401
 
 # --- diagnostics (diagnostics/) ------------------------------------------------------------------------
-# (added by the diagnostics work)
+from hora.diagnostics import start_timeline, stop_timeline  # noqa: F401
 
 # --- launching from Python (launch/) -------------------------------------------------------------------
 from hora.launch.pyrun import run  # noqa: F401

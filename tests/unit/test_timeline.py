@@ -182,3 +182,25 @@ def test_unnamed_ops_share_a_few_rows_without_overlapping(tmp_path):
     lane = {e["args"]["name"]: rows[e["tid"]] for e in _spans(events)}
     assert {lane[f"noname.ps0.{s}"] for s in range(50)} == {"unnamed allreduce"}
     assert (lane["noname.ps0.50"], lane["noname.ps0.51"]) == ("unnamed allreduce", "unnamed allreduce (2)")
+
+
+def test_command_line_merge_of_a_run_time_timeline(tmp_path, capsys):
+    path = str(tmp_path / "t.json")
+    for r in (0, 1, 10):
+        tl = T.Timeline(T.rank_path(path, r), rank=r)
+        tl.span("x", "communicate", 0.0, 0.001)
+        tl.close()
+    (tmp_path / "t.rankx.json").write_text("not a rank file")
+    assert T.rank_parts(path) == [T.rank_path(path, r) for r in (0, 1, 10)]
+    assert T.main([path]) == 0
+    assert "from 3 ranks" in capsys.readouterr().err
+    events = json.loads(Path(path).read_text())
+    assert sorted(e["pid"] for e in events if e["name"] == "process_name") == [0, 1, 10]
+    assert sorted(os.listdir(tmp_path)) == ["t.json", "t.rankx.json"]
+    assert T.main([str(tmp_path / "none.json")]) == 1
+
+
+def test_horovod_names_are_exported():
+    import hora
+
+    assert hora.start_timeline is T.start_timeline and hora.stop_timeline is T.stop_timeline

@@ -25,10 +25,13 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import atexit
+import glob
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -289,6 +292,39 @@ def _write_events(events: Iterable[dict[str, Any]], out_path: str) -> None:
     os.replace(tmp, out_path)
 
 
+def rank_parts(path: str) -> list[str]:
+    """The per-rank files of ``path`` that exist (``t.rank0.json``, ``t.rank1.json``...), in rank order."""
+    root, ext = os.path.splitext(path)
+    base = f"{root}.rank" if ext else f"{path}.rank"
+    found = []
+    for p in glob.glob(glob.escape(base) + "*" + ext):
+        middle = p[len(base): len(p) - len(ext)] if ext else p[len(base):]
+        if middle.isdigit():
+            found.append((int(middle), p))
+    return [p for _, p in sorted(found)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hora.diagnostics.timeline t.json``: merge ``t.rank*.json`` into ``t.json``.
+
+    For timelines started at run time (``hvd.start_timeline``), which no launcher merges.
+    """
+    ap = argparse.ArgumentParser(prog="python -m hora.diagnostics.timeline", description=main.__doc__)
+    ap.add_argument("path", help="the timeline path given to start_timeline / --timeline-filename")
+    ap.add_argument("--keep-parts", action="store_true", help="keep the per-rank files")
+    args = ap.parse_args(argv)
+    parts = rank_parts(args.path)
+    if not parts:
+        sys.stderr.write(f"no per-rank files {rank_path(args.path, 0)}, ... next to {args.path}\n")
+        return 1
+    n = merge_timelines(parts, args.path)
+    if not args.keep_parts:
+        for p in parts:
+            os.remove(p)
+    sys.stderr.write(f"{n} events from {len(parts)} ranks -> {args.path}\n")
+    return 0
+
+
 def finish_job_timeline(path: str, size: int, remove_parts: bool = True) -> str:
     """At job end (launcher): merge ``rank_path(path, r)`` for every rank into ``path``; returns ``path``.
 
@@ -304,3 +340,7 @@ def finish_job_timeline(path: str, size: int, remove_parts: bool = True) -> str:
                 os.remove(p)
     log.info("timeline: %d events from %d ranks -> %s", n, size, path)
     return path
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
