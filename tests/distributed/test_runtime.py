@@ -174,3 +174,21 @@ def _user_made_group(rank: int, size: int) -> int:
 
 def test_init_after_the_script_made_the_default_group() -> None:
     assert run_ranks(_user_made_group, 2, init=False) == [2, 2]
+
+
+def _peer_dies(rank: int, size: int) -> str:
+    hvd.init()
+    hvd.allreduce(torch.ones(1))
+    if rank == 1:
+        return "left"  # the process exits without shutdown(): its connections close, as when it crashes
+    errors = []
+    for _ in range(2):  # the first call notices; later calls fail at once instead of hanging
+        with pytest.raises(hvd.HorovodInternalError) as info:
+            hvd.allreduce(torch.ones(1))
+        errors.append(type(info.value).__name__)
+    hvd.shutdown()  # still returns with the peer gone
+    return ",".join(errors)
+
+
+def test_a_dead_peer_surfaces_as_horovod_internal_error() -> None:
+    assert run_ranks(_peer_dies, 2, init=False) == ["CollectiveError,CollectiveError", "left"]
