@@ -10,17 +10,17 @@ Cases, alternated within each repetition (the order flips every repetition) so d
 
 "first allreduce" is the latest rank's ``time.time()`` right after its first allreduce returned (every host
 shares this machine's clock); "exit" is when the launch command returned. Reports medians of ``--reps``
-(>= 5) with min and max, and the hora/torchrun ratio of the medians.
+(>= 5) with min and max, and the median of the per-pair hora/torchrun ratios.
 
-    sudo .venv/bin/python benchmarks/startup_bench.py --reps 5 [--no-cluster] [--json out.json]
+    .venv/bin/python benchmarks/startup_bench.py --reps 5 [--no-cluster]     (root for the 3-host cases)
+Writes benchmarks/results/startup_bench.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +28,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import common
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "startup_worker.py")
@@ -63,18 +66,14 @@ def measure(start: Starter, expected_ranks: int, timeout: float = 300) -> Sample
 
 
 def _popen(cmd: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
-    )
+    return subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
 
 
 def local_cases(np: int) -> dict[str, tuple[Starter, int]]:
     """hora and torchrun with ``np`` ranks on this machine."""
     return {
         "hora-local": (
-            lambda out: [
-                _popen([HORA, "run", "-np", str(np), "-H", f"localhost:{np}", PY, WORKER, "hora", str(out)])
-            ],
+            lambda out: [_popen([HORA, "run", "-np", str(np), "-H", f"localhost:{np}", PY, WORKER, "hora", str(out)])],
             np,
         ),
         "torchrun-local": (
@@ -166,27 +165,44 @@ def run_all(cases: dict[str, tuple[Starter, int]], reps: int) -> dict[str, list[
     return results
 
 
-def summarize(results: dict[str, list[Sample]]) -> dict[str, dict[str, float]]:
-    """Median, min, max per case and metric; ratios hora/torchrun of the medians."""
-    table: dict[str, dict[str, float]] = {}
+def summarize_all(results: dict[str, list[Sample]]) -> dict[str, Any]:
+    """Per case: summaries of both metrics; per place: hora/torchrun ratios of the pairs run back to back."""
+    table: dict[str, Any] = {}
     for name, samples in results.items():
-        firsts = [s.first_s for s in samples]
-        exits = [s.exit_s for s in samples]
         table[name] = {
-            "first_median": statistics.median(firsts),
-            "first_min": min(firsts),
-            "first_max": max(firsts),
-            "exit_median": statistics.median(exits),
-            "n": len(samples),
+            "first": common.summarize([s.first_s for s in samples]),
+            "exit": common.summarize([s.exit_s for s in samples]),
         }
     for where in ("local", "3hosts"):
-        hora, torch = table.get(f"hora-{where}"), table.get(f"torchrun-{where}")
+        hora, torch = results.get(f"hora-{where}"), results.get(f"torchrun-{where}")
         if hora and torch:
             table[f"ratio-{where}"] = {
-                "first_median": hora["first_median"] / torch["first_median"],
-                "exit_median": hora["exit_median"] / torch["exit_median"],
+                "first": common.ratio_summary([s.first_s for s in hora], [s.first_s for s in torch]),
+                "exit": common.ratio_summary([s.exit_s for s in hora], [s.exit_s for s in torch]),
             }
     return table
+
+
+def markdown(table: dict[str, Any], info: dict[str, Any], reps: int, np: int) -> str:
+    """The results page: one row per case, then the ratios."""
+    head = (
+        f"# Startup: launch command -> first completed allreduce, hora vs torchrun\n\n"
+        f"{info['utc']}, {info['cpu']} x{info['cpus']}, torch {info['torch']}, hora {info['hora']} "
+        f"({info['git_commit']}); median of {reps} alternating samples (min-max). Localhost: {np} ranks; "
+        "3 hosts: 2 ranks on each of node2..node4 (network namespaces, ssh from node2).\n\n"
+    )
+    rows = []
+    for name, row in table.items():
+        first, done = row["first"], row["exit"]
+        unit = "x" if name.startswith("ratio") else " s"
+        rows.append(
+            [
+                name,
+                f"{first['median']:.2f}{unit} ({first['min']:.2f}-{first['max']:.2f})",
+                f"{done['median']:.2f}{unit} ({done['min']:.2f}-{done['max']:.2f})",
+            ]
+        )
+    return head + common.markdown_table(["case", "first allreduce", "launcher exit"], rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -194,9 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="repetitions per case (median of these; >= 5)")
     parser.add_argument("--np", type=int, default=4, help="ranks for the localhost cases")
     parser.add_argument("--no-cluster", action="store_true", help="skip the 3-host cases")
-    parser.add_argument("--json", type=Path, help="also write the summary here")
     args = parser.parse_args(argv)
-    print(f"startup benchmark: {args.reps} reps, torch {_torch_version()}, {os.cpu_count()} cpus", flush=True)
+    info = common.machine_info()
+    print(f"startup benchmark: {args.reps} reps, torch {info['torch']}, {info['cpus']} cpus", flush=True)
     results = run_all(local_cases(args.np), args.reps)
     if not args.no_cluster:
         import netns
@@ -207,16 +223,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             with netns.Cluster.build((2, 3, 4)) as cluster:
                 results.update(run_all(cluster_cases(cluster), args.reps))
-    table = summarize(results)
-    print(f"\n{'case':18s} {'first allreduce median (min-max)':34s} exit median")
-    for name, row in table.items():
-        if name.startswith("ratio"):
-            print(f"{name:18s} {row['first_median']:.2f}x{'':29s} {row['exit_median']:.2f}x")
-        else:
-            spread = f"{row['first_median']:.2f} s ({row['first_min']:.2f}-{row['first_max']:.2f})"
-            print(f"{name:18s} {spread:34s} {row['exit_median']:.2f} s")
-    if args.json:
-        args.json.write_text(json.dumps(table, indent=2))
+    table = summarize_all(results)
+    page = markdown(table, info, args.reps, args.np)
+    print("\n" + page)
+    data = {
+        "machine": info,
+        "reps": args.reps,
+        "np": args.np,
+        "summary": table,
+        "samples": {name: [dataclasses.asdict(s) for s in samples] for name, samples in results.items()},
+    }
+    for path in common.write_results("startup_bench", data, page):
+        print(f"wrote {path}")
     return 0
 
 

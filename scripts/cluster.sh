@@ -4,7 +4,7 @@
 #   scripts/cluster.sh                 # hosts 2,3,4
 #   scripts/cluster.sh --hosts 2,3     # other indices
 #   scripts/cluster.sh --clean         # remove namespaces left by a crashed run, then exit
-# Needs: apt-get update && apt-get install -y openssh-server openssh-client iproute2 util-linux procps
+# Needs root and: apt-get update && apt-get install -y openssh-server iproute2
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-$root/.venv/bin/python}"

@@ -85,17 +85,13 @@ class Job:
         return f"$ {' '.join(self.argv)}\n--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
 
 
-def start_job(
-    cluster: Cluster, flags: Sequence[str], command: Sequence[str], workdir: Path, login: int = 2
-) -> Job:
+def start_job(cluster: Cluster, flags: Sequence[str], command: Sequence[str], workdir: Path, login: int = 2) -> Job:
     """Start ``hora run <flags> <command>`` on host ``login`` (cwd: the repository root)."""
     host = cluster.host(login)
     argv = [*HORA, "run", *flags, *command]
     out, err = workdir / "launcher.stdout", workdir / "launcher.stderr"
     with open(out, "w") as fout, open(err, "w") as ferr:
-        proc = host.popen(
-            argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=fout, stderr=ferr, start_new_session=True
-        )
+        proc = host.popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=fout, stderr=ferr, start_new_session=True)
     return Job(proc, out, err, argv)
 
 
@@ -125,14 +121,11 @@ def wait_ready(job: Job, ready_dir: Path, ranks: int, timeout: float = 120) -> d
         if len(files) == ranks:
             return {int(p.name.split(".")[1]): json.loads(p.read_text()) for p in files}
         if job.proc.poll() is not None:
-            raise AssertionError(
-                f"the job ended ({job.proc.returncode}) before all ranks were ready\n{job.describe()}"
-            )
+            raise AssertionError(f"the job ended ({job.proc.returncode}) before all ranks were ready\n{job.describe()}")
         time.sleep(0.1)
     job.kill()
     raise AssertionError(
-        f"only {len(list(ready_dir.glob('ready.*[0-9]')))} of {ranks} ranks ready after "
-        f"{timeout:g}s\n{job.describe()}"
+        f"only {len(list(ready_dir.glob('ready.*[0-9]')))} of {ranks} ranks ready after {timeout:g}s\n{job.describe()}"
     )
 
 
@@ -150,8 +143,7 @@ def leftovers(cluster: Cluster, within: float, ignore_sshd: bool = False) -> dic
     deadline = time.monotonic() + within
     while True:
         left = {
-            h.hostname: [f"{p.pid} {p.cmdline[:120]}" for p in job_processes(h, ignore_sshd)]
-            for h in cluster.hosts
+            h.hostname: [f"{p.pid} {p.cmdline[:120]}" for p in job_processes(h, ignore_sshd)] for h in cluster.hosts
         }
         left = {name: procs for name, procs in left.items() if procs}
         if not left or time.monotonic() > deadline:

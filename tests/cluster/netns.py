@@ -55,10 +55,7 @@ def missing_requirements() -> str | None:
     if not os.path.exists(SSHD):
         missing.append(SSHD)
     if missing:
-        return (
-            f"cluster tests need {', '.join(missing)}: "
-            "apt-get update && apt-get install -y openssh-server openssh-client iproute2 util-linux procps"
-        )
+        return f"cluster tests need {', '.join(missing)}: apt-get update && apt-get install -y openssh-server iproute2"
     return None
 
 

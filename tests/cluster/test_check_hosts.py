@@ -18,9 +18,7 @@ def test_check_answers_for_every_host_and_names_the_unreachable_one(hosts: netns
     spec = ",".join(f"{h.addr}:2" for h in hosts.hosts)
     gone.link_down()
     try:
-        out = login.run(
-            [*CHECK, "-H", spec, "--ssh-config-file", str(hosts.ssh_config), "--json"], timeout=120
-        )
+        out = login.run([*CHECK, "-H", spec, "--ssh-config-file", str(hosts.ssh_config), "--json"], timeout=120)
     finally:
         gone.link_up()
     assert out.returncode == 1, out.stderr  # not every host answered

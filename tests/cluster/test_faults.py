@@ -28,9 +28,7 @@ FAULT_DEADLINE_S = 15.0  # issue 4 point 5: "every case ends within 15 seconds"
 SILENT_LINK_S = 15.0
 # ...and the cut-off host's agent stops its workers when the driver's pings stop (RunConfig.heartbeat_timeout).
 HEARTBEAT_TIMEOUT_S = 30.0
-LOST_AGENT = re.compile(
-    r"rank [12] on host 10\.78\.0\.3 failed first: lost: the agent on host 10\.78\.0\.3 ended"
-)
+LOST_AGENT = re.compile(r"rank [12] on host 10\.78\.0\.3 failed first: lost: the agent on host 10\.78\.0\.3 ended")
 
 
 @dataclass
@@ -80,9 +78,7 @@ def test_worker_sigkilled_on_one_host(running: Running) -> None:
     os.kill(running.reports[2]["pid"], signal.SIGKILL)  # node3 keeps rank 1: its agent must stop it
     code, took = running.wait_after_fault(FAULT_DEADLINE_S)
     assert code == 128 + signal.SIGKILL, f"ended with {code} after {took:.1f}s\n{running.job.describe()}"
-    assert "rank 2 on host 10.78.0.3 failed first: signal SIGKILL (9)" in running.job.stderr, (
-        running.job.describe()
-    )
+    assert "rank 2 on host 10.78.0.3 failed first: signal SIGKILL (9)" in running.job.stderr, running.job.describe()
     _assert_nothing_left(running, within=5)
 
 
@@ -122,9 +118,7 @@ def test_launcher_sigkilled(running: Running) -> None:
     _assert_nothing_left(running, within=FAULT_DEADLINE_S)
 
 
-@pytest.mark.parametrize(
-    ("how", "status"), [("ctrl-c", 128 + signal.SIGINT), ("sigterm", 128 + signal.SIGTERM)]
-)
+@pytest.mark.parametrize(("how", "status"), [("ctrl-c", 128 + signal.SIGINT), ("sigterm", 128 + signal.SIGTERM)])
 def test_launcher_interrupted_stops_every_host(running: Running, how: str, status: int) -> None:
     if how == "ctrl-c":
         running.job.interrupt()  # the terminal's SIGINT to the launcher's process group

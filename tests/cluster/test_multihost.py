@@ -13,9 +13,7 @@ pytestmark = pytest.mark.cluster
 HOSTS = "10.78.0.2:2,10.78.0.3:2,10.78.0.4:2"
 
 
-def test_six_ranks_on_three_hosts_allreduce_with_horovod_topology(
-    hosts: netns.Cluster, tmp_path: Path
-) -> None:
+def test_six_ranks_on_three_hosts_allreduce_with_horovod_topology(hosts: netns.Cluster, tmp_path: Path) -> None:
     code, job = jobs.run_job(
         hosts, ["-np", "6", "-H", HOSTS, *jobs.hora_ssh_flags(hosts)], jobs.worker("report"), tmp_path
     )
@@ -33,19 +31,13 @@ def test_six_ranks_on_three_hosts_allreduce_with_horovod_topology(
     ], job.describe()
     assert {(r["size"], r["local_size"], r["cross_size"]) for r in reports} == {(6, 2, 3)}
     assert [r["sum"] for r in reports] == [21.0] * 6  # 1 + 2 + ... + 6 on every rank
-    assert [r["horovod_hostname"] for r in reports] == ["10.78.0.2"] * 2 + ["10.78.0.3"] * 2 + [
-        "10.78.0.4"
-    ] * 2
+    assert [r["horovod_hostname"] for r in reports] == ["10.78.0.2"] * 2 + ["10.78.0.3"] * 2 + ["10.78.0.4"] * 2
     assert jobs.leftovers(hosts, within=10) == {}
 
 
-def test_hostfile_launcher_off_the_hosts_np_caps_and_per_rank_logs(
-    hosts: netns.Cluster, tmp_path: Path
-) -> None:
+def test_hostfile_launcher_off_the_hosts_np_caps_and_per_rank_logs(hosts: netns.Cluster, tmp_path: Path) -> None:
     hostfile = tmp_path / "hosts"
-    hostfile.write_text(
-        "# the workers\nnode3 slots=2\n\nnode4:2   # by name, resolved like on a real cluster\n"
-    )
+    hostfile.write_text("# the workers\nnode3 slots=2\n\nnode4:2   # by name, resolved like on a real cluster\n")
     logs = tmp_path / "logs"
     flags = [
         "-np",

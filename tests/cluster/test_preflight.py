@@ -28,9 +28,7 @@ def _assert_nothing_started(cluster: netns.Cluster, job: jobs.Job) -> None:
     assert jobs.leftovers(cluster, within=5) == {}
 
 
-def test_unreachable_host_is_one_line_with_the_ssh_command_to_reproduce(
-    hosts: netns.Cluster, tmp_path: Path
-) -> None:
+def test_unreachable_host_is_one_line_with_the_ssh_command_to_reproduce(hosts: netns.Cluster, tmp_path: Path) -> None:
     flags = ["-np", "4", "-H", "10.78.0.3:2,10.78.0.9:2", "--start-timeout", "8", *jobs.hora_ssh_flags(hosts)]
     code, job = jobs.run_job(hosts, flags, jobs.worker("report"), tmp_path, timeout=60)
     assert code == 2, job.describe()

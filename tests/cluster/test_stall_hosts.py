@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.cluster
 
-SCRIPT = '''
+SCRIPT = """
 import time
 import torch
 import hora as hvd
@@ -28,7 +28,7 @@ hvd.allreduce(torch.ones(2), name="warmup")
 if hvd.rank() == 2:
     stuck_in_data_loader()
 hvd.allreduce(torch.ones(2), name="loss")
-'''
+"""
 
 
 def test_rank_stuck_on_another_host_is_named_and_the_job_stopped(hosts: netns.Cluster, tmp_path: Path) -> None:
@@ -36,8 +36,19 @@ def test_rank_stuck_on_another_host_is_named_and_the_job_stopped(hosts: netns.Cl
     script.write_text(SCRIPT)
     trace = tmp_path / "trace.json"
     spec = ",".join(f"{h.addr}:1" for h in hosts.hosts)
-    flags = ["-np", "3", "-H", spec, *jobs.hora_ssh_flags(hosts), "--stall-check-warning-time-seconds", "1",
-             "--stall-check-shutdown-time-seconds", "4", "--timeline-filename", str(trace)]
+    flags = [
+        "-np",
+        "3",
+        "-H",
+        spec,
+        *jobs.hora_ssh_flags(hosts),
+        "--stall-check-warning-time-seconds",
+        "1",
+        "--stall-check-shutdown-time-seconds",
+        "4",
+        "--timeline-filename",
+        str(trace),
+    ]
     code, job = jobs.run_job(hosts, flags, [jobs.PYTHON, str(script)], tmp_path, timeout=120)
     out = job.stdout + job.stderr
     assert code not in (0, None), job.describe()
@@ -48,5 +59,8 @@ def test_rank_stuck_on_another_host_is_named_and_the_job_stopped(hosts: netns.Cl
     assert "CollectiveTimeoutError: hora stall: allreduce 'loss'" in out
     events = json.loads(trace.read_text())
     assert {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"} == {
-        0: "rank 0", 1: "rank 1", 2: "rank 2"}
+        0: "rank 0",
+        1: "rank 1",
+        2: "rank 2",
+    }
     assert jobs.leftovers(hosts, within=15) == {}

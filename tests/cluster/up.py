@@ -31,13 +31,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ssh = " ".join(["ssh", *cluster.ssh_args])
         print(f"hosts up (key {cluster.key}); Ctrl-C tears them down.")
         for h in cluster.hosts:
-            print(f"  {h.hostname} {h.addr}: nsenter -t {h.sshd_pid} -n -u bash")
+            print(f"  {h.hostname} {h.addr}: nsenter -t {h.sshd_pid} -n -u -m bash")
         first = cluster.hosts[0]
         print(
-            f"ssh from {first.hostname}: nsenter -t {first.sshd_pid} -n -u {ssh} {cluster.hosts[-1].addr} hostname"
+            f"ssh from {first.hostname}: nsenter -t {first.sshd_pid} -n -u -m {ssh} {cluster.hosts[-1].addr} hostname"
         )
         print(
-            f"launch: nsenter -t {first.sshd_pid} -n -u hora run -np 2 "
+            f"launch: nsenter -t {first.sshd_pid} -n -u -m hora run -np 2 "
             f"-H {','.join(h.addr + ':1' for h in cluster.hosts[:2])} -i {cluster.key} python train.py"
         )
         try:
