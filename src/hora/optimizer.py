@@ -178,7 +178,7 @@ def DistributedOptimizer(
     if cls is None:
         cls = type(base.__name__, (_DistributedOptimizer, base), {"__qualname__": base.__qualname__})
         _classes[base] = cls
-    wrapped = cls.__new__(cls)
+    wrapped = cls.__new__(cls)  # type: ignore[call-overload]  # no __init__: the groups and state are shared
     # Share groups, state, defaults and hooks; drop an LR scheduler's instance-level step wrapper so
     # that our step() runs (a scheduler created after wrapping wraps ours).
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})

@@ -36,6 +36,20 @@ log = logging.getLogger(__name__)
 _MB = 1024 * 1024
 
 
+def _scales(op: Any, predivide: float, size: int, uncompressed: bool) -> tuple[float, float]:
+    """Factors applied on the copy into the bucket and on the copy out, so Average costs no extra pass.
+
+    Uncompressed, the whole 1/size goes in (the result is handed out as a view, with no copy out).
+    On a compressed wire, Horovod's split is kept: 1/predivide before the sum, predivide/size after,
+    so fp16 sums do not overflow or underflow more than they would in Horovod.
+    """
+    if op is not Average:
+        return 1.0, 1.0
+    if uncompressed:
+        return 1.0 / size, 1.0
+    return 1.0 / predivide, predivide / size
+
+
 class GradientReducer:
     """Reduces the gradients of ``params`` across ``process_set`` in overlapped, reused flat buckets."""
 
@@ -62,11 +76,9 @@ class GradientReducer:
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self.bpps = backward_passes_per_step
-        if op is Average:  # the core divides by the set's size on Average; split it around the sum
-            self.prescale, self.postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
-        else:
-            self.prescale, self.postscale = 1.0, 1.0
         self._cast_only = isinstance(compression, (NoneCompressor, CastCompressor))
+        self.scale_in, self.scale_out = _scales(op, gradient_predivide_factor, process_set.size(),
+                                                isinstance(compression, NoneCompressor))
         knobs = Knobs.from_environ()
         if op is Adasum:  # Adasum is defined per tensor: one bucket per parameter
             self._caps = (0, 0)
@@ -136,7 +148,12 @@ class GradientReducer:
                     view.zero_()
                 return
             grad = grad.to_dense()
-        if grad.data_ptr() != view.data_ptr():  # a view handed out last step already sits in place
+        if grad.data_ptr() == view.data_ptr():  # the view handed out last step, accumulated in place
+            if self.scale_in != 1.0:
+                view.mul_(self.scale_in)
+        elif self.scale_in != 1.0:
+            torch.mul(grad.reshape(-1), self.scale_in, out=view)  # scale and cast in the one copy
+        else:
             view.copy_(grad.reshape(-1))
 
     def _submit(self, bucket: FlatBucket) -> None:
@@ -147,14 +164,8 @@ class GradientReducer:
         if self.op is Adasum:
             bucket.handle = adasum_allreduce_async_(wire, bucket.name, self.process_set)
             return
-        bucket.handle = ops.allreduce_async_(
-            wire,
-            name=bucket.name,
-            op=self.op,
-            prescale_factor=self.prescale,
-            postscale_factor=self.postscale,
-            process_set=self.process_set,
-        )
+        # Average's division is folded into the copies in and out (scale_in, scale_out): a plain sum here
+        bucket.handle = ops.allreduce_async_(wire, name=bucket.name, op=Sum, process_set=self.process_set)
 
     def _submit_sparse(self, index: int, grad: torch.Tensor) -> None:
         self.sparse[index] = ops.sparse_allreduce_async(
@@ -177,7 +188,7 @@ class GradientReducer:
                             self._fill(bucket, k, index)
                     self._submit(bucket)
             for bucket in self.buckets:
-                self._write_back(bucket, handles.synchronize(bucket.handle))
+                self._write_back(bucket, handles.synchronize(bucket.handle))  # type: ignore[arg-type]
                 bucket.reset()
             for index, handle in self.sparse.items():
                 self.params[index].grad = handles.synchronize(handle)
@@ -188,8 +199,12 @@ class GradientReducer:
         self.synced = True
 
     def _write_back(self, bucket: FlatBucket, out: torch.Tensor) -> None:
+        scale = self.scale_out
         if not self._cast_only:
             out = self.compression.decompress(out, bucket.ctx)
+            if scale != 1.0:
+                out.mul_(scale)
+                scale = 1.0
         persistent = out is bucket.buffer
         for k, index in enumerate(bucket.plan.params):
             if index in self._sparse_seen:
@@ -197,13 +212,13 @@ class GradientReducer:
             p = self.params[index]
             src = (bucket.views[k] if persistent else out.narrow(0, bucket.plan.offsets[k], bucket.plan.numels[k]))
             src = src.view_as(p)
-            if src.dtype == p.dtype:
+            if src.dtype == p.dtype and scale == 1.0:
                 p.grad = src  # hand out the slice itself: no copy back, and next step's in-place
                 # accumulation (zero_grad(set_to_none=False)) lands directly in the bucket
-            elif p.grad is None:
-                p.grad = src.to(p.dtype)
+            elif p.grad is None or p.grad.dtype != p.dtype or p.grad.is_sparse:
+                p.grad = src.to(p.dtype).mul_(scale)
             else:
-                p.grad.copy_(src)
+                torch.mul(src, scale, out=p.grad)  # cast back and scale in the one copy
 
     def in_flight(self) -> bool:
         """True when some bucket was submitted and not yet synchronized."""

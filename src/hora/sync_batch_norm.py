@@ -122,7 +122,10 @@ class SyncBatchNorm(_BatchNorm):
     @torch.no_grad()
     def _update_running(self, mean: torch.Tensor, var: torch.Tensor, total: float) -> None:
         self.num_batches_tracked.add_(1)  # type: ignore[union-attr, operator]
-        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        if self.momentum is None:  # cumulative moving average (reads the counter: a GPU sync, as in torch)
+            factor = 1.0 / int(self.num_batches_tracked)  # type: ignore[arg-type]
+        else:
+            factor = self.momentum
         unbiased = var * (total / max(total - 1.0, 1.0))
         self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)  # type: ignore[union-attr]
         self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)  # type: ignore[union-attr]
