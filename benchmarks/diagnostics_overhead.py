@@ -77,6 +77,31 @@ def _rank(rank: int, size: int, repeats: int, steps: int, tmp: str) -> dict[str,
     return out
 
 
+def _micro(rank: int, size: int, pending: int, calls: int) -> dict[str, float]:
+    """CPU cost of what the stall inspector does each time the negotiator goes idle with ops pending:
+    compute the next deadline over the pending names, arm the watchdog, disarm it (single process)."""
+    import time
+
+    import hora as hvd
+    from hora import runtime
+    from hora.plan import Entry, Request
+
+    hvd.init()
+    neg = runtime.state().negotiator
+    now = time.monotonic()
+    for i in range(pending):  # fake pending names, as if peers had not submitted them yet
+        neg.table.entries[f"p{i}"] = Entry(f"p{i}", {0: Request(f"p{i}", "allreduce", "float32", (1,))}, 0, now)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        delay = neg._stall_check_in()
+        neg._watchdog.arm(0, delay if delay is not None else 60.0)
+        neg._watchdog.disarm()
+    per_call = (time.perf_counter() - t0) / calls
+    neg.table.entries.clear()
+    hvd.shutdown()
+    return {"pending": pending, "us_per_idle_transition": per_call * 1e6}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
@@ -94,8 +119,12 @@ def main() -> int:
             r = ratio_summary(samples[num], samples[den])
             rows.append([what, f"{num}/{den}", "", "", f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"])
     md = markdown_table(["measure", "variant", "median ms", "min-max ms", "ratio (min-max)"], rows)
+    micro = [fork_ranks(_micro, 1, n, 20_000)[0] for n in (1, 8, 64)]
+    md += "\n" + markdown_table(["pending names", "stall inspector µs per idle transition (no stall)"],
+                                [[m["pending"], f"{m['us_per_idle_transition']:.2f}"] for m in micro])
     sys.stdout.write(md)
-    write_results("diagnostics_overhead", {"machine": machine_info(), "args": vars(args), "rank0": r0}, md)
+    write_results("diagnostics_overhead", {"machine": machine_info(), "args": vars(args), "rank0": r0,
+                                           "micro": micro}, md)
     return 0
 
 

@@ -4,6 +4,7 @@ watchdog that rings it when a pending collective stalls. Plumbing only; the logi
 from __future__ import annotations
 
 import datetime
+import math
 import struct
 import threading
 import time
@@ -27,6 +28,7 @@ class Watchdog:
         self._fire = fire
         self._cond = threading.Condition()
         self._armed: tuple[int, float] | None = None
+        self._sleep_until = math.inf  # when the thread wakes by itself; arm() notifies only to wake it earlier
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="hora-stall-watchdog", daemon=True)
 
@@ -34,9 +36,11 @@ class Watchdog:
         self._thread.start()
 
     def arm(self, round_no: int, delay_s: float) -> None:
+        deadline = time.monotonic() + max(delay_s, 0.0)
         with self._cond:
-            self._armed = (round_no, time.monotonic() + max(delay_s, 0.0))
-            self._cond.notify()
+            self._armed = (round_no, deadline)
+            if deadline < self._sleep_until:  # steady state (a later deadline each time): no thread wake-up
+                self._cond.notify()
 
     def disarm(self) -> None:
         with self._cond:
@@ -51,12 +55,14 @@ class Watchdog:
         while True:
             with self._cond:
                 while not self._stop and self._armed is None:
+                    self._sleep_until = math.inf
                     self._cond.wait()
                 if self._stop:
                     return
                 round_no, deadline = self._armed  # type: ignore[misc]
                 left = deadline - time.monotonic()
                 if left > 0:
+                    self._sleep_until = deadline
                     self._cond.wait(left)
                     continue
                 self._armed = None

@@ -401,12 +401,25 @@ class Negotiator:
         return oldest, waited
 
     def _stall_check_in(self) -> float | None:
-        # every pending name, not just the oldest: an older name already reported must not hide a younger
-        # one's warning deadline (diagnostics)
+        """Seconds until the next stall deadline. Entries are in order of first appearance, so the oldest
+        entry carries the earliest shutdown deadline and the oldest unreported one the earliest warning:
+        usually the first entry answers both (an already reported name must not hide a younger one)."""
+        if not self.policy.enabled:
+            return None
         now = time.monotonic()
-        delays = [self.policy.next_check_s(now - e.first_time, e.reported) for e in list(self.table.entries.values())
-                  if e.first.kind not in (JOIN, SHUTDOWN)]
-        return min((d for d in delays if d is not None), default=None)
+        oldest: Entry | None = None
+        for e in list(self.table.entries.values()):
+            if e.first.kind in (JOIN, SHUTDOWN):
+                continue
+            if oldest is None:
+                oldest = e
+            if not e.reported:
+                warn = self.policy.next_check_s(now - e.first_time, False)
+                if e is oldest:
+                    return warn
+                late = self.policy.next_check_s(now - oldest.first_time, True)
+                return min((d for d in (warn, late) if d is not None), default=None)
+        return None if oldest is None else self.policy.next_check_s(now - oldest.first_time, True)
 
     def _stall_due(self) -> bool:  # caller holds self._lock
         now = time.monotonic()
