@@ -81,3 +81,18 @@ def _reused_names(rank: int, size: int) -> list[str]:
 @pytest.mark.parametrize("knobs", ["default", "cache off"])
 def test_reused_names_with_new_metadata(knobs: str) -> None:
     assert run_ranks(_reused_names, 2, env=KNOB_SETS[knobs]) == [["shape"], ["shape"]]
+
+
+def _hundreds_at_once(rank: int, size: int) -> bool:
+    n = 300  # one round's requests far exceed the control plane's fixed slot
+    handles = [hvd.allreduce_async(torch.full((i % 3 + 1,), float(i + rank)), op=hvd.Sum) for i in range(n)]
+    sums = [hvd.synchronize(h) for h in handles]
+    gathers = [hvd.allgather_async(torch.full((rank + 1,), float(i)), name=f"g{i}") for i in range(n)]
+    for i in reversed(range(n)):
+        close(hvd.synchronize(gathers[i]), torch.full((size * (size + 1) // 2,), float(i)), f"allgather #{i}")
+        close(sums[i], torch.full((i % 3 + 1,), float(size * i + size * (size - 1) // 2)), f"allreduce #{i}")
+    return True
+
+
+def test_hundreds_of_ops_submitted_at_once() -> None:
+    assert run_ranks(_hundreds_at_once, 2) == [True, True]
