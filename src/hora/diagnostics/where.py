@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 _waiting: dict[int, str] = {}
 _get_ident = threading.get_ident
 
+_THIS_FILE = os.path.abspath(__file__)
 _HORA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -82,45 +83,47 @@ def _library(path: str) -> bool:
 def user_frames(frame: FrameType | None, limit: int = 4) -> tuple[list[str], str | None]:
     """The stack of ``frame`` as ``file:line function`` strings, innermost first.
 
-    hora's and torch's own frames are left out. Standard-library and installed-package frames are left out
-    too, except the innermost one when it lies inside the innermost user frame (``threading.py:331 wait``).
+    hora's, torch's, standard-library and installed-package frames are left out, except the call the
+    innermost user frame is making: the outermost of those frames below it (``queue.py:180 get``, or
+    ``hora ops.py:92 allreduce``), returned apart.
 
     Args:
         frame: the innermost frame of the stack to describe.
         limit: at most this many user frames.
 
     Returns:
-        (user frames, innermost library frame or None). When the stack has no user frame at all, the
-        library frames take their place.
+        (user frames, the call the innermost one is in, or None). When the stack has no user frame at all,
+        the library frames take the user frames' place.
     """
     if frame is None:
         return [], None
     torch_dir = _torch_dir()
     users: list[str] = []
-    libs: list[str] = []
+    below: list[str] = []  # non-user frames inside the innermost user frame, innermost first
     for fs in reversed(traceback.extract_stack(frame)):
         path = os.path.abspath(fs.filename)
-        if _internal(path, torch_dir):
+        if path == _THIS_FILE:  # describing the calling thread itself
             continue
         text = f"{os.path.basename(fs.filename)}:{fs.lineno} {fs.name}"
-        if _library(path):
+        internal = _internal(path, torch_dir)
+        if internal or _library(path):
             if not users:
-                libs.append(text)
+                below.append(("hora " if path.startswith(_HORA_DIR + os.sep) else "") + text)
             continue
         users.append(text)
         if len(users) >= limit:
             break
     if not users:
-        return libs[:limit], None
-    return users, (libs[0] if libs else None)
+        return [f for f in below if not f.startswith("hora ")][:limit], None
+    return users, (below[-1] if below else None)
 
 
 def describe_location(thread_id: int | None = None, limit: int = 4) -> str:
     """One line saying what the main thread (or ``thread_id``) is doing right now.
 
     Returns ``"waiting in allreduce 'x' (called from train.py:12 step)"`` when it is blocked in a hora
-    collective, else ``"running train.py:41 load_batch <- train.py:88 main (in socket.py:720 readinto)"``: the user
-    frames innermost first, then the library call the innermost one is in, if any.
+    collective, else ``"running train.py:41 load_batch <- train.py:88 main (in queue.py:180 get)"``: the user frames
+    innermost first, then the library (or hora) call the innermost one is making, if any.
 
     Args:
         thread_id: the thread to describe; default the main thread.
