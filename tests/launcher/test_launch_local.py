@@ -182,3 +182,52 @@ def test_horovod_script_runs_unchanged_on_the_shim(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.splitlines()) == [
         f"[{r}]<stdout>:_compat/horovod/torch/__init__.py True 2 {r}" for r in range(2)]
+
+
+FOLLOW_ON = """
+import os, sys, time
+r = int(os.environ["HORA_RANK"])
+marker = os.path.join(sys.argv[1], "rank1-raised")
+if r == 1:
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print("ValueError: the real problem", file=sys.stderr, flush=True)
+    open(marker, "w").close()
+    time.sleep(0.1)  # slow teardown: its peer's follow-on error exits first
+    sys.exit(3)
+while not os.path.exists(marker):
+    time.sleep(0.01)
+print("Traceback (most recent call last):", file=sys.stderr)
+print("RuntimeError: connection closed by peer", file=sys.stderr, flush=True)
+sys.exit(1)
+"""
+
+
+def test_root_cause_is_the_rank_whose_traceback_came_first_not_the_first_to_exit(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "follow_on.py", FOLLOW_ON)
+    result = hora_run(["-np", "2", PYTHON, script, str(tmp_path)], tmp_path)
+    assert result.returncode == 3
+    report = result.stderr[result.stderr.index("hora run: rank"):].splitlines()
+    assert report[:2] == ["hora run: rank 1 on host localhost failed first: exit code 3",
+                          "hora run: ---- traceback of rank 1 (localhost) ----"]
+    assert report[3] == "[1]: ValueError: the real problem"
+
+
+def test_exception_before_a_collective_is_reported_on_the_raising_rank(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "hvd_fail.py", """
+        import torch
+        import hora as hvd
+        hvd.init()
+        if hvd.rank() == 1:
+            raise ValueError("bad shard on rank 1")
+        hvd.allreduce(torch.ones(4), name="grads")
+        hvd.shutdown()
+    """)
+    result = hora_run(["-np", "2", PYTHON, script], tmp_path)
+    assert result.returncode == 1
+    report = result.stderr[result.stderr.index("hora run: rank"):].splitlines()
+    # Rank 0's follow-on CollectiveError may end its process before rank 1 finishes exiting: the report
+    # still leads with rank 1, whose traceback began first.
+    assert report[0].startswith("hora run: rank 1 on host localhost "), report[0]
+    assert "hora run: ---- traceback of rank 1 (localhost) ----" in report[1:3]
+    end = report.index("hora run: ----")
+    assert any(line.endswith("ValueError: bad shard on rank 1") for line in report[:end])  # maybe "[rank1]: "

@@ -140,15 +140,16 @@ class Agent:
 
     def _wait(self, worker: Worker) -> None:
         code = worker.proc.wait()
+        ended = time.time()
         for reader in worker.readers:  # all its output goes out before its exit is reported
             reader.join(timeout=2.0)
-        self.events.put(("exit", (worker, code)))
+        self.events.put(("exit", (worker, code, ended)))
 
-    def _report_exit(self, worker: Worker, code: int) -> None:
+    def _report_exit(self, worker: Worker, code: int, ended: float) -> None:
         self._exited.add(worker.rank)
         sig = -code if code < 0 else None
         self.send({"t": protocol.EXIT, "r": worker.rank, "code": None if sig else code, "sig": sig,
-                   "stopped": worker.stopped})
+                   "stopped": worker.stopped, "ts": ended})
 
     # --- stopping -------------------------------------------------------------------------------------
     def live(self) -> list[Worker]:

@@ -7,7 +7,8 @@ root cause (rank, host, exit code or signal, the rank's traceback or last stderr
 kills at once).
 
 Example:
-    >>> Driver(RunConfig(command=("python", "train.py"), np=2, hosts=parse_hosts("localhost:2"))).run()  # doctest: +SKIP
+    >>> cfg = RunConfig(command=("python", "train.py"), np=2, hosts=parse_hosts("localhost:2"))
+    >>> Driver(cfg).run()  # doctest: +SKIP
     0
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 
 from hora.launch import envvars, network, output, preflight, procs, protocol, timeline_hook
 from hora.launch.config import RunConfig
+from hora.launch.failures import RankState, RootCause
 from hora.launch.hosts import SlotInfo, assign_slots
 from hora.launch.transport import LocalTransport, SshTransport, Transport, agent_argv
 
@@ -33,21 +35,6 @@ log = logging.getLogger(__name__)
 
 PING_INTERVAL = 2.0
 KILL_AFTER_GRACE = 10.0  # after grace + this, agents that still have not finished are killed
-
-
-@dataclass
-class RankState:
-    """What the driver knows about one rank."""
-
-    slot: SlotInfo
-    done: bool = False
-    code: int | None = None
-    sig: int | None = None
-    stopped: bool = False
-
-    @property
-    def failed(self) -> bool:
-        return self.done and not self.stopped and (bool(self.sig) or self.code != 0)
 
 
 @dataclass
@@ -107,6 +94,8 @@ class Driver:
         self.agents: list[AgentHandle] = []
         self.console = output.Console(prefix_timestamp=cfg.prefix_timestamp, output_dir=cfg.output_filename)
         self.first_failure: RankState | None = None
+        self.root = RootCause()
+        self.summary = ""  # the root cause in one line, repeated as the launcher's last words
         self.interrupted: int | None = None
         self._stop_deadline: float | None = None
 
@@ -179,6 +168,8 @@ class Driver:
         try:
             self._start_agents(slots, addr, port)
             self._loop()
+            if self.root.due(all_done=True):
+                self._report_root()
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -195,10 +186,12 @@ class Driver:
         start_deadline = time.monotonic() + self.cfg.start_timeout
         while not all(r.done for r in self.ranks.values()):
             try:
-                kind, index, value = self.events.get(timeout=0.5)
+                kind, index, value = self.events.get(timeout=0.1 if self.root.deadline else 0.5)
                 self._handle(kind, index, value)
             except queue.Empty:
                 self.console.flush()
+            if self.root.due(all(r.done for r in self.ranks.values())):
+                self._report_root()
             now = time.monotonic()
             if now - last_ping >= PING_INTERVAL:
                 last_ping = now
@@ -228,6 +221,7 @@ class Driver:
             state = self.ranks[int(message["r"])]
             state.done, state.code, state.sig = True, message.get("code"), message.get("sig")
             state.stopped = bool(message.get("stopped"))
+            state.exit_ts = float(message.get("ts") or time.time())
             log.info("rank %d exited: %s", state.slot.rank, procs.describe_exit(state.code, state.sig))
             if state.failed:
                 self._on_failure(state)
@@ -240,12 +234,22 @@ class Driver:
     def _on_failure(self, state: RankState, how: str | None = None) -> None:
         if self.first_failure is not None or self.interrupted is not None:
             return
-        self.first_failure = state
+        state.how = how or state.how
+        self.root.offer(state)  # decided after a short settle window: see failures.py
+
+    def _report_root(self) -> None:
+        state = self.first_failure = self.root.choose(self.console.traceback_ts)
+        rank, host = state.slot.rank, state.slot.hostname
+        how = state.how or procs.describe_exit(state.code, state.sig)
+        self.summary = f"rank {rank} on host {host}: {how}"
+        culprit = self.root.culprit(self.console.traceback_ts)
+        if culprit is not None:  # it raised first, its peers failed before it finished exiting
+            how = f"raised an exception (traceback below); then rank {rank} on host {host} ended with {how}"
+            rank, host = culprit, self.ranks[culprit].slot.hostname
+            self.summary = f"rank {rank} on host {host} {how}"
         others = sum(1 for r in self.ranks.values() if not r.done)
-        how = how or procs.describe_exit(state.code, state.sig)
         self.console.flush()
-        output.print_lines(output.failure_report(state.slot.rank, state.slot.hostname, how,
-                                                 list(self.console.tails[state.slot.rank]), others))
+        output.print_lines(output.failure_report(rank, host, how, list(self.console.tails[rank]), others))
         self._stop_all()
 
     def _on_agent_gone(self, agent: AgentHandle, code: int) -> None:
@@ -265,7 +269,9 @@ class Driver:
         late = [a.host for a in self.agents if not (a.started or a.finished)]
         output.note(f"hosts {', '.join(late)} did not start their workers within --start-timeout "
                     f"{self.cfg.start_timeout:g}s; stopping")
-        self.first_failure = self.first_failure or RankState(self.ranks[self.agents[0].ranks[0]].slot, True, 1)
+        if self.first_failure is None:
+            self.first_failure = RankState(self.ranks[self.agents[0].ranks[0]].slot, True, 1)
+            self.summary = f"hosts {', '.join(late)} did not start within --start-timeout"
         self._stop_all()
 
     def _on_interrupt(self, signum: int) -> None:
@@ -312,8 +318,7 @@ class Driver:
     def _exit_status(self) -> int:
         if self.first_failure is not None:
             state = self.first_failure
-            output.note(f"job failed: rank {state.slot.rank} on host {state.slot.hostname}: "
-                        f"{procs.describe_exit(state.code, state.sig)}")
+            output.note(f"job failed: {self.summary or procs.describe_exit(state.code, state.sig)}")
             return procs.exit_status(state.code, state.sig)
         if self.interrupted is not None:
             return 128 + self.interrupted

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import sys
 import time
 from typing import IO
 
 TAIL_LINES = 200  # stderr lines kept per rank for the failure report
 REPORT_LINES = 20  # shown when the rank printed no traceback
-TRACEBACK_START = "Traceback (most recent call last):"
+# torch prefixes an uncaught exception's lines with "[rankN]:" once a process group exists
+_TRACEBACK_START = re.compile(r"^(\[rank\d+\]:\s?)?Traceback \(most recent call last\):")
 
 
 def line(text: str, stream: IO[str] | None = None) -> None:
@@ -46,6 +48,7 @@ class Console:
         self._logs: dict[tuple[int, str], IO[str]] = {}
         self.tails: dict[int, collections.deque[str]] = collections.defaultdict(
             lambda: collections.deque(maxlen=TAIL_LINES))
+        self.traceback_ts: dict[int, float] = {}  # when each rank's first traceback began
 
     def worker_line(self, rank: int, stream: str, text: str, ts: float | None = None) -> None:
         """One line a worker printed, as the user sees it."""
@@ -55,6 +58,8 @@ class Console:
         (self._err if stream == "stderr" else self._out).write(f"{prefix}{text}\n")
         if stream == "stderr":
             self.tails[rank].append(text)
+            if _TRACEBACK_START.match(text) and rank not in self.traceback_ts:
+                self.traceback_ts[rank] = ts or time.time()
         if self._dir is not None:
             self._log(rank, stream).write(text + "\n")
 
@@ -87,7 +92,7 @@ class Console:
 
 def traceback_of(tail: list[str]) -> list[str] | None:
     """The last Python traceback in a rank's stderr tail, if it has one."""
-    starts = [i for i, text in enumerate(tail) if text.startswith(TRACEBACK_START)]
+    starts = [i for i, text in enumerate(tail) if _TRACEBACK_START.match(text)]
     return tail[starts[-1]:][:80] if starts else None
 
 
