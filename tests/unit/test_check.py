@@ -95,3 +95,10 @@ def test_hosts_over_the_real_command_with_one_unreachable(capsys):
 def test_bad_host_list_is_a_clear_error(capsys):
     assert check.main(["-H", "a:0"]) == 2
     assert "at least 1 slot" in capsys.readouterr().err
+
+
+def test_python_patch_releases_agree_minor_releases_do_not():
+    hosts = [{"host": h, "reachable": True, "hora": "0.1.0", "torch": "2.13.0", "python": v}
+             for h, v in (("a", "3.11.7"), ("b", "3.11.9"), ("c", "3.12.1"), ("d", None))]
+    hosts[3]["reachable"] = False
+    assert check.version_disagreements(hosts) == {"python": {"3.11": ["a", "b"], "3.12": ["c"]}}

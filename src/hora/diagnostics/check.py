@@ -155,13 +155,19 @@ def local_info() -> dict[str, Any]:
 
 
 def version_disagreements(hosts: Sequence[dict[str, Any]]) -> dict[str, dict[str, list[str]]]:
-    """For each of hora/torch/python with more than one value among reachable hosts: value -> hosts."""
+    """For each of hora/torch/python with more than one value among reachable hosts: value -> hosts.
+
+    Python must agree on major.minor only (pickled functions and bytecode care; patch releases do not).
+    """
     out: dict[str, dict[str, list[str]]] = {}
     for key in AGREE_KEYS:
         seen: dict[str, list[str]] = {}
         for h in hosts:
             if h.get("reachable"):
-                seen.setdefault(str(h.get(key)), []).append(h["host"])
+                value = str(h.get(key))
+                if key == "python":
+                    value = ".".join(value.split(".")[:2])
+                seen.setdefault(value, []).append(h["host"])
         if len(seen) > 1:
             out[key] = seen
     return out
@@ -242,7 +248,9 @@ def _remote_info(host: str, run_remote: RemoteRunner) -> dict[str, Any]:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """``hora check``'s flags (added to ``parser`` when the CLI registers the subcommand)."""
-    p = parser or argparse.ArgumentParser(prog="hora check", description=__doc__.split("\n\n")[0])
+    p = parser or argparse.ArgumentParser(
+        prog="hora check", description="What hora, Python, torch, Gloo/NCCL/MPI, CUDA and network interfaces "
+        "this machine (or every host given with -H/--hostfile, over ssh) has, and whether versions agree.")
     p.add_argument("-H", "--hosts", default=None, help="host:slots,... to check over ssh")
     p.add_argument("--hostfile", default=None, help="file of `host slots=N` lines to check over ssh")
     p.add_argument("-p", "--ssh-port", type=int, default=None, help="ssh port")
