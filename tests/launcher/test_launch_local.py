@@ -231,3 +231,17 @@ def test_exception_before_a_collective_is_reported_on_the_raising_rank(tmp_path:
     assert "hora run: ---- traceback of rank 1 (localhost) ----" in report[1:3]
     end = report.index("hora run: ----")
     assert any(line.endswith("ValueError: bad shard on rank 1") for line in report[:end])  # maybe "[rank1]: "
+
+
+def test_agent_killed_takes_its_workers_down_and_the_launcher_names_the_host(
+        tmp_path: Path, background) -> None:  # type: ignore[no-untyped-def]
+    script = write_script(tmp_path, "sleep.py", SLEEPER)
+    job = background(["-np", "2", PYTHON, script, str(tmp_path)])
+    pids = _started(tmp_path, 2)
+    agent = parent_of(pids[0])
+    os.kill(agent, signal.SIGKILL)  # the workers' PR_SET_PDEATHSIG fires
+    code, _, err = job.finish()
+    assert code == 1
+    assert ("hora run: rank 0 on host localhost failed first: lost: the agent on host localhost ended "
+            "(signal SIGKILL (9)) before ranks 0, 1 exited") in err
+    assert wait_until(lambda: not any(alive(p) for p in pids), 10)
