@@ -142,10 +142,14 @@ class Negotiator:
             self._in_flight.discard(handle.name)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Collective shutdown: wait (up to ``timeout``) until every rank stops, then end the thread."""
+        """Collective shutdown: wait (up to ``timeout``) until every rank stops, then end the thread.
+
+        With ``timeout`` 0 (a crashing process) nothing is negotiated: the thread, a daemon blocked on the
+        bell, ends with the process, and the peers learn of it when its connections close.
+        """
         if not self._thread.is_alive():
             return
-        if self._broken is None and not self._stall_shutdown:
+        if timeout > 0 and self._broken is None and not self._stall_shutdown:
             h = Handle("__shutdown__", SHUTDOWN, lambda: None, self.done)
             req = Request("__shutdown__", SHUTDOWN, "", (), ps=tuple(range(self.size)))
             try:
@@ -158,9 +162,8 @@ class Negotiator:
             except CollectiveError:
                 pass
         with self._lock:
-            self._exit_requested = True
-            self._ring_if_idle()
-        self._thread.join(timeout=2.0)
+            self._exit_requested = True  # never ring for this: peers would wait in a round we never join
+        self._thread.join(timeout=1.0)
         self._watchdog.stop()
 
     def _ring_if_idle(self) -> None:  # caller holds self._lock

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -231,8 +232,20 @@ def _start_timeline(knobs: Knobs) -> None:
 def shutdown() -> None:
     """Stop hora in this process: drain the negotiator and destroy hora's process groups.
 
-    Every rank should call it (it is a collective with a deadline). ``init()`` may be called again afterwards.
+    Every rank should call it (it is a collective with a deadline: a rank waits up to 30 s for the others,
+    then leaves anyway). ``init()`` may be called again afterwards.
     """
+    _shutdown(peer_wait_s=30.0)
+
+
+def _shutdown_at_exit() -> None:
+    # After an uncaught exception, leave at once: the peers learn of it when this process's connections
+    # close, and the launcher reports this rank's traceback as the root cause.
+    crashed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    _shutdown(peer_wait_s=0.0 if crashed is not None else 10.0)
+
+
+def _shutdown(peer_wait_s: float) -> None:
     global _state
     with _lock:
         s = _state
@@ -241,7 +254,7 @@ def shutdown() -> None:
         _state = None
         try:
             if s.negotiator is not None:
-                s.negotiator.stop()
+                s.negotiator.stop(timeout=peer_wait_s)
         finally:
             _teardown_groups(s)
             global_process_set.ranks = []
@@ -307,4 +320,4 @@ def is_homogeneous() -> bool:
     return state("hvd.is_homogeneous()").topo.homogeneous
 
 
-atexit.register(shutdown)
+atexit.register(_shutdown_at_exit)
