@@ -64,7 +64,7 @@ class Call:
 
 def _validate(call: Call, rank: int) -> None:
     t = call.tensor
-    where = f"{call.kind} {call.name!r} on rank {rank}"
+    where = f"{call.kind} {call.name or '(unnamed)'!r} on rank {rank}"
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _SUPPORTED:
@@ -116,16 +116,14 @@ def submit_many(calls: list[Call]) -> list[Handle]:
         return []
     rt = runtime.state(f"hvd.{calls[0].kind}()")
     neg = rt.negotiator
-    ops = []
     for call in calls:
-        if not call.name:
-            call.name = neg.unnamed(call.ps.process_set_id)
-        elif not isinstance(call.name, str):
+        if call.name and not isinstance(call.name, str):
             raise TypeError(f"collective names are strings, got {call.name!r}")
         _validate(call, rt.topo.rank)
-    for call in calls:
-        ops.append(_local_op(call, neg))
-    return neg.submit_many(ops)
+    for call in calls:  # only a valid call takes a sequence number, so a rejected one can't desync ranks
+        if not call.name:
+            call.name = neg.unnamed(call.ps.process_set_id)
+    return neg.submit_many([_local_op(call, neg) for call in calls])
 
 
 def _local_op(call: Call, neg: Any) -> LocalOp:

@@ -88,8 +88,6 @@ def _rejected_then_unnamed(rank: int, size: int) -> list[float]:
     return [hvd.allreduce(torch.ones(1), op=hvd.Sum).item() for _ in range(2)]
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: a call rejected by validation on one rank still takes an "
-                   "unnamed sequence number there, so the next unnamed collective hangs on every rank")
 def test_a_call_rejected_on_one_rank_does_not_desync_unnamed_ops() -> None:
     assert run_ranks(_rejected_then_unnamed, 2, timeout=10) == [[2.0, 2.0]] * 2
 
