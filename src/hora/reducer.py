@@ -76,9 +76,8 @@ class GradientReducer:
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self.bpps = backward_passes_per_step
+        self.predivide = gradient_predivide_factor
         self._cast_only = isinstance(compression, (NoneCompressor, CastCompressor))
-        self.scale_in, self.scale_out = _scales(op, gradient_predivide_factor, process_set.size(),
-                                                isinstance(compression, NoneCompressor))
         knobs = Knobs.from_environ()
         if op is Adasum:  # Adasum is defined per tensor: one bucket per parameter
             self._caps = (0, 0)
@@ -87,7 +86,9 @@ class GradientReducer:
                 raise ValueError(f"op=hvd.Adasum needs a power-of-two number of ranks, got {size}")
         else:
             self._caps = (int(knobs.first_bucket_mb * _MB), int(knobs.bucket_cap_mb * _MB))
-        self._reduce = process_set.included() and process_set.size() > 1
+        self._world: tuple[bool, int] | None = None  # (included, size) the plan and scales were made for
+        self._reduce = False
+        self.scale_in = self.scale_out = 1.0
         self.passes = [0] * len(self.params)
         self.slots: list[tuple[FlatBucket, int] | None] = [None] * len(self.params)
         self.buckets: list[FlatBucket] = []
@@ -129,8 +130,19 @@ class GradientReducer:
     def _begin_step(self) -> None:
         self._active = True
         self.synced = False
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Re-read the process set (elastic jobs change its size) and the parameters requiring grad."""
         if not self._ddp_checked:
             self._check_ddp()
+        world = (self.process_set.included(), self.process_set.size())
+        if world != self._world:
+            self._world = world
+            self._reduce = world[0] and world[1] > 1
+            uncompressed = isinstance(self.compression, NoneCompressor)
+            self.scale_in, self.scale_out = _scales(self.op, self.predivide, world[1], uncompressed)
+            self._plan_key = None  # new buckets under new names
         if self._reduce:
             self.ensure_plan()
 
@@ -177,10 +189,8 @@ class GradientReducer:
         """Submit what never fired, wait for every bucket, write the reduced gradients back."""
         if self.synced and not self._active:
             return  # nothing arrived since the last synchronize(): the gradients are already reduced
-        if not self._ddp_checked:
-            self._check_ddp()
+        self._refresh()
         if self._reduce:
-            self.ensure_plan()
             for bucket in self.buckets:
                 if bucket.handle is None:
                     for k, index in enumerate(bucket.plan.params):
