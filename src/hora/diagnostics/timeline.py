@@ -25,17 +25,23 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import atexit
-import glob
 import json
 import logging
 import os
-import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
 from typing import Any
+
+# reading and merging live in merge.py; re-exported here (the launcher calls timeline.finish_job_timeline)
+from hora.diagnostics.merge import (
+    finish_job_timeline,
+    load_events,
+    main,
+    merge_timelines,
+    rank_parts,
+    rank_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +51,6 @@ UNNAMED_PREFIX = "noname."  # the negotiator's generated names: these ops share 
 _FLUSH_EVENTS = 512
 _FLUSH_SECONDS = 0.5
 _encode = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
-
-
-def rank_path(path: str, rank: int) -> str:
-    """The file rank ``rank`` writes for a job timeline ``path``: ``t.json`` -> ``t.rank3.json``."""
-    root, ext = os.path.splitext(path)
-    return f"{root}.rank{rank}{ext}" if ext else f"{path}.rank{rank}"
 
 
 class Timeline:
@@ -248,99 +248,5 @@ def _topology(rank: int | None, size: int | None) -> tuple[int, int]:
 atexit.register(stop_timeline)
 
 
-# -- reading and merging ------------------------------------------------------------------------------
-def load_events(path: str) -> list[dict[str, Any]]:
-    """The events of a timeline file; tolerates a file cut short (a crash mid-write of an old writer)."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        events = json.loads(text)
-    except json.JSONDecodeError:
-        events = []
-        for line in text.splitlines():  # one event per line: keep every complete one
-            line = line.strip().lstrip("[").rstrip(",]").strip()
-            if line.startswith("{"):
-                try:
-                    events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    if isinstance(events, list):
-        return events
-    raise TypeError(f"{path} is not a Chrome-trace timeline (expected a JSON array of events)")
-
-
-def merge_timelines(paths: Sequence[str], out_path: str) -> int:
-    """Merge per-rank timeline files into one file every rank is a row of. Missing files are skipped.
-
-    Returns:
-        The number of events written.
-    """
-    merged: list[dict[str, Any]] = []
-    for p in paths:
-        if not os.path.exists(p):
-            log.warning("timeline %s is missing (that rank never started its timeline?)", p)
-            continue
-        merged.extend(load_events(p))
-    _write_events(merged, out_path)
-    return len(merged)
-
-
-def _write_events(events: Iterable[dict[str, Any]], out_path: str) -> None:
-    tmp = out_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("[\n" + ",\n".join(json.dumps(e, separators=(",", ":")) for e in events) + "\n]\n")
-    os.replace(tmp, out_path)
-
-
-def rank_parts(path: str) -> list[str]:
-    """The per-rank files of ``path`` that exist (``t.rank0.json``, ``t.rank1.json``...), in rank order."""
-    root, ext = os.path.splitext(path)
-    base = f"{root}.rank" if ext else f"{path}.rank"
-    found = []
-    for p in glob.glob(glob.escape(base) + "*" + ext):
-        middle = p[len(base): len(p) - len(ext)] if ext else p[len(base):]
-        if middle.isdigit():
-            found.append((int(middle), p))
-    return [p for _, p in sorted(found)]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hora.diagnostics.timeline t.json``: merge ``t.rank*.json`` into ``t.json``.
-
-    For timelines started at run time (``hvd.start_timeline``), which no launcher merges.
-    """
-    ap = argparse.ArgumentParser(prog="python -m hora.diagnostics.timeline", description=main.__doc__)
-    ap.add_argument("path", help="the timeline path given to start_timeline / --timeline-filename")
-    ap.add_argument("--keep-parts", action="store_true", help="keep the per-rank files")
-    args = ap.parse_args(argv)
-    parts = rank_parts(args.path)
-    if not parts:
-        sys.stderr.write(f"no per-rank files {rank_path(args.path, 0)}, ... next to {args.path}\n")
-        return 1
-    n = merge_timelines(parts, args.path)
-    if not args.keep_parts:
-        for p in parts:
-            os.remove(p)
-    sys.stderr.write(f"{n} events from {len(parts)} ranks -> {args.path}\n")
-    return 0
-
-
-def finish_job_timeline(path: str, size: int, remove_parts: bool = True) -> str:
-    """At job end (launcher): merge ``rank_path(path, r)`` for every rank into ``path``; returns ``path``.
-
-    With one rank the worker already wrote ``path`` itself and nothing is done.
-    """
-    if size <= 1:
-        return path
-    parts = [rank_path(path, r) for r in range(size)]
-    n = merge_timelines(parts, path)
-    if remove_parts:
-        for p in parts:
-            if os.path.exists(p):
-                os.remove(p)
-    log.info("timeline: %d events from %d ranks -> %s", n, size, path)
-    return path
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+__all__ = ["PHASES", "Timeline", "active", "finish_job_timeline", "load_events", "main", "merge_timelines",
+           "rank_parts", "rank_path", "start_timeline", "stop_timeline"]
