@@ -260,7 +260,7 @@ class Driver:
         how = (f"lost: the agent on host {agent.host} ended ({procs.describe_exit(*_split(code))}) "
                f"before rank{'s' if len(lost) > 1 else ''} {', '.join(str(r.slot.rank) for r in lost)} exited")
         for state in lost:
-            state.done, state.code = True, 1
+            state.done, state.code, state.exit_ts = True, 1, time.time()  # when the loss was seen
             state.stopped = self._stop_deadline is not None
         if self._stop_deadline is None:
             self._on_failure(lost[0], how)

@@ -56,18 +56,25 @@ class RootCause:
         return self.chosen is None and self.deadline is not None and (all_done or time.monotonic() >= self.deadline)
 
     def choose(self, traceback_ts: Mapping[int, float]) -> RankState:
-        """The candidate whose traceback started first (else which exited first)."""
-        def when(state: RankState) -> tuple[float, float]:
-            return (traceback_ts.get(state.slot.rank, state.exit_ts or float("inf")), state.exit_ts)
+        """The root cause among the failures seen.
+
+        A rank killed by a signal or lost with its host comes first (follow-on failures raise exceptions,
+        they are not killed); then the rank whose traceback started first, else which exited first.
+        """
+        def when(state: RankState) -> tuple[int, float, float]:
+            violent = 0 if state.sig or state.how else 1
+            return (violent, traceback_ts.get(state.slot.rank, state.exit_ts or float("inf")), state.exit_ts)
 
         self.chosen = min(self.candidates, key=when)
         return self.chosen
 
     def culprit(self, traceback_ts: Mapping[int, float]) -> int | None:
-        """A rank (perhaps still alive, e.g. stuck in teardown) whose traceback began before the chosen
-        failure's: the exception that set the failures off. None when the chosen rank is that one."""
-        if self.chosen is None or not traceback_ts:
+        """A rank (perhaps still alive, stuck in teardown) whose traceback began before the chosen rank
+        exited with an error code: the exception that set the failures off. None when there is none, or
+        when the chosen rank was killed or lost (that is the cause)."""
+        chosen = self.chosen
+        if chosen is None or chosen.sig or chosen.how or not traceback_ts:
             return None
         first = min(traceback_ts, key=lambda rank: traceback_ts[rank])
-        mine = traceback_ts.get(self.chosen.slot.rank, float("inf"))
-        return first if first != self.chosen.slot.rank and traceback_ts[first] < mine else None
+        mine = traceback_ts.get(chosen.slot.rank, chosen.exit_ts or float("inf"))
+        return first if first != chosen.slot.rank and traceback_ts[first] < mine else None
