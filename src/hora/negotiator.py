@@ -298,12 +298,14 @@ class Negotiator:
         op = self._take_local(entry.name)
         if op is None:
             return  # a joined rank: nothing to return
+        t_launch = time.perf_counter()
         try:
             op.wire.copy_(fusion.reduce_inline(entry))  # type: ignore[union-attr]
         except Exception as e:  # report on the handle, keep negotiating
             op.handle.fail(CollectiveError(f"allreduce {entry.name!r} failed on rank {self.rank}: {e}"))
             return
         op.handle.launched(None)
+        self._trace(op, t_launch, None, inline=True)
 
     def _advance_sequence(self, name: str) -> None:
         """A joined rank took part in an unnamed op it never submitted: keep its sequence in step."""
@@ -355,7 +357,7 @@ class Negotiator:
                 self._trace(op, t_launch, None, fused=len(entries))
 
     @staticmethod
-    def _trace(op: LocalOp, t_launch: float, work: Any, fused: int = 0) -> None:
+    def _trace(op: LocalOp, t_launch: float, work: Any, fused: int = 0, inline: bool = False) -> None:
         """Timeline (diagnostics): ``negotiate`` from submit to launch, ``communicate`` from launch until
         the c10d work completes (a future callback, so a late synchronize() does not stretch it)."""
         tl = timeline_mod.active()
@@ -367,6 +369,8 @@ class Negotiator:
         tl.span(r.name, "negotiate", op.submitted_at, t_launch, **args)
         if fused:
             args["fused"] = fused
+        if inline:  # the data travelled in the negotiation round; "communicate" is the local reduction
+            args["inline"] = True
         if work is None:  # done in place already (fused, or nothing to send)
             tl.span(r.name, "communicate", t_launch, time.perf_counter(), **args)
             return
