@@ -55,7 +55,10 @@ class Console:
         prefix = f"[{rank}]<{stream}>:"
         if self._timestamp:
             prefix = time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(ts or time.time())) + prefix
-        (self._err if stream == "stderr" else self._out).write(f"{prefix}{text}\n")
+        try:
+            (self._err if stream == "stderr" else self._out).write(f"{prefix}{text}\n")
+        except (BrokenPipeError, ValueError):
+            pass  # `hora run ... | head`: the reader left; the job and its log files go on
         if stream == "stderr":
             self.tails[rank].append(text)
             if _TRACEBACK_START.match(text) and rank not in self.traceback_ts:
@@ -80,8 +83,11 @@ class Console:
                     self._log(rank, stream)
 
     def flush(self) -> None:
-        self._out.flush()
-        self._err.flush()
+        for stream in (self._out, self._err):
+            try:
+                stream.flush()
+            except (BrokenPipeError, ValueError):
+                pass
 
     def close(self) -> None:
         self.flush()
