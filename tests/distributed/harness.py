@@ -17,11 +17,14 @@ Example:
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -70,6 +73,7 @@ def run_ranks(
     """
     ctx = multiprocessing.get_context("fork")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stacks = tempfile.mkdtemp(prefix="hora-ranks-")
     job_env = {
         "HORA_SIZE": str(nprocs),
         "HORA_LOCAL_SIZE": str(nprocs),
@@ -83,13 +87,16 @@ def run_ranks(
     for rank in range(nprocs):
         recv, send = ctx.Pipe(duplex=False)
         rank_env = {**job_env, "HORA_RANK": str(rank), "HORA_LOCAL_RANK": str(rank), **(env or {})}
-        proc = ctx.Process(target=_child, args=(fn, rank, nprocs, args, rank_env, init, send), name=f"rank{rank}")
+        stack_file = os.path.join(stacks, f"rank{rank}.stack")
+        proc = ctx.Process(target=_child, args=(fn, rank, nprocs, args, rank_env, init, send, stack_file),
+                           name=f"rank{rank}")
         proc.start()
         send.close()
         procs.append(proc)
         conns.append(recv)
     try:
         reports, unfinished = _collect(procs, conns, time.monotonic() + timeout)
+        where = _where_hung(procs, unfinished, stacks)
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -97,17 +104,40 @@ def run_ranks(
             proc.join()
         for conn in conns:
             conn.close()
+        shutil.rmtree(stacks, ignore_errors=True)
         del store
     failures = sorted((r for r in reports.values() if not r.ok), key=lambda r: r.when)
     if failures or unfinished:
-        raise AssertionError(_failure_message(failures, unfinished, nprocs, timeout))
+        raise AssertionError(_failure_message(failures, unfinished, nprocs, timeout, where))
     return [reports[rank].value for rank in range(nprocs)]
 
 
+def _where_hung(procs: list, unfinished: Mapping[int, str], stacks: str) -> dict[int, str]:
+    """Every thread's Python stack of each hung rank (faulthandler, on SIGUSR1), before they are killed."""
+    for rank in unfinished:
+        try:
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    if unfinished:
+        time.sleep(0.5)
+    where = {}
+    for rank in unfinished:
+        try:
+            with open(os.path.join(stacks, f"rank{rank}.stack")) as f:
+                lines = f.read().strip().splitlines()
+        except OSError:
+            lines = []
+        where[rank] = "\n".join(lines[-60:])
+    return where
+
+
 def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: Mapping[str, str | None],
-           init: bool, conn: Connection) -> None:
+           init: bool, conn: Connection, stack_file: str) -> None:
     os.setpgrp()  # the deadline kills this rank's whole process group
     code = 0
+    dump = open(stack_file, "w")  # noqa: SIM115 - must stay open for faulthandler until os._exit
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)  # the parent asks where a hung rank is
     try:
         for key, value in env.items():
             if value is None:
@@ -191,7 +221,8 @@ def _kill_group(pid: int | None) -> None:
             pass
 
 
-def _failure_message(failures: list[_Report], unfinished: Mapping[int, str], nprocs: int, timeout: float) -> str:
+def _failure_message(failures: list[_Report], unfinished: Mapping[int, str], nprocs: int, timeout: float,
+                     where: Mapping[int, str]) -> str:
     lines = [f"{len(failures)} of {nprocs} ranks failed, {len(unfinished)} did not finish (timeout {timeout} s)."]
     if failures:
         t0 = failures[0].when
@@ -202,6 +233,8 @@ def _failure_message(failures: list[_Report], unfinished: Mapping[int, str], npr
             lines.append(rep.text.rstrip())
     for rank, why in unfinished.items():
         lines.append(f"--- rank {rank} hung: {why}; killed with SIGKILL ---")
+        if where.get(rank):
+            lines.append(f"where rank {rank}'s threads were:\n{where[rank]}")
     if unfinished:
         lines.append(f"hung ranks: {sorted(unfinished)}")
     return "\n".join(lines)

@@ -76,6 +76,7 @@ def test_a_hung_rank_is_named_and_killed(tmp_path) -> None:
     assert "0 of 3 ranks failed, 1 did not finish" in msg
     assert "rank 1 hung: no result before the deadline" in msg
     assert "hung ranks: [1]" in msg
+    assert "where rank 1's threads were:" in msg and "in _hang_on" in msg  # its stack, to see where it hung
     _assert_gone(str(tmp_path), 1)
 
 
