@@ -116,12 +116,9 @@ def test_unknown_subcommand_suggests_the_right_one(capsys: pytest.CaptureFixture
                                        "{run,check} ...   (hora run --help for the launcher's flags)\n")
 
 
-@pytest.mark.parametrize("argv, line", [
-    (["run", "--hostfle", "h", P, "ok.py"], "hora run: error: unknown flag --hostfle. Did you mean --hostfile?"),
-    (["-np", "3", "-H", "localhost:2", P, "ok.py"],  # horovodrun habit: no subcommand means `run`
-     "hora run: error: -np 3 is more than the 2 slots the hosts offer; lower -np or add slots (-H host:slots)"),
-])
-def test_the_hora_command_prints_the_same_line(argv: list[str], line: str, workdir: Path) -> None:
-    result = subprocess.run([P, "-m", "hora", *argv], cwd=workdir, capture_output=True, text=True, timeout=60,
-                            check=False)
+def test_the_hora_command_prints_the_same_line(workdir: Path) -> None:
+    # a real `python -m hora` process; also the horovodrun habit: no subcommand means `run`
+    result = subprocess.run([P, "-m", "hora", "-np", "3", "-H", "localhost:2", P, "ok.py"], cwd=workdir,
+                            capture_output=True, text=True, timeout=60, check=False)
+    line = "hora run: error: -np 3 is more than the 2 slots the hosts offer; lower -np or add slots (-H host:slots)"
     assert (result.returncode, result.stderr, result.stdout) == (2, line + "\n", "")
