@@ -437,6 +437,10 @@ class Negotiator:
             action = self.policy.decide(now - e.first_time, e.reported)
             if action is not stall_mod.StallAction.NONE:
                 due.append((e.name, action.value))
+        if any(action == "shutdown" for _, action in due):
+            # the job is being stopped: fail every pending collective now, so every waiting rank ends with
+            # the stall report, not with a follow-on "connection closed" once the first rank has left
+            due = [(e.name, "shutdown") for e in self.table.entries.values() if e.first.kind not in (JOIN, SHUTDOWN)]
         if due:
             self._flags["stall_query"] = due
         return bool(due)
