@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,10 @@ def test_hostfile_read_from_disk(tmp_path: Path) -> None:
                                          ("[::1]", True), ("node1", False), ("10.78.0.2", False)])
 def test_which_names_mean_this_machine(name: str, local: bool) -> None:
     assert HostSpec(name, 1).is_local is local
+
+
+def test_this_machines_own_host_name_needs_no_ssh() -> None:
+    assert HostSpec(socket.gethostname(), 2).is_local is True
 
 
 def _table(hosts: str, np: int) -> list[tuple[int, str, int, int, int, int]]:

@@ -94,7 +94,7 @@ class Agent:
             env.update(item["env"])
             try:
                 proc = subprocess.Popen(
-                    command, env=env, cwd=self.spec.get("cwd") or None, stdin=subprocess.DEVNULL,
+                    command, env=env, cwd=self._cwd(), stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                     preexec_fn=procs.child_setup(os.getpid()),  # noqa: PLW1509 - only prctl, before threads matter
                 )
@@ -111,9 +111,14 @@ class Agent:
             threading.Thread(target=self._wait, args=(worker,), daemon=True).start()
         self.send({"t": protocol.STARTED, "hostname": socket.gethostname(), "pids": pids})
 
+    def _cwd(self) -> str | None:
+        """The launcher's working directory when this host has it (shared filesystem), else the agent's."""
+        cwd = self.spec.get("cwd")
+        return cwd if cwd and os.path.isdir(cwd) else None
+
     def _spawn_failed(self, rank: int, command: list[str], exc: OSError) -> None:
         reason = exc.strerror or str(exc)
-        where = self.spec.get("cwd") or os.getcwd()
+        where = self._cwd() or os.getcwd()
         self.send({"t": protocol.OUT, "r": rank, "s": "stderr", "ts": time.time(),
                    "l": f"hora: cannot start {command[0]!r} in {where}: {reason}"})
         self._exited.add(rank)

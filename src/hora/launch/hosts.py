@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +29,9 @@ class HostSpec:
 
     @property
     def is_local(self) -> bool:
-        """True for names that mean this machine (started without ssh)."""
-        return self.name in LOCAL_NAMES or self.name.startswith("127.")
+        """True for names that mean this machine (started without ssh): localhost, loopback addresses and
+        this machine's own host name."""
+        return self.name in LOCAL_NAMES or self.name.startswith("127.") or self.name == socket.gethostname()
 
 
 @dataclass(frozen=True, slots=True)
