@@ -37,7 +37,8 @@ def _sweep(rank: int, size: int) -> None:
         close(hvd.allgather(parts[rank]), whole, f"allgather {dtype}")
         for root in range(size):
             x = rank_input(rank, (4, 3), dtype, salt=root)
-            close(hvd.broadcast(x, root_rank=root), rank_input(root, (4, 3), dtype, salt=root), f"broadcast {dtype} root {root}")
+            close(hvd.broadcast(x, root_rank=root), rank_input(root, (4, 3), dtype, salt=root),
+                  f"broadcast {dtype} root {root}")
             close(x, rank_input(rank, (4, 3), dtype, salt=root), "broadcast leaves its input alone")
         splits, inputs = _alltoall_case(size, dtype)
         out, received = hvd.alltoall(inputs[rank], splits=splits[rank])
@@ -157,3 +158,20 @@ def _grads(rank: int, size: int) -> None:
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_gradients(nprocs: int) -> None:
     run_ranks(_grads, nprocs)
+
+
+def _zero_size(rank: int, size: int) -> None:
+    close(hvd.allgather(torch.ones(0, 2)), torch.ones(0, 2), "allgather of 0 rows on every rank")
+    close(hvd.broadcast(torch.ones(0), 0), torch.ones(0), "broadcast of an empty tensor")
+    out = hvd.reducescatter(torch.ones(1, 2), op=hvd.Sum)  # fewer rows than ranks: the others get none
+    close(out, torch.full((1, 2), float(size)) if rank == 0 else torch.ones(0, 2), "reducescatter of 1 row")
+    out, received = hvd.alltoall(torch.ones(size - 1, 1) * rank, splits=[1] * (size - 1) + [0])
+    want = torch.arange(size, dtype=torch.float32).reshape(size, 1) if rank < size - 1 else torch.ones(0, 1)
+    close(out, want, "alltoall sending nothing to the last rank")
+    close(hvd.allreduce(torch.ones(0), op=hvd.Sum), torch.ones(0), "allreduce of an empty tensor")
+
+
+@pytest.mark.xfail(strict=True, reason="core gap: allreduce of an empty tensor reaches Gloo, which rejects it "
+                   "('buffer length (0) ... must not be 0'); the others already work")
+def test_zero_size_tensors() -> None:
+    run_ranks(_zero_size, 3)
