@@ -81,7 +81,7 @@ class Handle:
     def _wait_launched(self) -> None:
         from hora.diagnostics import where
 
-        where.set_waiting(f"{self.kind} {self.name!r}")
+        where.set_waiting(where.describe_op(self.kind, self.name))
         try:
             while not self._launched.wait(timeout=1.0):
                 pass  # a timeout loop keeps Ctrl-C responsive

@@ -52,24 +52,25 @@ def slow_data_loading(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def _late_rank(rank: int, size: int):
+def _late_rank(rank: int, size: int, name: str | None):
     def body():
         if rank == size - 1:
             slow_data_loading(5.0)
-        return hvd.allreduce(torch.ones(3), op=hvd.Sum, name="loss").tolist()
+        return hvd.allreduce(torch.ones(3), op=hvd.Sum, name=name).tolist()
 
     return _captured(body)
 
 
-@pytest.mark.parametrize("nprocs", [2, 3])
-def test_report_names_the_late_rank_its_host_and_the_function_it_sleeps_in(nprocs):
-    results = run_ranks(_late_rank, nprocs, env=FAST, timeout=60)
+@pytest.mark.parametrize(("nprocs", "name", "shown"), [(2, "loss", r"allreduce 'loss' \(#\d+\)"),
+                                                       (3, None, r"unnamed allreduce #\d+")])
+def test_report_names_the_late_rank_its_host_and_the_function_it_sleeps_in(nprocs, name, shown):
+    results = run_ranks(_late_rank, nprocs, name, env=FAST, timeout=60)
     assert [r[0] for r in results] == [[float(nprocs)] * 3] * nprocs  # the job goes on afterwards
     (who, text), = _reports(results)  # one report in the whole job
     assert who == 0  # the lowest rank that arrived speaks
     lines = text.splitlines()
     late = nprocs - 1
-    assert re.match(rf"hora stall: allreduce 'loss' \(#\d+\) has waited \d+ s: {nprocs - 1} of {nprocs} "
+    assert re.match(rf"hora stall: {shown} has waited \d+ s: {nprocs - 1} of {nprocs} "
                     r"ranks arrived, 1 missing\.", lines[0])
     assert lines[1] == ("  arrived: rank 0" if nprocs == 2 else "  arrived: ranks 0-1")
     assert re.fullmatch(rf"  missing: rank {late} on {re.escape(HOST)}: running test_stall_e2e\.py:\d+ "

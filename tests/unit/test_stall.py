@@ -81,3 +81,14 @@ def test_report_groups_missing_ranks_stuck_in_the_same_place():
     assert lines[3] == "           rank 12 on node3: no answer"
     assert "wait in another collective" in text
     assert len(lines) == 5  # one line per place, not one per rank
+
+
+def test_unnamed_collectives_are_shown_by_their_number():
+    from hora.diagnostics.where import describe_op
+
+    assert describe_op("allreduce", "noname.ps0.17") == "unnamed allreduce #17"
+    assert describe_op("broadcast", "noname.ps2.3") == "unnamed broadcast #3 of process set 2"
+    assert describe_op("allreduce", "loss") == "allreduce 'loss'"
+    text = format_stall_report("allreduce", "noname.ps0.17", 4, 61, [0], {1: ("n1", "waiting in unnamed "
+                                                                             "broadcast #17")})
+    assert text.splitlines()[0].startswith("hora stall: unnamed allreduce #17 has waited 61 s")

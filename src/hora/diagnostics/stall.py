@@ -21,6 +21,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from hora.diagnostics.where import describe_op
 from hora.env import Knobs
 from hora.errors import ConfigError
 
@@ -134,6 +135,11 @@ def _hints(locations: list[str], op_kind: str) -> list[str]:
     return hints
 
 
+def _op(op_kind: str, name: str, seq: int) -> str:
+    op = describe_op(op_kind, name)
+    return op if op.startswith("unnamed ") else f"{op} (#{seq})"  # an unnamed op's name is its number
+
+
 def format_stall_report(
     op_kind: str,
     name: str,
@@ -167,7 +173,7 @@ def format_stall_report(
     for r in sorted(missing):
         groups.setdefault(missing[r][1] or "no answer", []).append(r)
     lines = [
-        (f"hora stall: {op_kind} {name!r} (#{seq}) has waited {waited_s:.0f} s: "
+        (f"hora stall: {_op(op_kind, name, seq)} has waited {waited_s:.0f} s: "
          f"{len(arrived)} of {total} ranks arrived, {len(missing)} missing."),
         f"  arrived: {'rank' if len(arrived) == 1 else 'ranks'} {format_ranks(arrived)}",
     ]

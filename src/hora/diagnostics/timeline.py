@@ -42,12 +42,12 @@ from hora.diagnostics.merge import (
     rank_parts,
     rank_path,
 )
+from hora.diagnostics.where import UNNAMED_PREFIX  # generated names: these ops share a few pooled rows
 
 log = logging.getLogger(__name__)
 
 PHASES = ("negotiate", "compress", "communicate", "copy_in", "copy_out", "decompress")
 LAST_PHASE = "copy_out"  # every op that completes ends with it (the handle's finish)
-UNNAMED_PREFIX = "noname."  # the negotiator's generated names: these ops share a few pooled rows
 _FLUSH_EVENTS = 512
 _FLUSH_SECONDS = 0.5
 _encode = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 # needs no lock; readers take a snapshot with dict.get.
 _waiting: dict[int, str] = {}
 _get_ident = threading.get_ident
+UNNAMED_PREFIX = "noname."  # the negotiator's generated names for unnamed collectives
 
 _THIS_FILE = os.path.abspath(__file__)
 _HORA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +42,17 @@ def _torch_dir() -> str | None:
     mod = sys.modules.get("torch")
     path = getattr(mod, "__file__", None)
     return os.path.dirname(os.path.abspath(path)) if path else None
+
+
+def describe_op(kind: str, name: str) -> str:
+    """How a user reads a collective: ``allreduce 'loss'``, or ``unnamed allreduce #17`` for a generated
+    name (``noname.ps0.17``: the 17th unnamed collective of process set 0), ``... #3 of process set 2``."""
+    if name.startswith(UNNAMED_PREFIX):
+        ps, _, n = name[len(UNNAMED_PREFIX):].partition(".")
+        if ps.startswith("ps") and n.isdigit():
+            where = "" if ps == "ps0" else f" of process set {ps[2:]}"
+            return f"unnamed {kind} #{n}{where}"
+    return f"{kind} {name!r}"
 
 
 def set_waiting(desc: str | None) -> None:
