@@ -180,10 +180,11 @@ def _yes(v: Any) -> str:
 def _row(h: dict[str, Any]) -> list[str]:
     if not h.get("reachable"):
         return [h["host"], "NO"] + ["-"] * 7
-    b, c = h["backends"], h["cuda"]
+    b, c = h.get("backends", {}), h.get("cuda", {})  # .get: an older hora on that host may say less
     nccl = (b.get("nccl_version") or "yes") if b.get("nccl") else "no"
     cuda = (c.get("built") or "yes") if c.get("available") else ("built " + c["built"] if c.get("built") else "no")
-    return [h["host"], "yes", h["hora"], h["python"], h["torch"], _yes(b.get("gloo")), nccl,
+    return [h["host"], "yes", str(h.get("hora", "?")), str(h.get("python", "?")), str(h.get("torch", "?")),
+            _yes(b.get("gloo")), nccl,
             _yes(b.get("mpi")), f"{cuda} ({len(c.get('devices', []))} GPUs)"]
 
 
@@ -197,10 +198,10 @@ def format_table(report: dict[str, Any]) -> str:
         if not h.get("reachable"):
             lines.append(f"{h['host']}: unreachable: {h.get('error', '')}")
             continue
-        for d in h["cuda"].get("devices", []):
+        for d in h.get("cuda", {}).get("devices", []):
             lines.append(f"{h['host']}: GPU {d['index']}: {d['name']} ({d['memory_gb']} GB)")
         ifs = ", ".join(f"{i['name']} {' '.join(i['addresses']) or '(no address)'}{'' if i['up'] else ' (down)'}"
-                        for i in h["interfaces"])
+                        for i in h.get("interfaces", []))
         lines.append(f"{h['host']}: interfaces: {ifs}")
     for key, seen in report["disagree"].items():
         lines.append(f"MISMATCH {key}: " + "; ".join(f"{v} on {', '.join(hs)}" for v, hs in seen.items()))
