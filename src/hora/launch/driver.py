@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import datetime
 import logging
 import queue
 import signal
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hora.errors import LaunchError
 from hora.launch import envvars, network, output, preflight, procs, protocol, timeline_hook
 from hora.launch.config import RunConfig
 from hora.launch.failures import RankState, RootCause
@@ -106,7 +108,7 @@ class Driver:
         from torch.distributed import TCPStore  # the only torch import of the launch side
 
         self.store = TCPStore(addr, 0, is_master=True, wait_for_workers=False,
-                              timeout=__import__("datetime").timedelta(seconds=max(self.cfg.start_timeout, 60)))
+                              timeout=datetime.timedelta(seconds=max(self.cfg.start_timeout, 60)))
         if self.store_ready is not None:
             self.store_ready(self.store)
         log.info("rendezvous store on %s:%d (job %s)", addr, self.store.port, self.job_id)
@@ -135,7 +137,11 @@ class Driver:
             if not mine:
                 continue  # -np capped the job before this host
             transport = self.transport_for(host.name, host.is_local)
-            proc = transport.start(host.name, agent_argv(self.cfg.python), self.cfg.cwd)
+            try:
+                proc = transport.start(host.name, agent_argv(self.cfg.python), self.cfg.cwd)
+            except OSError as exc:  # e.g. no ssh client installed
+                raise LaunchError(f"host {host.name}: cannot start its agent ({exc.strerror or exc}); "
+                                  "install openssh-client or check the Python path", exit_code=2) from None
             agent = AgentHandle(index, host.name, proc, [s.rank for s in mine])
             self.agents.append(agent)
             agent.send(self._spec(index, mine, addr, port))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from hora.errors import LaunchError
 from hora.launch import output
-from hora.launch.transport import Transport, describe
+from hora.launch.transport import LocalTransport, Transport, describe
 
 if TYPE_CHECKING:
     from hora.launch.config import RunConfig
@@ -58,7 +58,11 @@ def probe_host(host: str, transport: Transport, python: str, timeout: float) -> 
     """Run the probe on ``host``; return (its answer, "") or (None, the problem as one line)."""
     argv = [python, "-c", PROBE]
     reproduce = describe(transport.command(host, [python, "-V"]))
-    proc = transport.start(host, argv)
+    try:
+        proc = transport.start(host, argv)
+    except OSError as exc:
+        return None, f"host {host}: cannot run {argv[0] if isinstance(transport, LocalTransport) else 'ssh'} " \
+                     f"({exc.strerror or exc}); install openssh-client on this machine"
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
