@@ -1,0 +1,119 @@
+"""The negotiation table and fusion planning: pure logic every rank runs on the same inputs."""
+
+from __future__ import annotations
+
+import torch
+
+from hora.errors import CollectiveError, CollectiveMismatchError
+from hora.fusion import inline_bytes, plan_batches, reduce_inline
+from hora.plan import Decision, Entry, Request, Table, last_joined
+from hora.reduce_ops import ReduceOp
+
+ALL = (0, 1, 2)
+
+
+def req(name: str, kind: str = "allreduce", shape: tuple[int, ...] = (4,), dtype: str = "float32",
+        ps: tuple[int, ...] = ALL, **kw: object) -> Request:
+    return Request(name, kind, dtype, shape, ps=ps, **kw)  # type: ignore[arg-type]
+
+
+def step(table: Table, round_no: int, *submissions: tuple[int, Request]) -> Decision:
+    decision = Decision()
+    for rank, r in submissions:
+        table.add(rank, r, round_no, 0.0, decision)
+    return table.decide(decision)
+
+
+def test_a_name_is_ready_once_every_member_submitted_in_any_round() -> None:
+    table = Table(3)
+    assert step(table, 0, (0, req("a")), (2, req("a"))).ready == []
+    d = step(table, 1, (1, req("a")))
+    assert [e.name for e in d.ready] == ["a"]
+    assert sorted(d.ready[0].requests) == [0, 1, 2]
+    assert table.entries == {}
+
+
+def test_ready_order_is_first_submission_order_whatever_each_rank_did() -> None:
+    table = Table(2)
+    d = step(table, 0, (0, req("x", ps=(0, 1))), (0, req("y", ps=(0, 1))),
+             (1, req("y", ps=(0, 1))), (1, req("x", ps=(0, 1))))
+    assert [e.name for e in d.ready] == ["x", "y"]
+
+
+def test_process_set_ops_wait_only_for_members() -> None:
+    table = Table(3)
+    d = step(table, 0, (0, req("p", ps=(0, 2))), (2, req("p", ps=(0, 2))))
+    assert [e.name for e in d.ready] == ["p"]
+
+
+def test_mismatch_is_declared_when_all_members_are_in_and_names_every_rank() -> None:
+    table = Table(3)
+    assert step(table, 0, (0, req("m")), (1, req("m", shape=(5,)))).failed == []
+    d = step(table, 1, (2, req("m")))
+    (entry, error), = d.failed
+    assert isinstance(error, CollectiveMismatchError)
+    assert error.fields == ["shape"]
+    assert sorted(error.per_rank) == [0, 1, 2]
+    assert "rank 1: allreduce dtype=float32 shape=[5]" in str(error)
+
+
+def test_different_kinds_under_one_sequence_name_are_a_mismatch() -> None:
+    table = Table(2)
+    d = step(table, 0, (0, req("noname.ps0.3", ps=(0, 1))),
+             (1, req("noname.ps0.3", kind="allgather", ps=(0, 1))))
+    assert "kind" in d.failed[0][1].fields  # type: ignore[attr-defined]
+
+
+def test_allgather_rows_may_differ_but_trailing_dims_may_not() -> None:
+    table = Table(2)
+    ok = step(table, 0, (0, req("g", "allgather", (3, 2), ps=(0, 1))), (1, req("g", "allgather", (1, 2), ps=(0, 1))))
+    assert [e.name for e in ok.ready] == ["g"]
+    bad = step(table, 1, (0, req("h", "allgather", (3, 2), ps=(0, 1))), (1, req("h", "allgather", (3, 4), ps=(0, 1))))
+    assert bad.failed and bad.failed[0][1].fields == ["shape"]  # type: ignore[attr-defined]
+
+
+def test_joined_ranks_count_as_present_for_allreduce_but_block_alltoall() -> None:
+    table = Table(3)
+    step(table, 0, (2, req("__join__", "join")))
+    assert table.joined == {2}
+    d = step(table, 1, (0, req("a")), (1, req("a")))
+    assert [e.name for e in d.ready] == ["a"]
+    d = step(table, 2, (0, req("t", "alltoall")), (1, req("t", "alltoall")))
+    (_, error), = d.failed
+    assert isinstance(error, CollectiveError) and "join()" in str(error)
+    d = step(table, 3, (0, req("__join__", "join")), (1, req("__join__", "join")))
+    assert [e.name for e in d.ready] == ["__join__"]
+    assert last_joined(d.ready[0]) == 1  # ranks 0 and 1 joined in the same, later round: the higher one
+
+
+def test_latecomers_to_a_failed_name_get_the_same_error() -> None:
+    table = Table(3)
+    step(table, 0, (2, req("__join__", "join")))
+    d = step(table, 1, (0, req("t", "alltoall")))
+    assert d.failed  # rank 2 has joined: fails at once, rank 1 still owes it
+    late = step(table, 2, (1, req("t", "alltoall")))
+    assert [(r, n) for r, n, _ in late.late_failures] == [(1, "t")]
+    assert "t" not in table.tombstones
+
+
+def _entry(name: str, nbytes: int, op: int = 1, dtype: str = "float32") -> Entry:
+    r = Request(name, "allreduce", dtype, (nbytes // 4,), op=op, ps=(0, 1))
+    return Entry(name, {0: r, 1: r}, 0, 0.0)
+
+
+def test_fusion_groups_consecutive_small_compatible_allreduces_only() -> None:
+    entries = [_entry("a", 64), _entry("b", 64), _entry("big", 4 << 20), _entry("c", 64),
+               _entry("d", 64, op=int(ReduceOp.MAX)), _entry("e", 64, op=int(ReduceOp.MAX))]
+    batches = plan_batches(entries, threshold=64 << 20)
+    assert [[e.name for e in b] for b in batches] == [["a", "b"], ["big"], ["c"], ["d", "e"]]
+    assert [[e.name for e in b] for b in plan_batches(entries[:2], threshold=0)] == [["a"], ["b"]]
+
+
+def test_inline_reduction_is_the_same_arithmetic_on_every_rank() -> None:
+    r = Request("x", "allreduce", "float32", (2,), op=int(ReduceOp.SUM), ps=(0, 1, 2))
+    entry = Entry("x", {0: r, 1: r, 2: r}, 0, 0.0)
+    for rank in range(3):
+        entry.inline[rank] = inline_bytes(r, torch.tensor([rank + 1.0, -rank]))  # type: ignore[assignment]
+    assert reduce_inline(entry).tolist() == [6.0, -3.0]
+    big = Request("y", "allreduce", "float32", (1024,), ps=(0, 1))
+    assert inline_bytes(big, torch.zeros(1024)) is None  # too large: goes on the data plane
