@@ -10,7 +10,7 @@ and of a loop of 1-element allreduces (the cheapest collective, where a per-op c
 
 Ratios are per pair (samples measured back to back), median with min-max.
 
-    .venv/bin/python benchmarks/diagnostics_overhead.py [--repeats 7] [--steps 20]
+    .venv/bin/python benchmarks/diagnostics_overhead.py [--repeats 31] [--steps 10]
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def _micro(rank: int, size: int, pending: int, calls: int) -> dict[str, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=31)
+    ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = fork_ranks(_rank, 2, args.repeats, args.steps, tmp)
@@ -117,8 +117,10 @@ def main() -> int:
             rows.append([what, v, f"{s['median'] * 1e3:.3f}", f"{s['min'] * 1e3:.3f}-{s['max'] * 1e3:.3f}", ""])
         for num, den in (("stall_on", "stall_off"), ("timeline", "stall_on")):
             r = ratio_summary(samples[num], samples[den])
-            rows.append([what, f"{num}/{den}", "", "", f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"])
-    md = markdown_table(["measure", "variant", "median ms", "min-max ms", "ratio (min-max)"], rows)
+            pairs = sorted(a / b for a, b in zip(samples[num], samples[den]))
+            q1, q3 = pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]
+            rows.append([what, f"{num}/{den}", "", "", f"{r['median']:.3f} (IQR {q1:.3f}-{q3:.3f})"])
+    md = markdown_table(["measure", "variant", "median ms", "min-max ms", "pair ratio median (IQR)"], rows)
     micro = [fork_ranks(_micro, 1, n, 20_000)[0] for n in (1, 8, 64)]
     md += "\n" + markdown_table(["pending names", "stall inspector µs per idle transition (no stall)"],
                                 [[m["pending"], f"{m['us_per_idle_transition']:.2f}"] for m in micro])
