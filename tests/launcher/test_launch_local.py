@@ -242,3 +242,11 @@ def test_agent_killed_takes_its_workers_down_and_the_launcher_names_the_host(
     assert ("hora run: rank 0 on host localhost failed first: lost: the agent on host localhost ended "
             "(signal SIGKILL (9)) before ranks 0, 1 exited") in err
     assert wait_until(lambda: not any(alive(p) for p in pids), 10)
+
+
+def test_np_caps_workers_and_hosts_left_without_ranks_are_never_contacted(tmp_path: Path) -> None:
+    # 10.255.255.1 has no ssh server (nor a route): touching it would fail preflight with exit code 2
+    result = hora_run(["-np", "2", "-H", "localhost:3,10.255.255.1:4", PYTHON, "-c",
+                       "import os; print(os.environ['HORA_RANK'], os.environ['HORA_SIZE'])"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[0]<stdout>:0 2", "[1]<stdout>:1 2"]

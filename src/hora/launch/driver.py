@@ -102,8 +102,8 @@ class Driver:
         self._stop_deadline: float | None = None
 
     # --- set-up ----------------------------------------------------------------------------------------
-    def _start_store(self) -> tuple[str, int]:
-        remote = [h.name for h in self.cfg.hosts if not h.is_local]
+    def _start_store(self, used: set[str]) -> tuple[str, int]:
+        remote = [h.name for h in self.cfg.hosts if not h.is_local and h.name in used]
         addr = network.store_address(remote, self.cfg.network_interfaces)
         from torch.distributed import TCPStore  # the only torch import of the launch side
 
@@ -164,9 +164,10 @@ class Driver:
         """Run the job to the end; return the exit status for the ``hora run`` process."""
         slots = assign_slots(self.cfg.hosts, self.cfg.np)
         self.ranks = {s.rank: RankState(s) for s in slots}
+        used = {s.hostname for s in slots}  # -np may leave the last hosts without ranks: they are not touched
         if not self.cfg.all_local:
-            preflight.check_hosts(self.cfg, self.transport_for)
-        addr, port = self._start_store()
+            preflight.check_hosts(self.cfg, self.transport_for, used)
+        addr, port = self._start_store(used)
         self.console.open_logs(range(self.cfg.np))
         previous = {}
         if threading.current_thread() is threading.main_thread():  # signal handlers live there only

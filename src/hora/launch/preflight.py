@@ -95,13 +95,14 @@ def compare(host: str, answer: dict[str, Any], mine: dict[str, Any], python: str
     return problems
 
 
-def check_hosts(cfg: RunConfig, transport_for: Callable[[str, bool], Transport]) -> dict[str, dict[str, Any]]:
-    """Check every remote host in parallel; return their answers.
+def check_hosts(cfg: RunConfig, transport_for: Callable[[str, bool], Transport],
+                used: set[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Check every remote host (that gets ranks, when ``used`` is given) in parallel; return their answers.
 
     Raises:
         LaunchError: (exit code 2) after printing one line per problem found.
     """
-    remote = [h for h in cfg.hosts if not h.is_local]
+    remote = [h for h in cfg.hosts if not h.is_local and (used is None or h.name in used)]
     results: dict[str, tuple[dict[str, Any] | None, str]] = {}
 
     def probe(name: str) -> None:
