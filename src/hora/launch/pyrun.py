@@ -90,6 +90,8 @@ def _collect(driver: Driver, code: int) -> list[Any]:
         if store.check([key]):
             records[rank] = shipping.loads(store.get(key))
     failed = driver.first_failure
+    if failed is None and driver.interrupted is not None:
+        raise KeyboardInterrupt(f"hora.run: interrupted ({driver.interrupted}); every rank was stopped")
     if code == 0 and len(records) == driver.cfg.np and all(r[0] == "ok" for r in records.values()):
         return [records[rank][1] for rank in range(driver.cfg.np)]
     order = ([failed.slot.rank] if failed is not None else []) + sorted(records)
