@@ -221,3 +221,14 @@ def test_merge_streams_big_files_event_for_event(tmp_path):
     events = json.loads(Path(path).read_text())
     for r in range(2):
         assert [e["args"]["i"] for e in events if e["pid"] == r and e["ph"] == "X"] == list(range(6000))
+
+
+def test_a_forked_child_does_not_write_to_its_parents_timeline(tmp_path):
+    path = tmp_path / "t.json"
+    T.start_timeline(str(path), rank=0, size=1)
+    pid = os.fork()
+    if pid == 0:  # e.g. a DataLoader worker
+        os._exit(0 if T.active() is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert T.active() is not None  # the parent's timeline goes on

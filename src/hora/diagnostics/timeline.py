@@ -245,7 +245,14 @@ def _topology(rank: int | None, size: int | None) -> tuple[int, int]:
     return (env.rank if rank is None else rank, env.size if size is None else size)
 
 
+def _forget_in_child() -> None:
+    """A process forked from a rank (a DataLoader worker) must never append to that rank's file."""
+    global _active
+    _active = None
+
+
 atexit.register(stop_timeline)
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 __all__ = ["PHASES", "Timeline", "active", "finish_job_timeline", "load_events", "main", "merge_timelines",
