@@ -55,7 +55,7 @@ def slow_data_loading(seconds: float) -> None:
 def _late_rank(rank: int, size: int, name: str | None):
     def body():
         if rank == size - 1:
-            slow_data_loading(5.0)
+            slow_data_loading(6.0)  # 4 s past the warning time: room for a slow machine
         return hvd.allreduce(torch.ones(3), op=hvd.Sum, name=name).tolist()
 
     return _captured(body)
