@@ -232,3 +232,14 @@ def test_a_forked_child_does_not_write_to_its_parents_timeline(tmp_path):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert T.active() is not None  # the parent's timeline goes on
+
+
+def test_restarting_in_the_same_process_appends(tmp_path):
+    # init() after shutdown() (elastic) restarts the timeline on the same file: earlier events stay
+    path = tmp_path / "t.json"
+    for gen in range(3):
+        tl = T.start_timeline(str(path), rank=0, size=1)
+        tl.span(f"gen{gen}", "communicate", 0.0, 0.001)
+        T.stop_timeline()
+        names = [e["args"]["name"] for e in json.loads(path.read_text()) if e["ph"] == "X"]
+        assert names == [f"gen{g}" for g in range(gen + 1)]

@@ -53,6 +53,14 @@ _FLUSH_SECONDS = 0.5
 _encode = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
 
 
+def _closing_bracket(fd: int) -> int | None:
+    """Offset of the closing ``]`` of a timeline file (always preceded by its events), or None."""
+    size = os.fstat(fd).st_size
+    start = max(size - 16, 0)
+    tail = os.pread(fd, size - start, start).rstrip()
+    return start + len(tail) - 1 if tail.endswith(b"]") and size > 16 else None
+
+
 class Timeline:
     """One rank's timeline file. Thread-safe; use :func:`start_timeline` rather than building one.
 
@@ -60,7 +68,7 @@ class Timeline:
     they are written as wall-clock microseconds so files from different ranks line up when merged.
     """
 
-    def __init__(self, path: str, rank: int = 0, mark_cycles: bool = False) -> None:
+    def __init__(self, path: str, rank: int = 0, mark_cycles: bool = False, append: bool = False) -> None:
         self.path = path
         self.rank = rank
         self.mark_cycles = mark_cycles
@@ -73,14 +81,20 @@ class Timeline:
         self._offset_us = (time.time() - time.perf_counter()) * 1e6
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | (0 if append else os.O_TRUNC), 0o644)
         head = [
             {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
             {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
         ]
-        body = "[\n" + ",\n".join(json.dumps(e, separators=(",", ":")) for e in head)
-        os.pwrite(self._fd, (body + "\n]\n").encode(), 0)
-        self._end = len(body.encode())  # where the closing "\n]\n" starts
+        end = _closing_bracket(self._fd) if append else None
+        if end is None:  # a new file
+            body = "[\n" + ",\n".join(json.dumps(e, separators=(",", ":")) for e in head)
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, (body + "\n]\n").encode(), 0)
+            end = len(body.encode())
+        else:  # this process's earlier timeline in the same file (init() after shutdown(), elastic)
+            self._buf.extend(head)
+        self._end = end  # where the closing bracket (and what follows it) starts: the next flush writes here
         self._stop = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="hora-timeline", daemon=True)
         self._flusher.start()
@@ -189,6 +203,7 @@ class Timeline:
 
 
 _active: Timeline | None = None
+_written: set[str] = set()  # files this process started: a restart appends instead of truncating
 _active_lock = threading.Lock()
 
 
@@ -217,7 +232,8 @@ def start_timeline(path: str, mark_cycles: bool = False, *, rank: int | None = N
     with _active_lock:
         if _active is not None:
             _active.close()
-        _active = Timeline(target, rank=rank, mark_cycles=mark_cycles)
+        _active = Timeline(target, rank=rank, mark_cycles=mark_cycles, append=target in _written)
+        _written.add(target)
     log.info("timeline of rank %d -> %s", rank, target)
     return _active
 
