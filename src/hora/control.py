@@ -17,7 +17,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from hora.runtime import Runtime
 
-_SLOT = 1024  # bytes per rank in the first control allgather of a round; larger payloads take a second
+_SLOT = 256  # bytes per rank in the first control allgather of a round (one new op fits); more takes a second
 
 
 class Watchdog:

@@ -16,7 +16,7 @@ from hora.plan import Entry, Request
 from hora.reduce_ops import ReduceOp
 
 MAX_FUSED_TENSOR_BYTES = 1 << 20  # larger tensors run alone: fusion would only add copies
-INLINE_MAX_BYTES = 256  # allreduces this small travel inside the negotiation round itself
+INLINE_MAX_BYTES = 64  # allreduces this small travel inside the negotiation round itself
 
 _WIRE_OPS = {
     ReduceOp.AVERAGE: dist.ReduceOp.SUM,  # the division happens when the op finishes
