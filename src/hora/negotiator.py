@@ -239,8 +239,8 @@ class Negotiator:
         for rank, (entries, inline, rank_flags) in enumerate(gathered):
             any_news = any_news or bool(entries) or bool(rank_flags)
             for item, data in zip(entries, inline):
-                fresh = not isinstance(item, int)
-                req = item if fresh else self._cache[item][rank]
+                fresh = isinstance(item, Request)
+                req = self._decode(item, rank)
                 self.table.add(rank, req, round_no, now, decision, fresh=fresh, data=data)
         self.table.decide(decision)
         self._apply(decision)
@@ -248,24 +248,31 @@ class Negotiator:
         progress = any_news or bool(decision.ready or decision.failed or decision.late_failures)
         return progress, finished
 
-    def _encode(self, req: Request) -> Request | int:
+    def _encode(self, req: Request) -> Request | int | tuple[int, str]:
+        """A request as it goes on the wire: in full the first time, then as its cache id. Unnamed ops are
+        cached by template (the request without its sequence name), sent as ``(id, name)``."""
         if self._use_cache:
-            cached = self._cache_ids.get(req)
+            cached = self._cache_ids.get(_template(req))
             if cached is not None:
-                return cached
+                return (cached, req.name) if req.name.startswith(_UNNAMED) else cached
         return req
 
+    def _decode(self, item: Request | int | tuple[int, str], rank: int) -> Request:
+        if isinstance(item, int):
+            return self._cache[item][rank]
+        if isinstance(item, tuple) and len(item) == 2:
+            return self._cache[item[0]][rank]._replace(name=item[1])
+        return item  # type: ignore[return-value]
+
     def _remember(self, entry: Entry) -> None:
-        """Give a fresh named entry a cache id. Every rank runs this on the same entries in the same order,
-        so ids agree everywhere; a rank then sends its identical request as that id."""
-        if not entry.fresh or entry.name.startswith(_UNNAMED) or entry.first.kind in (JOIN, SHUTDOWN):
-            return
-        if len(self._cache) >= _CACHE_CAP:
+        """Give a fresh entry a cache id. Every rank runs this on the same entries in the same order, so ids
+        agree everywhere; a rank then sends an identical request (or template) as that id."""
+        if not entry.fresh or entry.first.kind in (JOIN, SHUTDOWN) or len(self._cache) >= _CACHE_CAP:
             return
         mine = entry.requests.get(self.rank)
         if mine is not None:
-            self._cache_ids[mine] = len(self._cache)
-        self._cache.append(dict(entry.requests))
+            self._cache_ids[_template(mine)] = len(self._cache)
+        self._cache.append({r: _template(q) for r, q in entry.requests.items()})
 
     def _apply(self, decision: Decision) -> None:
         for entry, error in decision.failed:
@@ -371,7 +378,11 @@ class Negotiator:
             args["fused"] = fused
         if inline:  # the data travelled in the negotiation round; "communicate" is the local reduction
             args["inline"] = True
-        if work is None:  # done in place already (fused, or nothing to send)
+        if work is None or r.device != "cpu":
+            # done in place already (fused, inline); or a GPU op, whose completion the host does not see in
+            # order (its callback could land after copy_out): the slice is the launch, marked as such
+            if work is not None:
+                args["launch_only"] = True
             tl.span(r.name, "communicate", t_launch, time.perf_counter(), **args)
             return
         try:
@@ -499,3 +510,8 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
         numel *= d
     t = getattr(torch, dtype, None)
     return numel * (t.itemsize if isinstance(t, torch.dtype) else 0)
+
+
+def _template(req: Request) -> Request:
+    """The cache key of a request: an unnamed op's sequence name changes every call, its template does not."""
+    return req._replace(name="") if req.name.startswith(_UNNAMED) else req
