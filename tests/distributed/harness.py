@@ -71,7 +71,6 @@ def run_ranks(
     Raises:
         AssertionError: a rank raised, crashed or hung. The message shows the earliest failure first.
     """
-    ctx = multiprocessing.get_context("fork")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     stacks = tempfile.mkdtemp(prefix="hora-ranks-")
     job_env = {
@@ -82,18 +81,9 @@ def run_ranks(
         "HORA_STORE_ADDR": "127.0.0.1",
         "HORA_STORE_PORT": str(store.port),
         "HORA_JOB_ID": f"test-{os.getpid()}-{next(_calls)}-{uuid.uuid4().hex[:8]}",
+        **(env or {}),
     }
-    procs, conns = [], []
-    for rank in range(nprocs):
-        recv, send = ctx.Pipe(duplex=False)
-        rank_env = {**job_env, "HORA_RANK": str(rank), "HORA_LOCAL_RANK": str(rank), **(env or {})}
-        stack_file = os.path.join(stacks, f"rank{rank}.stack")
-        proc = ctx.Process(target=_child, args=(fn, rank, nprocs, args, rank_env, init, send, stack_file),
-                           name=f"rank{rank}")
-        proc.start()
-        send.close()
-        procs.append(proc)
-        conns.append(recv)
+    procs, conns = _start(fn, nprocs, args, job_env, init, stacks)
     try:
         reports, unfinished = _collect(procs, conns, time.monotonic() + timeout)
         where = _where_hung(procs, unfinished, stacks)
@@ -110,6 +100,23 @@ def run_ranks(
     if failures or unfinished:
         raise AssertionError(_failure_message(failures, unfinished, nprocs, timeout, where))
     return [reports[rank].value for rank in range(nprocs)]
+
+
+def _start(fn: Callable[..., Any], nprocs: int, args: tuple, job_env: Mapping[str, str | None], init: bool,
+           stacks: str) -> tuple[list, list[Connection]]:
+    ctx = multiprocessing.get_context("fork")
+    procs, conns = [], []
+    for rank in range(nprocs):
+        recv, send = ctx.Pipe(duplex=False)
+        rank_env = {"HORA_RANK": str(rank), "HORA_LOCAL_RANK": str(rank), **job_env}
+        stack_file = os.path.join(stacks, f"rank{rank}.stack")
+        proc = ctx.Process(target=_child, args=(fn, rank, nprocs, args, rank_env, init, send, stack_file),
+                           name=f"rank{rank}")
+        proc.start()
+        send.close()  # the child holds the only sending end: EOF means it is gone
+        procs.append(proc)
+        conns.append(recv)
+    return procs, conns
 
 
 def _where_hung(procs: list, unfinished: Mapping[int, str], stacks: str) -> dict[int, str]:

@@ -84,6 +84,10 @@ def _variants(rank: int, size: int) -> None:
     res = hvd.synchronize(h)
     assert res is y
     close(y, want_sum, "allreduce_async_")
+    _grouped_and_sparse(rank, size)
+
+
+def _grouped_and_sparse(rank: int, size: int) -> None:
     # grouped: mixed dtypes and shapes in one group
     group_inputs = [[rank_input(r, (4,), torch.float64), rank_input(r, (2, 3), torch.int32, salt=1),
                      rank_input(r, (1,), torch.float32, salt=2)] for r in range(size)]
