@@ -102,3 +102,14 @@ def test_python_patch_releases_agree_minor_releases_do_not():
              for h, v in (("a", "3.11.7"), ("b", "3.11.9"), ("c", "3.12.1"), ("d", None))]
     hosts[3]["reachable"] = False
     assert check.version_disagreements(hosts) == {"python": {"3.11": ["a", "b"], "3.12": ["c"]}}
+
+
+def test_hostfile_hosts_are_checked(tmp_path, capsys):
+    if shutil.which("ssh") is None:
+        pytest.skip("no ssh client here")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\nnosuchhost.invalid slots=4\n")
+    assert check.main(["--hostfile", str(hostfile), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [(h["host"], h["reachable"]) for h in report["hosts"]] == [("nosuchhost.invalid", False)]
+    assert "(check -p/-i and that ssh nosuchhost.invalid works)" in report["hosts"][0]["error"]
