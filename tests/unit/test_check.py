@@ -47,6 +47,8 @@ def test_table_describes_this_machine(capsys):
     assert row["gloo"] == ("yes" if dist.is_gloo_available() else "no")
     assert re.search(r": interfaces: .*lo 127\.0\.0\.1", out)
     assert out.rstrip().endswith("OK: every host answered and versions agree")
+    assert "    [X] PyTorch" in out  # horovodrun --check-build's block, for the one-host case
+    assert f"    [{'X' if dist.is_gloo_available() else ' '}] Gloo" in out.split("Available Tensor Operations:")[1]
 
 
 def test_sysfs_fallback_finds_loopback():

@@ -205,8 +205,23 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"{h['host']}: interfaces: {ifs}")
     for key, seen in report["disagree"].items():
         lines.append(f"MISMATCH {key}: " + "; ".join(f"{v} on {', '.join(hs)}" for v, hs in seen.items()))
+    if len(report["hosts"]) == 1 and report["hosts"][0].get("reachable"):
+        lines += _horovod_style(report["hosts"][0])
     lines.append("OK: every host answered and versions agree" if report["ok"] else "NOT OK (see above)")
     return "\n".join(lines)
+
+
+def _horovod_style(h: dict[str, Any]) -> list[str]:
+    """``horovodrun --check-build``'s block, for scripts and eyes used to it."""
+    b = h.get("backends", {})
+
+    def box(ok: Any, name: str) -> str:
+        return f"    [{'X' if ok else ' '}] {name}"
+
+    return [f"hora v{h.get('hora', '?')} (horovodrun --check-build style):", "Available Frameworks:",
+            box(False, "TensorFlow"), box(True, "PyTorch"), box(False, "MXNet"), "Available Controllers:",
+            box(False, "MPI"), box(True, "Gloo"), "Available Tensor Operations:", box(b.get("nccl"), "NCCL"),
+            box(False, "DDL"), box(False, "CCL"), box(b.get("mpi"), "MPI"), box(b.get("gloo"), "Gloo")]
 
 
 def collect(hosts: Sequence[str] = (), run_remote: RemoteRunner | None = None) -> dict[str, Any]:
