@@ -168,17 +168,11 @@ class Host:
         timeout: float = 60,
         check: bool = False,
         env: dict[str, str] | None = None,
-        input: str | None = None,
+        cwd: str | os.PathLike[str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """Run ``cmd`` on this host and wait for it (text output captured)."""
         out = subprocess.run(
-            self._enter(cmd),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            input=input,
-            check=False,
+            self._enter(cmd, cwd), capture_output=True, text=True, timeout=timeout, env=env, check=False
         )
         if check and out.returncode != 0:
             raise RuntimeError(f"on {self.hostname}: {' '.join(cmd)} -> {out.returncode}\n{out.stderr}")

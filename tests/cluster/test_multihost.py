@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jobs
@@ -35,7 +36,9 @@ def test_six_ranks_on_three_hosts_allreduce_with_horovod_topology(hosts: netns.C
     assert jobs.leftovers(hosts, within=10) == {}
 
 
-def test_hostfile_launcher_off_the_hosts_np_caps_and_per_rank_logs(hosts: netns.Cluster, tmp_path: Path) -> None:
+def test_horovod_script_hostfile_launcher_off_the_hosts_np_caps_and_per_rank_logs(
+    hosts: netns.Cluster, tmp_path: Path
+) -> None:
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# the workers\nnode3 slots=2\n\nnode4:2   # by name, resolved like on a real cluster\n")
     logs = tmp_path / "logs"
@@ -49,9 +52,11 @@ def test_hostfile_launcher_off_the_hosts_np_caps_and_per_rank_logs(hosts: netns.
         "--output-filename",
         str(logs),
     ]
-    code, job = jobs.run_job(hosts, flags, jobs.worker("report"), tmp_path)  # from node2
+    # An unchanged Horovod script: `import horovod.torch as hvd` resolves to hora on every host.
+    code, job = jobs.run_job(hosts, flags, [jobs.PYTHON, jobs.WORKER, "report", "--api", "horovod"], tmp_path)
     assert code == 0, job.describe()
     reports = jobs.worker_reports(job.stdout)
+    assert all("/hora/_compat/horovod/" in r["module_file"] for r in reports), [r["module_file"] for r in reports]
     assert [(r["rank"], r["hostname"], r["local_rank"], r["cross_rank"]) for r in reports] == [
         (0, "node3", 0, 0),
         (1, "node3", 1, 0),
@@ -63,4 +68,58 @@ def test_hostfile_launcher_off_the_hosts_np_caps_and_per_rank_logs(hosts: netns.
         (1, 2, 6.0),
     ]
     assert (logs / "rank.2" / "stdout").read_text().startswith('REPORT {"rank": 2,')
+    assert jobs.leftovers(hosts, within=10) == {}
+
+
+PYRUN_SCRIPT = """
+import json, socket, sys
+import hora
+
+offset = 100.0  # captured by the closure below
+
+
+def reduce_and_say_where():
+    import torch
+    import hora as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
+    return [hvd.rank(), socket.gethostname(), total + offset]
+
+
+def fail_on_rank_2():
+    import hora as hvd
+
+    hvd.init()
+    if hvd.rank() == 2:
+        raise ValueError("boom on " + socket.gethostname())
+    return hvd.rank()
+
+
+ssh = dict(ssh_identity_file=sys.argv[1], ssh_options=sys.argv[2:])
+hosts = "10.78.0.2:1,10.78.0.3:1,10.78.0.4:1"
+print("RESULT " + json.dumps(hora.run(reduce_and_say_where, np=3, hosts=hosts, **ssh)), flush=True)
+try:
+    hora.run(fail_on_rank_2, np=3, hosts=hosts, **ssh)
+except ValueError as exc:
+    print("RAISED " + json.dumps([type(exc).__name__, str(exc), str(exc.__cause__)]), flush=True)
+"""
+
+
+def test_hora_run_function_across_hosts_returns_results_and_reraises(hosts: netns.Cluster, tmp_path: Path) -> None:
+    script = tmp_path / "pyrun_hosts.py"
+    script.write_text(PYRUN_SCRIPT)
+    options = ["StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null", "LogLevel=ERROR"]
+    out = hosts.host(2).run([jobs.PYTHON, str(script), str(hosts.key), *options], timeout=180, cwd=tmp_path)
+    lines = {
+        line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1])
+        for line in out.stdout.splitlines()
+        if line.startswith(("RESULT ", "RAISED "))
+    }
+    assert lines.get("RESULT") == [[0, "node2", 103.0], [1, "node3", 103.0], [2, "node4", 103.0]], out
+    kind, message, remote = lines.get("RAISED", [None, None, ""])
+    assert (kind, message) == ("ValueError", "boom on node4"), out
+    # The rank's own traceback, naming where it ran: rank, host, the function that raised.
+    assert remote.startswith("rank 2 on host 10.78.0.4 raised:\nTraceback"), remote
+    assert "in fail_on_rank_2" in remote and remote.rstrip().endswith("ValueError: boom on node4"), remote
     assert jobs.leftovers(hosts, within=10) == {}

@@ -5,7 +5,8 @@
     python worker.py loop DIR [--api torch]   after the first allreduce write ``DIR/ready.<rank>`` (json, with
                                               the pid), then allreduce every 0.1 s until something kills the job
 
-``--api hora`` (default) uses ``hora.init``/``hora.allreduce`` as a user's script does; ``--api torch`` uses plain
+``--api hora`` (default) uses ``hora.init``/``hora.allreduce`` as a user's script does, ``--api horovod`` the same
+through ``import horovod.torch as hvd`` (an unchanged Horovod script); ``--api torch`` uses plain
 torch.distributed on the launcher's store (``HORA_STORE_ADDR``/``PORT``), so launcher failures can be tested
 apart from hora's worker core.
 """
@@ -50,12 +51,17 @@ class TorchApi:
 
 
 class HoraApi:
-    """The same calls through hora, as a Horovod user writes them."""
+    """The same calls through hora, as a Horovod user writes them (``horovod=True``: through
+    ``import horovod.torch as hvd``, which resolves to hora under ``hora run`` when Horovod is absent)."""
 
-    def __init__(self) -> None:
-        import hora as hvd
+    def __init__(self, horovod: bool = False) -> None:
+        if horovod:
+            import horovod.torch as hvd
+        else:
+            import hora as hvd
 
         self.hvd = hvd
+        self.module_file = hvd.__file__  # where `hvd` came from
         hvd.init()
         self.rank, self.size = hvd.rank(), hvd.size()
         self.topology = {
@@ -76,9 +82,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["report", "loop"])
     parser.add_argument("dir", nargs="?")
-    parser.add_argument("--api", choices=["hora", "torch"], default="hora")
+    parser.add_argument("--api", choices=["hora", "horovod", "torch"], default="hora")
     args = parser.parse_args()
-    api: Any = HoraApi() if args.api == "hora" else TorchApi()
+    api: Any = TorchApi() if args.api == "torch" else HoraApi(horovod=args.api == "horovod")
     total = api.allreduce_sum(torch.tensor([float(api.rank + 1)]), name="first")
     report = {
         "rank": api.rank,
@@ -88,6 +94,7 @@ def main() -> int:
         "sum": total.item(),
         "pid": os.getpid(),
         "horovod_hostname": os.environ.get("HOROVOD_HOSTNAME"),
+        "module_file": api.module_file,
     }
     if args.mode == "report":
         print("REPORT " + json.dumps(report), flush=True)
