@@ -9,8 +9,12 @@ Per step, in three visible phases:
 2. **finish** (``synchronize()``): buckets that never filled (parameters without a gradient this step) are
    completed with zeros or whatever ``p.grad`` holds, as Horovod does, and submitted; then every handle is
    waited on.
-3. **write back**: each parameter's ``.grad`` becomes its slice of the reduced bucket (a view, no copy, when
-   the wire dtype is the parameter's dtype; otherwise a cast copy).
+3. **write back**: each reduced slice is copied into its parameter's ``.grad`` (casting back and applying
+   the rest of Average's scaling in the same copy).
+
+Average's division costs no pass of its own: uncompressed, ``1/size`` is applied on the copy in; on a
+compressed wire Horovod's split is kept (``1/predivide`` in, ``predivide/size`` out). The collective itself
+is a plain sum.
 
 The plan is rebuilt (a new generation of names) only when the set of parameters requiring grad changes.
 """
@@ -87,6 +91,7 @@ class GradientReducer:
         else:
             self._caps = (int(knobs.first_bucket_mb * _MB), int(knobs.bucket_cap_mb * _MB))
         self._world: tuple[bool, int] | None = None  # (included, size) the plan and scales were made for
+        self._group: Any = None  # the process set's group when we last looked: a new one means a new init()
         self._reduce = False
         self.scale_in = self.scale_out = 1.0
         self.passes = [0] * len(self.params)
@@ -136,6 +141,7 @@ class GradientReducer:
         """Re-read the process set (elastic jobs change its size) and the parameters requiring grad."""
         if not self._ddp_checked:
             self._check_ddp()
+        self._drop_if_reinitialized()
         world = (self.process_set.included(), self.process_set.size())
         if world != self._world:
             self._world = world
@@ -160,10 +166,7 @@ class GradientReducer:
                     view.zero_()
                 return
             grad = grad.to_dense()
-        if grad.data_ptr() == view.data_ptr():  # the view handed out last step, accumulated in place
-            if self.scale_in != 1.0:
-                view.mul_(self.scale_in)
-        elif self.scale_in != 1.0:
+        if self.scale_in != 1.0:
             torch.mul(grad.reshape(-1), self.scale_in, out=view)  # scale and cast in the one copy
         else:
             view.copy_(grad.reshape(-1))
@@ -212,27 +215,37 @@ class GradientReducer:
         scale = self.scale_out
         if not self._cast_only:
             out = self.compression.decompress(out, bucket.ctx)
-            if scale != 1.0:
-                out.mul_(scale)
-                scale = 1.0
-        persistent = out is bucket.buffer
         for k, index in enumerate(bucket.plan.params):
             if index in self._sparse_seen:
                 continue
             p = self.params[index]
-            src = (bucket.views[k] if persistent else out.narrow(0, bucket.plan.offsets[k], bucket.plan.numels[k]))
-            src = src.view_as(p)
-            if src.dtype == p.dtype and scale == 1.0:
-                p.grad = src  # hand out the slice itself: no copy back, and next step's in-place
-                # accumulation (zero_grad(set_to_none=False)) lands directly in the bucket
-            elif p.grad is None or p.grad.dtype != p.dtype or p.grad.is_sparse:
-                p.grad = src.to(p.dtype).mul_(scale)
-            else:
+            src = out.narrow(0, bucket.plan.offsets[k], bucket.plan.numels[k]).view_as(p)
+            if p.grad is None or p.grad.is_sparse:
+                p.grad = src.to(p.dtype, copy=True).mul_(scale)
+            elif scale != 1.0:
                 torch.mul(src, scale, out=p.grad)  # cast back and scale in the one copy
+            else:
+                p.grad.copy_(src)
+        # Copying back measured faster than handing out bucket slices as p.grad: with views, the next
+        # backward ran ~30 ms (20%) slower on ResNet-50 (CPU), though the copy itself costs ~13 ms.
 
     def in_flight(self) -> bool:
         """True when some bucket was submitted and not yet synchronized."""
+        self._drop_if_reinitialized()
         return any(b.handle is not None for b in self.buckets) or bool(self.sparse)
+
+    def _drop_if_reinitialized(self) -> None:
+        """After shutdown()/init() (an elastic reset) nothing submitted before can complete: forget it."""
+        group = self.process_set.group
+        if group is self._group:
+            return
+        if self._group is not None:
+            log.info("%s: hora was re-initialized; dropping this step's pending gradient reductions", self.prefix)
+        self._group = group
+        for bucket in self.buckets:
+            bucket.reset()
+        self.sparse.clear()
+        self.passes = [0] * len(self.params)
 
     def stepped(self) -> None:
         """The optimizer applied the gradients; the next synchronize() reduces afresh."""

@@ -290,3 +290,31 @@ def test_process_set_reduces_only_among_its_members() -> None:
 
     _same_everywhere_and_close([results[0], results[2]], alone([0, 2]))
     _same_everywhere_and_close([results[1]], alone([1]))
+
+
+# --- shutdown()/init() between steps (what an elastic reset does) ---------------------------------------
+def _reinit_ranks(rank: int, size: int) -> list[torch.Tensor]:
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for step in range(STEPS):
+        x, y = shard(step, 0, rank, size)
+        if step == 1:  # a step interrupted after backward: its reductions are abandoned
+            F.mse_loss(model(x), y).backward()
+            hvd.shutdown()
+            hvd.init()
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return _params(model)
+
+
+def test_optimizer_keeps_working_after_shutdown_and_init() -> None:
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, 0, 2 * ROWS_PER_RANK)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    _same_everywhere_and_close(run_tensors(_reinit_ranks, 2), _params(model))
