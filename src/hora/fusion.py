@@ -126,6 +126,8 @@ def reduce_inline(entry: Entry) -> torch.Tensor:
     """Reduce the members' inline data in rank order (the same arithmetic on every rank)."""
     req = entry.first
     dtype = to_dtype(req.dtype)
+    if torch.Size(req.shape).numel() == 0:
+        return torch.empty(req.shape, dtype=dtype)
     parts = [torch.frombuffer(bytearray(entry.inline[r]), dtype=torch.uint8).view(dtype)
              for r in sorted(entry.inline)]
     stacked = torch.stack(parts) if parts else torch.zeros((1, 0), dtype=dtype)

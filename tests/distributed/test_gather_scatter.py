@@ -171,7 +171,5 @@ def _zero_size(rank: int, size: int) -> None:
     close(hvd.allreduce(torch.ones(0), op=hvd.Sum), torch.ones(0), "allreduce of an empty tensor")
 
 
-@pytest.mark.xfail(strict=True, reason="core gap: allreduce of an empty tensor reaches Gloo, which rejects it "
-                   "('buffer length (0) ... must not be 0'); the others already work")
 def test_zero_size_tensors() -> None:
     run_ranks(_zero_size, 3)
