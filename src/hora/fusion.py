@@ -123,13 +123,15 @@ def inline_bytes(req: Request, wire: torch.Tensor | None) -> bytes | None:
 
 
 def reduce_inline(entry: Entry) -> torch.Tensor:
-    """Reduce the members' inline data in rank order (the same arithmetic on every rank)."""
+    """Reduce the members' inline data in rank order (the same arithmetic on every rank); a joined member
+    contributes zeros, as it does on the data plane."""
     req = entry.first
     dtype = to_dtype(req.dtype)
     if torch.Size(req.shape).numel() == 0:
         return torch.empty(req.shape, dtype=dtype)
-    parts = [torch.frombuffer(bytearray(entry.inline[r]), dtype=torch.uint8).view(dtype)
-             for r in sorted(entry.inline)]
+    zeros = torch.zeros(req.shape, dtype=dtype).reshape(-1)  # what a joined member contributes
+    parts = [torch.frombuffer(bytearray(entry.inline[r]), dtype=torch.uint8).view(dtype) if r in entry.inline
+             else zeros for r in req.ps]
     stacked = torch.stack(parts) if parts else torch.zeros((1, 0), dtype=dtype)
     op = ReduceOp(req.op)
     if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
