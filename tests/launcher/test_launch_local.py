@@ -154,10 +154,24 @@ def test_sigkill_of_the_launcher_leaves_no_worker_and_no_agent(tmp_path: Path, b
         p for p in pids + sorted(agents) if alive(p)]
 
 
-def test_ctrl_c_stops_every_worker(tmp_path: Path, background) -> None:  # type: ignore[no-untyped-def]
+def _cmdlines() -> dict[int, str]:
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            found[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_ctrl_c_stops_every_worker_and_no_secret_was_ever_in_argv(
+        tmp_path: Path, background) -> None:  # type: ignore[no-untyped-def]
     script = write_script(tmp_path, "sleep.py", SLEEPER)
-    job = background(["-np", "2", PYTHON, script, str(tmp_path)])
+    secret = "tok-" + os.urandom(8).hex()
+    job = background(["-np", "2", "-x", f"API_TOKEN={secret}", PYTHON, script, str(tmp_path)])
     pids = _started(tmp_path, 2)
+    # the job spec (with the environment) travels on the agents' stdin: no agent or worker argv shows it
+    assert [pid for pid, cmd in _cmdlines().items() if secret in cmd] == [job.proc.pid]
     os.killpg(job.proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
     code, _, err = job.finish()
     assert code == 130
