@@ -4,6 +4,7 @@ watchdog that rings it when a pending collective stalls. Plumbing only; the logi
 from __future__ import annotations
 
 import datetime
+import queue
 import math
 import struct
 import threading
@@ -123,14 +124,20 @@ class LocalBell:
         with self._cond:
             self._rung.discard(round_no)
 
+    def close(self) -> None:
+        pass
+
 
 class StoreBell:
-    """The bell of a multi-process job: one store key per idle round. Two store connections, because a
-    client blocked in ``wait`` holds its socket and the ring must not queue behind it."""
+    """The bell of a multi-process job: one store key per idle round. Separate store connections, because a
+    client blocked in ``wait`` holds its socket and a ring must not queue behind it. Old keys are deleted
+    by a janitor thread (rank 0 only), off the path of the next round."""
 
     def __init__(self, connect: Callable[[], dist.Store]) -> None:
+        self._connect = connect
         self._waiter = connect()
         self._ringer = connect()
+        self._janitor: queue.SimpleQueue[int | None] | None = None
 
     def ring(self, round_no: int) -> None:
         self._ringer.set(f"bell/{round_no}", "1")
@@ -145,7 +152,24 @@ class StoreBell:
             raise
 
     def clear(self, round_no: int) -> None:
-        self._waiter.delete_key(f"bell/{round_no}")
+        """Delete a bell every rank has passed (asynchronously)."""
+        if self._janitor is None:
+            self._janitor = queue.SimpleQueue()
+            threading.Thread(target=self._sweep, args=(self._janitor, self._connect()), name="hora-bell-janitor",
+                             daemon=True).start()
+        self._janitor.put(round_no)
+
+    def close(self) -> None:
+        if self._janitor is not None:
+            self._janitor.put(None)
+
+    @staticmethod
+    def _sweep(todo: queue.SimpleQueue[int | None], store: dist.Store) -> None:
+        while (round_no := todo.get()) is not None:
+            try:
+                store.delete_key(f"bell/{round_no}")
+            except Exception:  # the store is gone (job ending): nothing left to clean
+                return
 
 
 def make_bell(rt: Runtime) -> LocalBell | StoreBell:

@@ -165,6 +165,7 @@ class Negotiator:
             self._exit_requested = True  # never ring for this: peers would wait in a round we never join
         self._thread.join(timeout=1.0)
         self._watchdog.stop()
+        self._bell.close()
 
     def _ring_if_idle(self) -> None:  # caller holds self._lock
         if self._idle_round is not None and not self._rung:
