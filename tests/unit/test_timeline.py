@@ -243,3 +243,15 @@ def test_restarting_in_the_same_process_appends(tmp_path):
         T.stop_timeline()
         names = [e["args"]["name"] for e in json.loads(path.read_text()) if e["ph"] == "X"]
         assert names == [f"gen{g}" for g in range(gen + 1)]
+
+
+def test_a_write_error_stops_the_timeline_not_the_training(tmp_path, monkeypatch, caplog):
+    tl = T.start_timeline(str(tmp_path / "t.json"), rank=0, size=1)
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(T.os, "pwrite", full_disk)
+    for i in range(2000):  # crosses the flush threshold on the caller's thread
+        tl.span("x", "communicate", 0.0, 0.001, i=i)
+    assert "No space left on device" in caplog.text

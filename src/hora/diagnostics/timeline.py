@@ -181,16 +181,18 @@ class Timeline:
             # keeps the file readable (whitespace between JSON tokens is always valid).
             data = (",\n" + _encode(events)[1:-1].replace('},{"name":', '},\n{"name":')).encode()
             # One write: the old closing bracket is overwritten by the new events and a new bracket.
-            os.pwrite(self._fd, data + b"\n]\n", self._end)
+            try:
+                os.pwrite(self._fd, data + b"\n]\n", self._end)
+            except OSError as e:  # a full disk must not kill training: stop recording, say so once
+                log.warning("timeline %s: cannot write (%s); timeline stopped", self.path, e)
+                os.close(self._fd)
+                self._fd = None
+                return
             self._end += len(data)
 
     def _flush_loop(self) -> None:
-        while not self._stop.wait(_FLUSH_SECONDS):
-            try:
-                self.flush()
-            except OSError as e:  # a full disk must not kill training
-                log.warning("timeline %s: cannot write (%s); timeline stopped", self.path, e)
-                return
+        while not self._stop.wait(_FLUSH_SECONDS) and self._fd is not None:
+            self.flush()
 
     def close(self) -> None:
         """Flush and close the file. Later calls record nothing."""
