@@ -255,3 +255,13 @@ def test_a_write_error_stops_the_timeline_not_the_training(tmp_path, monkeypatch
     for i in range(2000):  # crosses the flush threshold on the caller's thread
         tl.span("x", "communicate", 0.0, 0.001, i=i)
     assert "No space left on device" in caplog.text
+
+
+def test_an_unwritable_path_is_a_clear_config_error(tmp_path):
+    from hora.errors import ConfigError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"rank 2 cannot write .*t\.rank2\.json.*writable directory"):
+        T.start_timeline(str(blocker / "t.json"), rank=2, size=4)  # a file where a directory should be
+    assert T.active() is None

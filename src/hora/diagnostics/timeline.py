@@ -42,7 +42,8 @@ from hora.diagnostics.merge import (
     rank_parts,
     rank_path,
 )
-from hora.diagnostics.where import UNNAMED_PREFIX  # generated names: these ops share a few pooled rows
+from hora.diagnostics.where import UNNAMED_PREFIX
+from hora.errors import ConfigError  # generated names: these ops share a few pooled rows
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,14 @@ def start_timeline(path: str, mark_cycles: bool = False, *, rank: int | None = N
     with _active_lock:
         if _active is not None:
             _active.close()
-        _active = Timeline(target, rank=rank, mark_cycles=mark_cycles, append=target in _written)
+        try:
+            _active = Timeline(target, rank=rank, mark_cycles=mark_cycles, append=target in _written)
+        except OSError as e:
+            _active = None
+            raise ConfigError(
+                f"timeline {path!r} (--timeline-filename / HORA_TIMELINE): rank {rank} cannot write {target!r} "
+                f"({e.strerror or e}); give a path in a writable directory"
+            ) from None
         _written.add(target)
     log.info("timeline of rank %d -> %s", rank, target)
     return _active
