@@ -51,7 +51,8 @@ class Agent:
         self.spec = spec
         self._out = out
         self._out_lock = threading.Lock()
-        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        # SimpleQueue: put() is reentrant, so the signal handler may call it while get() is waiting
+        self.events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.workers: dict[int, Worker] = {}
         self._exited: set[int] = set()
         self._stopping = False
@@ -193,7 +194,8 @@ class Agent:
             elif kind == "stop":
                 self.stop(float(value))
             elif kind == "eof" or (timeout and time.monotonic() - last_ping > timeout):
-                log.warning("driver gone (%s): stopping workers", kind)
+                log.warning("%s: stopping this host's workers", "the launcher is gone" if kind == "eof"
+                            else f"no word from the launcher for {timeout:g}s")
                 self.stop(EOF_GRACE)
                 self._drain_exits()
                 return 1
