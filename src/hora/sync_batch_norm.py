@@ -116,17 +116,17 @@ class SyncBatchNorm(_BatchNorm):
             input, self.weight, self.bias, self.eps, self._hora_name, self.process_set
         )
         if self.training and self.track_running_stats:
-            self._update_running(mean.detach(), var.detach(), float(total))
+            self._update_running(mean.detach(), var.detach(), total.detach())
         return y
 
     @torch.no_grad()
-    def _update_running(self, mean: torch.Tensor, var: torch.Tensor, total: float) -> None:
+    def _update_running(self, mean: torch.Tensor, var: torch.Tensor, total: torch.Tensor) -> None:
         self.num_batches_tracked.add_(1)  # type: ignore[union-attr, operator]
         if self.momentum is None:  # cumulative moving average (reads the counter: a GPU sync, as in torch)
             factor = 1.0 / int(self.num_batches_tracked)  # type: ignore[arg-type]
         else:
             factor = self.momentum
-        unbiased = var * (total / max(total - 1.0, 1.0))
+        unbiased = var * (total / (total - 1.0).clamp(min=1.0))  # tensors: no GPU sync
         self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)  # type: ignore[union-attr]
         self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)  # type: ignore[union-attr]
 
