@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,11 +101,12 @@ class GradientReducer:
         self.sparse: dict[int, Any] = {}  # param index -> handle of its sparse allreduce this step
         self._sparse_seen: set[int] = set()
         self._hooks: dict[int, Any] = {}
-        self._plan_key: tuple[bool, ...] | None = None
+        self._plan_key: tuple[tuple[bool, ...], int] | None = None
         self._generation = -1
         self._ddp_checked = False
         self._ddp: dict[int, int] = {}  # param index -> world size of the DDP module that reduces it
         self._active = False  # a gradient arrived since the last synchronize()
+        self._lock = threading.Lock()
         self.synced = False
 
     # -- phase 1: fill, from the hooks ------------------------------------------------------------------
@@ -124,7 +126,10 @@ class GradientReducer:
                 "DistributedOptimizer (or call set_backward_passes_per_step) to accumulate locally"
             )
         slot = self.slots[index]
-        if slot is None:  # reduced by DDP, or no longer requires grad
+        if slot is None:  # reduced by DDP, sparse (allgathered on its own), or no longer requires grad
+            grad = self.params[index].grad
+            if index in self._sparse_seen and grad is not None and grad.is_sparse:
+                self._submit_sparse(index, grad)
             return
         bucket, k = slot
         self._fill(bucket, k, index)
@@ -133,9 +138,12 @@ class GradientReducer:
             self._submit(bucket)
 
     def _begin_step(self) -> None:
-        self._active = True
-        self.synced = False
-        self._refresh()
+        with self._lock:  # CPU and CUDA gradients' hooks run on different autograd threads
+            if self._active:
+                return
+            self._refresh()
+            self.synced = False
+            self._active = True
 
     def _refresh(self) -> None:
         """Re-read the process set (elastic jobs change its size) and the parameters requiring grad."""
@@ -161,9 +169,8 @@ class GradientReducer:
         if grad.is_sparse:
             if not self.sparse_as_dense:
                 self._submit_sparse(index, grad)
-                if index not in self._sparse_seen:  # its dense slot carries zeros from now on
-                    self._sparse_seen.add(index)
-                    view.zero_()
+                self._sparse_seen.add(index)  # the next plan leaves it out of the dense buckets
+                view.zero_()  # this step its dense slot carries zeros
                 return
             grad = grad.to_dense()
         if self.scale_in != 1.0:
@@ -192,7 +199,8 @@ class GradientReducer:
         """Submit what never fired, wait for every bucket, write the reduced gradients back."""
         if self.synced and not self._active:
             return  # nothing arrived since the last synchronize(): the gradients are already reduced
-        self._refresh()
+        if not self._active:  # no hook ran (gradients set by hand): plan now; never re-plan mid-step
+            self._refresh()
         if self._reduce:
             for bucket in self.buckets:
                 if bucket.handle is None:
@@ -268,7 +276,7 @@ class GradientReducer:
 
     def ensure_plan(self) -> None:
         """(Re)build the buckets if the set of parameters requiring grad changed since the last plan."""
-        key = tuple(p.requires_grad for p in self.params)
+        key = (tuple(p.requires_grad for p in self.params), len(self._sparse_seen))
         if key == self._plan_key:
             return
         self._plan_key = key
@@ -276,7 +284,7 @@ class GradientReducer:
         specs = [
             ParamSpec(i, p.numel(), p.dtype, p.device, self.groups[i])
             for i, p in enumerate(self.params)
-            if p.requires_grad and i not in self._ddp
+            if p.requires_grad and i not in self._ddp and i not in self._sparse_seen
         ]
         self._generation += 1
         self.slots = [None] * len(self.params)

@@ -318,3 +318,17 @@ def test_optimizer_keeps_working_after_shutdown_and_init() -> None:
         F.mse_loss(model(x), y).backward()
         opt.step()
     _same_everywhere_and_close(run_tensors(_reinit_ranks, 2), _params(model))
+
+
+# --- gradients set by hand (no backward, so no hook ran) ----------------------------------------------------
+def _manual_ranks(rank: int, size: int) -> list[float]:
+    w = nn.Parameter(torch.zeros(3))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)])
+    w.grad = torch.full((3,), float(rank + 1))
+    opt.step()
+    return w.detach().tolist()
+
+
+def test_gradients_set_by_hand_are_averaged_too() -> None:
+    for w in run_tensors(_manual_ranks, 2):
+        assert w == [-1.5, -1.5, -1.5]  # mean of 1 and 2
