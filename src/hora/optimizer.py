@@ -128,6 +128,23 @@ def _group_of(params: list[torch.Tensor], num_groups: int, groups: Any) -> list[
     return out
 
 
+def _validate(optimizer: Any, compression: Any, passes: int, op: Any, predivide: float) -> None:
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError(  # noqa: TRY004 - Horovod raised ValueError here too
+            "this optimizer is already a hora DistributedOptimizer; wrap the plain optimizer once"
+        )
+    if passes < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum for gradients, got {op!r}")
+    if predivide != 1.0 and op is not Average:
+        raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
+    if predivide <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide}")
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise ValueError(f"compression must have compress() and decompress(), got {compression!r}")
+
+
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -158,20 +175,7 @@ def DistributedOptimizer(
     Returns:
         The distributed optimizer.
     """
-    if isinstance(optimizer, _DistributedOptimizer):
-        raise ValueError(  # noqa: TRY004 - Horovod raised ValueError here too
-            "this optimizer is already a hora DistributedOptimizer; wrap the plain optimizer once"
-        )
-    if backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-    if op not in (Average, Sum, Adasum):
-        raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum for gradients, got {op!r}")
-    if gradient_predivide_factor != 1.0 and op is not Average:
-        raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
-    if gradient_predivide_factor <= 0:
-        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
-    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
-        raise ValueError(f"compression must have compress() and decompress(), got {compression!r}")
+    _validate(optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor)
     params, names = _named(optimizer, named_parameters)
     base = type(optimizer)
     cls = _classes.get(base)
