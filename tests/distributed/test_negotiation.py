@@ -93,6 +93,7 @@ def test_a_call_rejected_on_one_rank_does_not_desync_unnamed_ops() -> None:
 
 
 def _mismatch(rank: int, what: str, call: Callable[[], object]) -> dict:
+    hvd.barrier()  # time the detection, not how late a loaded machine starts the other ranks
     start = time.monotonic()
     with pytest.raises(hvd.CollectiveMismatchError) as info:
         call()
