@@ -59,10 +59,10 @@ def test_readme_main_job_under_hora_run() -> None:
     """`hora run -np 2 python examples/train_digits.py`, as the README runs it (fewer epochs)."""
     proc = subprocess.run(
         [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable, str(EXAMPLES / "train_digits.py"),
-         "--epochs", "3"],
+         "--epochs", "2"],
         capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [ln for ln in proc.stdout.splitlines() if "test accuracy (averaged over ranks)" in ln]
     assert len(lines) == 1 and lines[0].startswith("[0]")  # printed once, by rank 0
-    assert float(lines[0].rsplit(" ", 1)[1]) > 0.8
+    assert float(lines[0].rsplit(" ", 1)[1]) > 0.6  # 2 epochs; chance is 0.1
