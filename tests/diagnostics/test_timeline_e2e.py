@@ -58,7 +58,10 @@ def test_two_rank_job_writes_a_row_per_rank_with_phases_and_op_details(tmp_path)
         assert not [r for r in by_row if r.startswith("noname.")]  # unnamed ops share pooled rows
         buckets = [r for r in by_row if ".bucket." in r]
         assert buckets, sorted(by_row)  # optimizer buckets are rows of their own, named as buckets
-        assert all({"negotiate", "communicate"} <= by_row[b] for b in buckets)
+        # and show the bucket's own copies: gradients in during backward, reduced gradients out
+        assert all({"copy_in", "negotiate", "communicate", "copy_out"} <= by_row[b] for b in buckets), by_row
+        fills = [e["args"].get("param") for e in spans if rows[e["tid"]] in buckets and e["name"] == "copy_in"]
+        assert {"0.weight", "0.bias", "2.weight", "2.bias"} <= set(fills), fills
         loss = next(e for e in spans if rows[e["tid"]] == "loss" and e["name"] == "communicate")
         assert (loss["args"]["dtype"], loss["args"]["shape"]) == ("float32", [4])
         assert loss["args"]["bytes"] == 16
