@@ -46,7 +46,7 @@ _MB = 1024 * 1024
 def _scales(op: Any, predivide: float, size: int, uncompressed: bool) -> tuple[float, float]:
     """Factors applied on the copy into the bucket and on the copy out, so Average costs no extra pass.
 
-    Uncompressed, the whole 1/size goes in (the result is handed out as a view, with no copy out).
+    Uncompressed, the whole 1/size goes in (the copy out is then a plain copy).
     On a compressed wire, Horovod's split is kept: 1/predivide before the sum, predivide/size after,
     so fp16 sums do not overflow or underflow more than they would in Horovod.
     """
