@@ -25,6 +25,11 @@ from hora.process_sets import ProcessSet, global_process_set
 from hora.reduce_ops import ReduceOp, resolve_op
 
 
+def _needs_grad(tensor: torch.Tensor) -> bool:
+    """Only tensors that record autograd history pay for an autograd Function."""
+    return torch.is_grad_enabled() and isinstance(tensor, torch.Tensor) and tensor.requires_grad
+
+
 def _allreduce_call(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
                     prescale_factor: float, postscale_factor: float, process_set: ProcessSet,
                     compression: Compressor = Compression.none, inplace: bool = False) -> Call:
@@ -89,6 +94,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     Differentiable: the gradient is the allreduce of the gradient with the same op and factors.
     """
     call = _allreduce_call(tensor, average, name, op, prescale_factor, postscale_factor, process_set, compression)
+    if not _needs_grad(tensor):
+        return _allreduce_submit(call).wait()
     return _AllreduceFn.apply(tensor, call)
 
 
@@ -176,6 +183,8 @@ class _AllgatherFn(torch.autograd.Function):
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every member's ``tensor`` along dim 0. Differentiable."""
+    if not _needs_grad(tensor):
+        return allgather_async(tensor, name, process_set).wait()
     return _AllgatherFn.apply(tensor, name, process_set)
 
 
@@ -221,6 +230,8 @@ class _BroadcastFn(torch.autograd.Function):
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return ``root_rank``'s tensor on every member. Differentiable."""
+    if not _needs_grad(tensor):
+        return broadcast_async(tensor, root_rank, name, process_set).wait()
     return _BroadcastFn.apply(tensor, int(root_rank), name, process_set)
 
 
@@ -306,6 +317,8 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Co
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce over the set, then give each member its slice of dim 0. Differentiable."""
     call = _reducescatter_call(tensor, name, compression, op, process_set, prescale_factor, postscale_factor)
+    if not _needs_grad(tensor):
+        return submit(call).wait()
     return _ReducescatterFn.apply(tensor, call)
 
 
