@@ -10,6 +10,7 @@ Goal (issue 2): >= 0.95 of raw for >= 1 MB, tiny-op latency <= 2x raw.
 
     python benchmarks/allreduce_bench.py            # full run, < 5 minutes on 2 cores
     python benchmarks/allreduce_bench.py --quick    # CI smoke: 3 sizes, few samples
+    python benchmarks/allreduce_bench.py --launcher hora   # ranks started by hora.run instead of fork
 
 Writes benchmarks/results/allreduce_bench.{json,md,png} (``--out`` to change the directory).
 """
@@ -86,7 +87,8 @@ def _measure(nbytes: int, repeats: int, target_s: float) -> tuple[int, dict[str,
     return iters, alternate({k: _timer(c, iters) for k, c in calls.items()}, repeats)
 
 
-def _worker(rank: int, size: int, sizes: list[int], repeats: int, target_s: float) -> dict[str, Any] | None:
+def _worker(sizes: list[int], repeats: int, target_s: float) -> dict[str, Any] | None:
+    """One rank's whole measurement; rank 0 returns the samples."""
     import torch
     import torch.distributed as dist
 
@@ -94,6 +96,7 @@ def _worker(rank: int, size: int, sizes: list[int], repeats: int, target_s: floa
 
     torch.set_num_threads(1)
     hvd.init()
+    rank = hvd.rank()
     out: dict[str, Any] = {"sizes": {}, "iters": {}}
     for nbytes in sizes:
         out["iters"][nbytes], out["sizes"][nbytes] = _measure(nbytes, repeats, target_s)
@@ -108,6 +111,10 @@ def _worker(rank: int, size: int, sizes: list[int], repeats: int, target_s: floa
     out["tiny"] = alternate({k: _timer(c, iters) for k, c in tiny.items()}, repeats)
     hvd.shutdown()
     return out if rank == 0 else None
+
+
+def _forked_worker(rank: int, size: int, sizes: list[int], repeats: int, target_s: float) -> dict[str, Any] | None:
+    return _worker(sizes, repeats, target_s)
 
 
 def busbw(nbytes: int, seconds: float, nranks: int) -> float:
@@ -191,15 +198,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-np", "--nranks", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--repeats", type=int, default=None, help="alternating samples per variant (default 7)")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON, Markdown and PNG")
+    p.add_argument("--launcher", choices=["fork", "hora"], default="fork",
+                   help="start ranks by fork (default) or with hora.run (hora's own launcher)")
     args = p.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     repeats = args.repeats or (3 if args.quick else 7)
     target_s = 0.02 if args.quick else 0.1
     start = time.monotonic()
-    raw = fork_ranks(_worker, args.nranks, sizes, repeats, target_s)[0]
+    if args.launcher == "hora":
+        import hora
+
+        here = str(Path(__file__).resolve().parent)  # workers unpickle references to common.py
+        raw = hora.run(_worker, args=(sizes, repeats, target_s), np=args.nranks, env={"PYTHONPATH": here})[0]
+    else:
+        raw = fork_ranks(_forked_worker, args.nranks, sizes, repeats, target_s)[0]
     result = analyse(raw, args.nranks)
-    meta = {"nranks": args.nranks, "repeats": repeats, "quick": args.quick, "target_sample_s": target_s,
-            "machine": machine_info(), "wall_s": round(time.monotonic() - start, 1)}
+    meta = {"nranks": args.nranks, "launcher": args.launcher, "repeats": repeats, "quick": args.quick,
+            "target_sample_s": target_s, "machine": machine_info(), "wall_s": round(time.monotonic() - start, 1)}
     name = "allreduce_bench_quick" if args.quick else "allreduce_bench"
     md = to_markdown(result, meta)
     paths = write_results(name, {"meta": meta, "samples": raw, "result": result}, md, plot(result), args.out)
