@@ -4,8 +4,8 @@ watchdog that rings it when a pending collective stalls. Plumbing only; the logi
 from __future__ import annotations
 
 import datetime
-import queue
 import math
+import queue
 import struct
 import threading
 import time
