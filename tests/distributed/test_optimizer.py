@@ -152,7 +152,8 @@ def check(results: list[dict[str, list[torch.Tensor]]], names: list[str], size: 
         for rank, per_rank in enumerate(results):
             for i, (got, want) in enumerate(zip(per_rank[name], expected)):
                 assert torch.equal(got, results[0][name][i]), f"{name}: rank {rank} parameter {i} differs from rank 0"
-                torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m, n=name, j=i: f"{n}, param {j}: {m}")
+                torch.testing.assert_close(got, want, atol=tol, rtol=tol,
+                                           msg=lambda m, n=name, j=i: f"{n}, param {j}: {m}")
 
 
 def test_every_option_matches_one_process_on_the_whole_batch_2_ranks() -> None:

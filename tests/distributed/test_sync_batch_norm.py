@@ -60,7 +60,8 @@ def _check(shape_tail: tuple[int, ...], size: int) -> None:
     want = _reference(shape_tail, size)
     for rank, got in enumerate(run_tensors(_sync_bn, size, shape_tail)):
         for key in ("y", "dx", "y_eval"):
-            torch.testing.assert_close(got[key], _mine(want[key], rank), msg=lambda m, r=rank, k=key: f"rank {r} {k}: {m}")
+            torch.testing.assert_close(got[key], _mine(want[key], rank),
+                                       msg=lambda m, r=rank, k=key: f"rank {r} {k}: {m}")
         for key in ("dw", "db", "running_mean", "running_var"):
             torch.testing.assert_close(got[key], want[key], msg=lambda m, r=rank, k=key: f"rank {r} {k}: {m}")
 
