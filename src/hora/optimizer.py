@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 from collections.abc import Iterable, Iterator
@@ -62,9 +63,16 @@ class _DistributedOptimizer:
         self._hora_reducer.set_backward_passes_per_step(passes)
 
     def step(self, closure: Any = None) -> Any:
+        reducer = self._hora_reducer
+        if reducer.updates_params:  # Adasum: the local steps ran in the hooks; apply the combined update
+            loss = closure() if closure is not None else None
+            if self._hora_should_sync:
+                reducer.synchronize()
+            reducer.stepped()
+            return loss
         if self._hora_should_sync:
-            self._hora_reducer.synchronize()
-        self._hora_reducer.stepped()
+            reducer.synchronize()
+        reducer.stepped()
         return super().step(closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -75,6 +83,18 @@ class _DistributedOptimizer:
                 "backward() or after step()."
             )
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
+
+
+def _local_step(optimizer: Any, p: torch.Tensor) -> None:
+    """The wrapped optimizer's own step on parameter ``p`` alone (Horovod's Adasum reduces its update)."""
+    stashed = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["params"] = [q for q in group["params"] if q is p]
+        super(_DistributedOptimizer, optimizer).step()
+    finally:
+        for group, params in zip(optimizer.param_groups, stashed):
+            group["params"] = params
 
 
 def _named(optimizer: torch.optim.Optimizer, named_parameters: Iterable[Any] | None) -> tuple[list, list[str]]:
@@ -199,5 +219,7 @@ def DistributedOptimizer(
         process_set=process_set,
         backward_passes_per_step=backward_passes_per_step,
     )
+    if op is Adasum:
+        wrapped._hora_reducer.local_step = functools.partial(_local_step, wrapped)
     wrapped._hora_reducer.register_hooks()  # buckets are planned at the first backward
     return wrapped

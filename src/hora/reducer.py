@@ -25,7 +25,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -108,6 +108,10 @@ class GradientReducer:
         self._ddp_checked = False
         self._ddp: dict[int, int] = {}  # param index -> world size of the DDP module that reduces it
         self._active = False  # a gradient arrived since the last synchronize()
+        # Adasum, as in Horovod: each parameter's local optimizer step runs in its hook and the *update* is
+        # reduced; synchronize() applies it. The optimizer wrapper supplies the one-parameter step.
+        self.local_step: Callable[[torch.Tensor], None] | None = None
+        self._starts: dict[int, torch.Tensor] = {}  # Adasum: parameter values before the local step
         self._lock = threading.Lock()
         self.synced = False
 
@@ -162,11 +166,19 @@ class GradientReducer:
         if self._reduce:
             self.ensure_plan()
 
+    @property
+    def updates_params(self) -> bool:
+        """True when synchronize() applies the update itself (Adasum): step() must not step again."""
+        return self.op is Adasum and self.local_step is not None
+
     def _fill(self, bucket: FlatBucket, k: int, index: int) -> None:
         view = bucket.views[k]
         grad = self.params[index].grad
         if grad is None:
             view.zero_()
+            return
+        if self.updates_params:
+            self._fill_update(view, index)
             return
         if grad.is_sparse:
             if not self.sparse_as_dense:
@@ -184,6 +196,18 @@ class GradientReducer:
         if tl is not None:
             tl.span(bucket.name, "copy_in", t0, time.perf_counter(), kind="allreduce", param=self.names[index],
                     bytes=view.nbytes)
+
+    @torch.no_grad()
+    def _fill_update(self, view: torch.Tensor, index: int) -> None:
+        """Adasum: put this parameter's local update (after - before its own optimizer step) in its slot."""
+        p = self.params[index]
+        start = self._starts.get(index)
+        if start is None:
+            start = self._starts[index] = torch.empty_like(p)
+        start.copy_(p)
+        self.local_step(p)  # type: ignore[misc]
+        torch.sub(p.reshape(-1), start.reshape(-1), out=view)
+        p.copy_(start)  # unchanged until synchronize() adds the combined update
 
     def _submit(self, bucket: FlatBucket) -> None:
         wire = bucket.buffer
@@ -231,6 +255,12 @@ class GradientReducer:
         self.synced = True
 
     def _write_back(self, bucket: FlatBucket, out: torch.Tensor) -> None:
+        if self.updates_params:
+            with torch.no_grad():
+                for k, index in enumerate(bucket.plan.params):
+                    p = self.params[index]
+                    p.add_(out.narrow(0, bucket.plan.offsets[k], bucket.plan.numels[k]).view_as(p))
+            return
         scale = self.scale_out
         tl = timeline.active()  # diagnostics: decompress and copy_out slices of the bucket
         t0 = time.perf_counter() if tl is not None else 0.0

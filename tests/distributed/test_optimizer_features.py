@@ -235,6 +235,40 @@ def test_adasum_matches_the_formula_on_a_hand_computed_case() -> None:
         assert w == pytest.approx([-1.25, -0.75])
 
 
+GRADS = [torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.3, 1.0, 2.0])]
+
+
+def _adasum_adam_ranks(rank: int, size: int) -> list[float]:
+    w = nn.Parameter(torch.ones(3))
+    opt = hvd.DistributedOptimizer(torch.optim.Adam([w], lr=0.1), named_parameters=[("w", w)], op=hvd.Adasum)
+    for _ in range(2):
+        opt.zero_grad()
+        (w * GRADS[rank]).sum().backward()
+        opt.step()
+    return w.detach().tolist()
+
+
+def test_adasum_combines_each_ranks_optimizer_update_as_horovod_does() -> None:
+    # Horovod applies Adasum to the update of each rank's own optimizer step (Adam state stays local)
+    from hora.adasum import adasum_pair
+
+    w = torch.ones(3)
+    locals_ = [nn.Parameter(torch.ones(3)) for _ in GRADS]
+    opts = [torch.optim.Adam([p], lr=0.1) for p in locals_]
+    for _ in range(2):
+        deltas = []
+        for p, opt, g in zip(locals_, opts, GRADS):
+            with torch.no_grad():
+                p.copy_(w)
+            p.grad = g.clone()
+            opt.step()
+            deltas.append(p.detach() - w)
+        w = w + adasum_pair(deltas[0], deltas[1])
+    for got in run_tensors(_adasum_adam_ranks, 2):
+        assert got == pytest.approx(w.tolist(), abs=1e-6)
+    assert w.tolist() != pytest.approx((torch.ones(3) - 0.2 * torch.ones(3)).tolist())  # not trivially Adam's
+
+
 def _adasum_three(rank: int, size: int) -> str:
     w = nn.Parameter(torch.zeros(2))
     try:
