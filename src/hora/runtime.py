@@ -134,9 +134,12 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
         prefix = f"hora/{env.job_id}/g{generation}"
         base = dist.PrefixStore(prefix, raw)
         connect = _connector(raw, prefix, timeout)
+        hook = sys.excepthook
         dist.init_process_group(
             backend, store=dist.PrefixStore("default", base), rank=env.rank, world_size=env.size, timeout=timeout
         )
+        if env.source == "hora":  # hora run already tags each line "[1]<stderr>:"; torch would add "[rank1]: "
+            sys.excepthook = hook
     else:  # the script made the default group itself (e.g. under torchrun): join it
         if dist.get_world_size() != env.size and env.source != "single":
             log.warning("default group has %d ranks but %s says %d", dist.get_world_size(), env.source, env.size)

@@ -245,7 +245,8 @@ def test_exception_before_a_collective_is_reported_on_the_raising_rank(tmp_path:
     assert report[0].startswith("hora run: rank 1 on host localhost "), report[0]
     assert "hora run: ---- traceback of rank 1 (localhost) ----" in report[1:3]
     end = report.index("hora run: ----")
-    assert any(line.endswith("ValueError: bad shard on rank 1") for line in report[:end])  # maybe "[rank1]: "
+    assert "[1]: ValueError: bad shard on rank 1" in report[:end]
+    assert "[rank" not in result.stderr  # one rank tag per line (hora run's), not torch's "[rank1]: " as well
 
 
 def test_agent_killed_takes_its_workers_down_and_the_launcher_names_the_host(
