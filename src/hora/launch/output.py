@@ -17,6 +17,7 @@ TAIL_LINES = 200  # stderr lines kept per rank for the failure report
 REPORT_LINES = 20  # shown when the rank printed no traceback
 # torch prefixes an uncaught exception's lines with "[rankN]:" once a process group exists
 _TRACEBACK_START = re.compile(r"^(\[rank\d+\]:\s?)?Traceback \(most recent call last\):")
+_MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '(torch|hora)'$")
 
 
 def line(text: str, stream: IO[str] | None = None) -> None:
@@ -118,7 +119,18 @@ def failure_report(rank: int, host: str, how: str, tail: list[str], others: int)
     else:
         lines.append(f"hora run: rank {rank} printed nothing on stderr")
     lines.append("hora run: ----")
+    lines.extend(_missing_module_hint(tb or []))
     return lines
+
+
+def _missing_module_hint(tb: list[str]) -> list[str]:
+    """A rank whose Python lacks torch or hora most likely ran another interpreter than the launcher's."""
+    found = _MISSING_MODULE.search(tb[-1]) if tb else None
+    if found is None:
+        return []
+    return [f"hora run: hint: the rank's Python cannot import '{found.group(1)}', but the launcher's Python "
+            f"({sys.executable}) can: activate its environment, or name it in the command "
+            f"(hora run ... {sys.executable} train.py)"]
 
 
 def print_lines(lines: list[str]) -> None:
