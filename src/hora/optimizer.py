@@ -83,6 +83,7 @@ class _DistributedOptimizer:
                 "backward() or after step()."
             )
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
+        self._hora_reducer.release()
 
 
 def _local_step(optimizer: Any, p: torch.Tensor) -> None:

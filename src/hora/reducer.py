@@ -9,8 +9,9 @@ Per step, in three visible phases:
 2. **finish** (``synchronize()``): buckets that never filled (parameters without a gradient this step) are
    completed with zeros or whatever ``p.grad`` holds, as Horovod does, and submitted; then every handle is
    waited on.
-3. **write back**: each reduced slice is copied into its parameter's ``.grad`` (casting back and applying
-   the rest of Average's scaling in the same copy).
+3. **write back**: uncompressed, each parameter's ``.grad`` becomes its slice of the reduced bucket (no copy;
+   autograd's own gradient tensors are kept until ``zero_grad()`` so the allocator reuses them); on a
+   compressed wire the slice is cast back into ``.grad`` with the rest of Average's scaling in the same copy.
 
 Average's division costs no pass of its own: uncompressed, ``1/size`` is applied on the copy in; on a
 compressed wire Horovod's split is kept (``1/predivide`` in, ``predivide/size`` out). The collective itself
@@ -112,6 +113,7 @@ class GradientReducer:
         # reduced; synchronize() applies it. The optimizer wrapper supplies the one-parameter step.
         self.local_step: Callable[[torch.Tensor], None] | None = None
         self._starts: dict[int, torch.Tensor] = {}  # Adasum: parameter values before the local step
+        self._retired: list[torch.Tensor] = []  # gradients replaced by bucket slices, freed at zero_grad()
         self._lock = threading.Lock()
         self.synced = False
 
@@ -189,7 +191,10 @@ class GradientReducer:
             grad = grad.to_dense()
         tl = timeline.active()  # diagnostics: the bucket's copy_in slices
         t0 = time.perf_counter() if tl is not None else 0.0
-        if self.scale_in != 1.0:
+        if grad.data_ptr() == view.data_ptr():  # p.grad is last step's slice, accumulated in place
+            if self.scale_in != 1.0:
+                view.mul_(self.scale_in)
+        elif self.scale_in != 1.0:
             torch.mul(grad.reshape(-1), self.scale_in, out=view)  # scale and cast in the one copy
         else:
             view.copy_(grad.reshape(-1))
@@ -237,6 +242,7 @@ class GradientReducer:
         if not self._active:  # no hook ran (gradients set by hand): plan now; never re-plan mid-step
             self._refresh()
         if self._reduce:
+            self._retired.clear()  # normally empty already: zero_grad() freed them; bounds it if not called
             for bucket in self.buckets:
                 if bucket.handle is None:
                     for k, index in enumerate(bucket.plan.params):
@@ -269,12 +275,17 @@ class GradientReducer:
             if tl is not None:
                 tl.span(bucket.name, "decompress", t0, time.perf_counter(), kind="allreduce", bytes=out.nbytes)
                 t0 = time.perf_counter()
+        handout = out is bucket.buffer and scale == 1.0  # uncompressed: p.grad becomes its slice, no copy
         for k, index in enumerate(bucket.plan.params):
             if index in self._sparse_seen:
                 continue
             p = self.params[index]
             src = out.narrow(0, bucket.plan.offsets[k], bucket.plan.numels[k]).view_as(p)
-            if p.grad is None or p.grad.is_sparse:
+            if handout and src.dtype == p.dtype:
+                if p.grad is not None and (p.grad.is_sparse or p.grad.data_ptr() != src.data_ptr()):
+                    self._retired.append(p.grad)
+                p.grad = src
+            elif p.grad is None or p.grad.is_sparse:
                 p.grad = src.to(p.dtype, copy=True).mul_(scale)
             elif scale != 1.0:
                 torch.mul(src, scale, out=p.grad)  # cast back and scale in the one copy
@@ -282,9 +293,14 @@ class GradientReducer:
                 p.grad.copy_(src)
         if tl is not None:
             tl.span(bucket.name, "copy_out", t0, time.perf_counter(), kind="allreduce", bytes=out.nbytes)
-        # Copying back measured faster than handing out bucket slices as p.grad: replacing autograd's
-        # gradient tensors here frees them mid-step, glibc returns that memory to the OS, and the next
-        # backward page-faults all 97.5 MB again (ResNet-50, CPU: +24k faults, +30 ms; the copy costs 13 ms).
+        # Handing out slices saves a copy back (13 ms per ResNet-50 step on CPU), but freeing autograd's
+        # gradient tensors here, mid-step, made glibc return their memory to the OS and the next backward
+        # page-fault all 97.5 MB again (+24k faults, +30 ms). So they are kept (_retired) until zero_grad()
+        # frees them, when the copy-back design would have: the allocator then reuses them as before.
+
+    def release(self) -> None:
+        """zero_grad() ran: free autograd's gradient tensors that bucket slices replaced as p.grad."""
+        self._retired.clear()
 
     def in_flight(self) -> bool:
         """True when some bucket was submitted and not yet synchronized."""
