@@ -39,6 +39,14 @@ def test_flush_returns_unterminated_text_or_the_unseen_progress_state() -> None:
     assert s2.flush() == ["partial"]
 
 
+def test_a_bar_erasing_itself_prints_no_blank_line() -> None:
+    s = LineSplitter(interval=1.0)
+    out = s.feed(b"\repoch 1: 50%\repoch 1: 100%\r" + b" " * 40 + b"\r", now=0.0)
+    out += s.feed(b"\r" + b" " * 40 + b"\r", now=5.0)  # tqdm(leave=False) closing, past the interval
+    assert out == ["epoch 1: 50%"]
+    assert s.flush() == []  # neither the spaces that erased the bar nor the erased state
+
+
 def test_invalid_utf8_is_replaced_not_fatal() -> None:
     assert LineSplitter().feed(b"caf\xc3\xa9 \xff!\n", 0.0) == ["café \ufffd!"]
 

@@ -83,6 +83,9 @@ class LineSplitter:
         return out
 
     def _progress(self, segment: str, now: float, out: list[str]) -> None:
+        if not segment.strip():  # a bar erasing itself (tqdm's leave=False): gone, as on a terminal
+            self._pending = None
+            return
         if now - self._last_progress >= self._interval:
             out.append(segment)
             self._last_progress = now
@@ -94,7 +97,7 @@ class LineSplitter:
         """At end of stream: the unfinished line, or the last progress update nobody saw."""
         rest = (self._buf + self._decoder.decode(b"", final=True)).rstrip("\r")
         self._buf = ""
-        if rest:
+        if rest.strip():
             return [rest]
         pending, self._pending = self._pending, None
         return [pending] if pending else []
