@@ -64,6 +64,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "hora": hora_version,
         "git_commit": _git_commit(),
+        "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],  # other work on the machine skews timings
         "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
