@@ -50,6 +50,8 @@ def test_stalled_job_is_reported_once_stopped_and_its_timeline_merged(tmp_path):
     # the launcher names rank 0's CollectiveTimeoutError, which carries the report, as the root cause
     assert "rank 0 on host localhost failed first" in out
     assert re.search(r"CollectiveTimeoutError: hora stall: allreduce 'loss'", out)
+    assert (f"hora run: timeline written to {trace} (open it in https://ui.perfetto.dev or chrome://tracing)"
+            in done.stderr.splitlines())
     events = json.loads(trace.read_text())
     ranks = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert ranks == {0: "rank 0", 1: "rank 1"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 
 from hora.launch import output
 
@@ -26,3 +27,7 @@ def merge(filename: str | None, size: int) -> None:
         merger(filename, size)
     except Exception as exc:  # noqa: BLE001 - a broken merge must not change the job's exit status
         output.note(f"could not merge the timeline files into {filename}: {exc}")
+        return
+    if os.path.exists(filename):
+        output.note(f"timeline written to {os.path.abspath(filename)} (open it in https://ui.perfetto.dev "
+                    "or chrome://tracing)")
