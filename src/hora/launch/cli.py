@@ -41,7 +41,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_launch_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-np", "--num-proc", dest="np", type=int, help="number of worker processes")
+    p.add_argument("-np", "--num-proc", dest="np", type=int,
+                   help="number of worker processes (default: every slot of -H/--hostfile, else 1)")
     p.add_argument("-H", "--hosts", help="hosts and slots: host1:2,host2:2 (default localhost:np)")
     p.add_argument("--hostfile", help="file of 'host slots=N' (or 'host:N') lines")
     p.add_argument("-p", "--ssh-port", type=int, help="ssh port on every host")
