@@ -70,6 +70,31 @@ class Watchdog:
             self._fire(round_no)
 
 
+class DeathWatch:
+    """Notices at once when the next rank's process dies or its link breaks, even while every negotiator is
+    idle: a receive that is never sent to, posted on a dedicated Gloo group, fails as soon as that peer's
+    connection closes. Each rank watches its successor, so every death is seen by someone, who rings a round
+    that then fails on every rank (nobody waits forever for a dead peer)."""
+
+    _TAG = 0x4C05
+
+    def __init__(self, rank: int, size: int, group: Any, lost: Callable[[int, BaseException], None]) -> None:
+        self.peer = (rank + 1) % size
+        self._group = group
+        self._lost = lost
+        self._thread = threading.Thread(target=self._run, name="hora-death-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        buf = torch.zeros(1)
+        try:
+            dist.irecv(buf, src=self.peer, group=self._group, tag=self._TAG).wait()
+        except Exception as e:  # the connection closed: the peer is gone (or our own group was destroyed)
+            self._lost(self.peer, e)
+
+
 class Exchange:
     """A round's allgather of variable-size payloads over the control group, in preallocated buffers."""
 

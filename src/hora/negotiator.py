@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hora import fusion
-from hora.control import Exchange, Watchdog, make_bell
+from hora.control import DeathWatch, Exchange, Watchdog, make_bell
 from hora.diagnostics import stall as stall_mod
 from hora.diagnostics import timeline as timeline_mod
 from hora.diagnostics import where
@@ -95,6 +95,9 @@ class Negotiator:
         self._exit_requested = False
         self._bell = make_bell(rt)
         self._watchdog = Watchdog(self._on_watchdog)
+        self._closing = False  # a shutdown is under way: peers closing their connections is expected
+        self._death_watch = (DeathWatch(self.rank, self.size, rt.watch_group, self._on_peer_lost)
+                             if rt.watch_group is not None else None)
         self._exchange = Exchange(self.size, rt.ctrl_group)
         self._thread = threading.Thread(target=self._run, name="hora-negotiator", daemon=True)
 
@@ -102,6 +105,8 @@ class Negotiator:
     def start(self) -> None:
         self._thread.start()
         self._watchdog.start()
+        if self._death_watch is not None:
+            self._death_watch.start()
 
     def unnamed(self, ps_id: int) -> str:
         """A sequence name for an unnamed op: shared by every kind in a process set, so a rank calling a
@@ -149,6 +154,8 @@ class Negotiator:
         """
         if not self._thread.is_alive():
             return
+        with self._lock:
+            self._closing = True
         if timeout > 0 and self._broken is None and not self._stall_shutdown:
             h = Handle("__shutdown__", SHUTDOWN, lambda: None, self.done)
             req = Request("__shutdown__", SHUTDOWN, "", (), ps=tuple(range(self.size)))
@@ -197,7 +204,7 @@ class Negotiator:
                         self._ring_if_idle()
                 round_no += 1
         except Exception as e:  # any failure ends negotiation; users see it on their handles
-            self._break(CollectiveError(f"rank {self.rank}: negotiation with peers failed: {e}"))
+            self._break(self._peer_loss(e))
         finally:
             self._stopped.set()
 
@@ -216,6 +223,34 @@ class Negotiator:
         with self._lock:
             self._idle_round = None
             return not (self._exit_requested and not self._outbox)
+
+    def _on_peer_lost(self, peer: int, error: BaseException) -> None:
+        """The death watch saw ``peer`` go: say so in the store for every rank's error message, and ring a
+        round, which fails on every rank instead of leaving them waiting for the dead peer."""
+        with self._lock:
+            if self._closing or self._stopped.is_set() or self._broken is not None:
+                return
+        host = self.rt.topo.hostnames[peer] if peer < len(self.rt.topo.hostnames) else "?"
+        log.warning("rank %d: rank %d on %s is gone (%s)", self.rank, peer, host, error)
+        try:
+            self.rt.store.set("lost", f"{peer}")
+        except Exception:  # the store is gone too: the round below fails anyway
+            pass
+        with self._lock:
+            self._ring_if_idle()
+
+    def _peer_loss(self, error: BaseException) -> CollectiveError:
+        """The error every pending op gets when a round fails: name the lost rank if some rank saw it go."""
+        lost = ""
+        try:
+            if self.rt.store.check(["lost"]):
+                peer = int(self.rt.store.get("lost"))
+                lost = f"rank {peer} on host {self.rt.topo.hostnames[peer]} is gone (its process exited or its " \
+                       "link broke); "
+        except Exception:  # the store may be gone with the launcher
+            pass
+        return CollectiveError(f"rank {self.rank}: {lost}negotiation with peers failed: {error}. The job cannot "
+                               "continue without that rank: see its log for the root cause.")
 
     def _on_watchdog(self, round_no: int) -> None:
         """Runs on the watchdog thread when a stall deadline passes while this rank is idle."""

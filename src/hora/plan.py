@@ -161,8 +161,23 @@ class Table:
                 return CollectiveMismatchError(entry.name, {r: describe(q) for r, q in reqs.items()}, fields)
         return self._join_conflict(entry, joined)
 
-    @staticmethod
-    def _join_conflict(entry: Entry, joined: frozenset[int]) -> CollectiveError | None:
+    def _leaving_conflict(self, entry: Entry) -> CollectiveError | None:
+        """A rank that called shutdown() will never submit anything else: fail what waits for it."""
+        bye = self.entries.get("__shutdown__")
+        if bye is None or entry is bye:
+            return None
+        gone = sorted(set(bye.requests).intersection(entry.first.ps) - set(entry.requests))
+        if not gone:
+            return None
+        return CollectiveError(
+            f"{entry.first.kind} {entry.name!r} cannot complete: rank(s) {gone} called shutdown() without "
+            "submitting it. Every rank must run the same collectives before shutting down."
+        )
+
+    def _join_conflict(self, entry: Entry, joined: frozenset[int]) -> CollectiveError | None:
+        leaving = self._leaving_conflict(entry)
+        if leaving is not None:
+            return leaving
         req = entry.first
         blocked = joined.intersection(req.ps) - set(entry.requests)
         if blocked and req.kind not in JOIN_OK:
