@@ -22,3 +22,20 @@ def test_other_missing_modules_get_no_interpreter_hint() -> None:
     report = failure_report(0, "localhost", "exit code 1", tail, 0)
     assert report[-1] == "hora run: ----"
     assert report[-2] == "[0]: ModuleNotFoundError: No module named 'mydata'"
+
+
+LOST_PEER = ["Traceback (most recent call last):", '  File "/tmp/train.py", line 9, in <module>',
+             "hora.errors.CollectiveError: rank 0: negotiation with peers failed: Connection closed by peer"]
+
+
+def test_ranks_that_finished_before_a_lost_collective_point_at_join() -> None:
+    report = failure_report(0, "localhost", "exit code 1", LOST_PEER, 0, finished=[2, 1])
+    assert report[-1] == ("hora run: hint: ranks 1, 2 had already finished (exit code 0) while this rank waited in "
+                          "a collective: if ranks run different numbers of steps (uneven data), call hvd.join() "
+                          "after the training loop so finished ranks keep serving the others' collectives")
+
+
+def test_no_join_hint_when_nobody_finished_or_the_error_is_the_users_own() -> None:
+    assert failure_report(0, "localhost", "exit code 1", LOST_PEER, 1)[-1] == "hora run: ----"
+    own = [*LOST_PEER[:-1], "ValueError: bad batch"]
+    assert failure_report(0, "localhost", "exit code 1", own, 0, finished=[1])[-1] == "hora run: ----"

@@ -256,7 +256,8 @@ class Driver:
             self.summary = f"rank {rank} on host {host} {how}"
         others = sum(1 for r in self.ranks.values() if not r.done)
         self.console.flush()
-        output.print_lines(output.failure_report(rank, host, how, list(self.console.tails[rank]), others))
+        finished = [r.slot.rank for r in self.ranks.values() if r.done and r.code == 0 and not r.sig]
+        output.print_lines(output.failure_report(rank, host, how, list(self.console.tails[rank]), others, finished))
         self._stop_all()
 
     def _on_agent_gone(self, agent: AgentHandle, code: int) -> None:

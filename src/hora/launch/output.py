@@ -11,12 +11,14 @@ import os
 import re
 import sys
 import time
+from collections.abc import Sequence
 from typing import IO
 
 TAIL_LINES = 200  # stderr lines kept per rank for the failure report
 REPORT_LINES = 20  # shown when the rank printed no traceback
 # torch prefixes an uncaught exception's lines with "[rankN]:" once a process group exists
 _TRACEBACK_START = re.compile(r"^(\[rank\d+\]:\s?)?Traceback \(most recent call last\):")
+_COLLECTIVE_ERROR = re.compile(r"\b(CollectiveError|CollectiveTimeoutError|HorovodInternalError)\b")
 _MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '(torch|hora)'$")
 
 
@@ -103,8 +105,13 @@ def traceback_of(tail: list[str]) -> list[str] | None:
     return tail[starts[-1]:][:80] if starts else None
 
 
-def failure_report(rank: int, host: str, how: str, tail: list[str], others: int) -> list[str]:
-    """The root-cause report: what failed first, where, and its traceback or last stderr lines."""
+def failure_report(rank: int, host: str, how: str, tail: list[str], others: int,
+                   finished: Sequence[int] = ()) -> list[str]:
+    """The root-cause report: what failed first, where, and its traceback or last stderr lines.
+
+    ``finished`` lists the ranks that had already exited with status 0: when the failure is a collective
+    that lost its peers, they most likely ran fewer steps (uneven data without ``hvd.join()``).
+    """
     lines = [f"hora run: rank {rank} on host {host} failed first: {how}"]
     if others:
         lines.append(f"hora run: stopping the other {others} rank{'s' if others != 1 else ''}")
@@ -120,7 +127,17 @@ def failure_report(rank: int, host: str, how: str, tail: list[str], others: int)
         lines.append(f"hora run: rank {rank} printed nothing on stderr")
     lines.append("hora run: ----")
     lines.extend(_missing_module_hint(tb or []))
+    lines.extend(_finished_early_hint(tb or [], finished))
     return lines
+
+
+def _finished_early_hint(tb: list[str], finished: Sequence[int]) -> list[str]:
+    if not finished or not tb or not _COLLECTIVE_ERROR.search(tb[-1]):
+        return []
+    ranks = ", ".join(str(r) for r in sorted(finished))
+    return [f"hora run: hint: rank{'s' if len(finished) > 1 else ''} {ranks} had already finished (exit code 0) "
+            "while this rank waited in a collective: if ranks run different numbers of steps (uneven data), "
+            "call hvd.join() after the training loop so finished ranks keep serving the others' collectives"]
 
 
 def _missing_module_hint(tb: list[str]) -> list[str]:
