@@ -30,18 +30,18 @@ from hora import fusion
 from hora.control import DeathWatch, Exchange, Watchdog, make_bell
 from hora.diagnostics import stall as stall_mod
 from hora.diagnostics import timeline as timeline_mod
-from hora.diagnostics import where
-from hora.errors import CollectiveError, CollectiveTimeoutError
+from hora.diagnostics.stall_inspector import StallInspector
+from hora.errors import CollectiveError
 from hora.handles import Handle
-from hora.plan import JOIN, SHUTDOWN, Decision, Entry, Request, Table
+from hora.plan import SHUTDOWN, Decision, Entry, Request, Table
+from hora.response_cache import UNNAMED, ResponseCache
 
 if TYPE_CHECKING:
     from hora.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
-_CACHE_CAP = 4096  # named ops remembered by the response cache
-_UNNAMED = "noname."
+_UNNAMED = UNNAMED
 _IDLE_WAIT_S = 3600.0  # store waits time out noisily in c10d's C++ log: wake only when rung
 
 
@@ -75,7 +75,8 @@ class Negotiator:
         self.rank = rt.topo.rank
         self.size = rt.topo.size
         self.table = Table(self.size)
-        self.policy = stall_mod.StallPolicy.from_knobs(rt.knobs)
+        self._stall = StallInspector(self.table, stall_mod.StallPolicy.from_knobs(rt.knobs), self.rank,
+                                     rt.topo.hostnames)
         self._lock = threading.Lock()
         self._outbox: list[LocalOp] = []
         self._mine: dict[str, LocalOp] = {}  # submitted, not yet launched or failed
@@ -86,9 +87,7 @@ class Negotiator:
         self._idle_round: int | None = 0  # every negotiator starts idle, waiting for round 0's bell
         self._rung = False
         self._seq: dict[int, int] = {}
-        self._cache_ids: dict[Request, int] = {}
-        self._cache: list[dict[int, Request]] = []
-        self._use_cache = not rt.knobs.disable_cache
+        self._cache = ResponseCache(self.rank, enabled=not rt.knobs.disable_cache)
         self._fused = fusion.FusionBuffers(rt.knobs.fusion_threshold)
         self._joined_works: list[Any] = []
         self._stopped = threading.Event()
@@ -212,7 +211,7 @@ class Negotiator:
         """Block until some rank rings ``round_no``. The watchdog rings it if a pending op stalls."""
         if self.rank == 0 and round_no > 0:
             self._bell.clear(round_no - 1)  # everyone is past that bell: they all took part in its round
-        delay = self._stall_check_in()
+        delay = self._stall.check_in()
         if delay is not None:
             self._watchdog.arm(round_no, delay)
         try:
@@ -255,7 +254,9 @@ class Negotiator:
     def _on_watchdog(self, round_no: int) -> None:
         """Runs on the watchdog thread when a stall deadline passes while this rank is idle."""
         with self._lock:
-            if self._idle_round == round_no and self._stall_due():
+            due = self._stall.due()
+            if self._idle_round == round_no and due:
+                self._flags["stall_query"] = due
                 self._ring_if_idle()
 
     def _round(self, round_no: int) -> tuple[bool, bool]:
@@ -263,7 +264,7 @@ class Negotiator:
             outgoing, self._outbox = self._outbox, []
             flags, self._flags = self._flags, {}
         inline = [fusion.inline_bytes(op.req, op.wire) for op in outgoing]
-        payload = pickle.dumps(([self._encode(op.req) for op in outgoing], inline, flags), protocol=5)
+        payload = pickle.dumps(([self._cache.encode(op.req) for op in outgoing], inline, flags), protocol=5)
         t0 = time.perf_counter()
         gathered = [pickle.loads(b) for b in self._exchange.allgather(payload)]
         tl = timeline_mod.active()
@@ -276,39 +277,13 @@ class Negotiator:
             any_news = any_news or bool(entries) or bool(rank_flags)
             for item, data in zip(entries, inline):
                 fresh = isinstance(item, Request)
-                req = self._decode(item, rank)
+                req = self._cache.decode(item, rank)
                 self.table.add(rank, req, round_no, now, decision, fresh=fresh, data=data)
         self.table.decide(decision)
         self._apply(decision)
         finished = self._handle_flags(gathered, decision)
         progress = any_news or bool(decision.ready or decision.failed or decision.late_failures)
         return progress, finished
-
-    def _encode(self, req: Request) -> Request | int | tuple[int, str]:
-        """A request as it goes on the wire: in full the first time, then as its cache id. Unnamed ops are
-        cached by template (the request without its sequence name), sent as ``(id, name)``."""
-        if self._use_cache:
-            cached = self._cache_ids.get(_template(req))
-            if cached is not None:
-                return (cached, req.name) if req.name.startswith(_UNNAMED) else cached
-        return req
-
-    def _decode(self, item: Request | int | tuple[int, str], rank: int) -> Request:
-        if isinstance(item, int):
-            return self._cache[item][rank]
-        if isinstance(item, tuple) and len(item) == 2:
-            return self._cache[item[0]][rank]._replace(name=item[1])
-        return item  # type: ignore[return-value]
-
-    def _remember(self, entry: Entry) -> None:
-        """Give a fresh entry a cache id. Every rank runs this on the same entries in the same order, so ids
-        agree everywhere; a rank then sends an identical request (or template) as that id."""
-        if not entry.fresh or entry.first.kind in (JOIN, SHUTDOWN) or len(self._cache) >= _CACHE_CAP:
-            return
-        mine = entry.requests.get(self.rank)
-        if mine is not None:
-            self._cache_ids[_template(mine)] = len(self._cache)
-        self._cache.append({r: _template(q) for r, q in entry.requests.items()})
 
     def _apply(self, decision: Decision) -> None:
         for entry, error in decision.failed:
@@ -331,7 +306,7 @@ class Negotiator:
             else:
                 self._launch_one(members[0], joined)
         for entry in decision.ready:
-            self._remember(entry)
+            self._cache.remember(entry)
             if self.rank in joined and entry.name.startswith(_UNNAMED):
                 self._advance_sequence(entry.name)
 
@@ -448,85 +423,16 @@ class Negotiator:
             torch.cuda.current_stream().wait_event(op.event)
 
     # --- stall inspector ----------------------------------------------------------------------------
-    def _oldest_wait(self) -> tuple[Entry | None, float]:
-        now = time.monotonic()
-        oldest = min(self.table.entries.values(), key=lambda e: e.first_time, default=None)
-        waited = now - oldest.first_time if oldest is not None else 0.0
-        return oldest, waited
-
-    def _stall_check_in(self) -> float | None:
-        """Seconds until the next stall deadline. Entries are in order of first appearance, so the oldest
-        entry carries the earliest shutdown deadline and the oldest unreported one the earliest warning:
-        usually the first entry answers both (an already reported name must not hide a younger one)."""
-        if not self.policy.enabled:
-            return None
-        now = time.monotonic()
-        oldest: Entry | None = None
-        for e in list(self.table.entries.values()):
-            if e.first.kind in (JOIN, SHUTDOWN):
-                continue
-            if oldest is None:
-                oldest = e
-            if not e.reported:
-                warn = self.policy.next_check_s(now - e.first_time, False)
-                if e is oldest:
-                    return warn
-                late = self.policy.next_check_s(now - oldest.first_time, True)
-                return min((d for d in (warn, late) if d is not None), default=None)
-        return None if oldest is None else self.policy.next_check_s(now - oldest.first_time, True)
-
-    def _stall_due(self) -> bool:  # caller holds self._lock
-        now = time.monotonic()
-        due = []
-        for e in self.table.entries.values():
-            if e.first.kind in (JOIN, SHUTDOWN):
-                continue
-            action = self.policy.decide(now - e.first_time, e.reported)
-            if action is not stall_mod.StallAction.NONE:
-                due.append((e.name, action.value))
-        if any(action == "shutdown" for _, action in due):
-            # the job is being stopped: fail every pending collective now, so every waiting rank ends with
-            # the stall report, not with a follow-on "connection closed" once the first rank has left
-            due = [(e.name, "shutdown") for e in self.table.entries.values() if e.first.kind not in (JOIN, SHUTDOWN)]
-        if due:
-            self._flags["stall_query"] = due
-        return bool(due)
-
     def _handle_flags(self, gathered: list[Any], decision: Decision) -> bool:
-        queries = [f.get("stall_query") for _, _, f in gathered if f.get("stall_query")]
-        if queries:  # every rank answers in the next round with where it is
+        """Stall queries and answers travel as round flags; returns True when the shutdown round ran."""
+        answer = self._stall.answer_queries([f for _, _, f in gathered])
+        if answer is not None:  # every rank says where it is, in the next round
             with self._lock:
-                self._flags["where"] = (where.describe_location(threading.main_thread().ident),
-                                        dict(queries[0]))
-        answers = {r: f["where"] for r, (_, _, f) in enumerate(gathered) if "where" in f}
-        if answers:
-            self._report_stalls(answers)
+                self._flags["where"] = answer
+        for name, error in self._stall.report({r: f["where"] for r, (_, _, f) in enumerate(gathered) if "where" in f}):
+            self._stall_shutdown = True  # the stalled peers will not join a collective shutdown
+            self._fail_local(name, error)
         return any(e.first.kind == SHUTDOWN for e in decision.ready)
-
-    def _report_stalls(self, answers: dict[int, tuple[str, dict[str, str]]]) -> None:
-        asked: dict[str, str] = {}
-        for _, (_, names) in sorted(answers.items()):
-            for name, action in names.items():
-                if asked.get(name) != "shutdown":
-                    asked[name] = action
-        now = time.monotonic()
-        for name, action in asked.items():
-            entry = self.table.entries.get(name)
-            if entry is None:
-                continue  # it ran meanwhile
-            arrived = sorted(entry.requests)
-            missing = [r for r in entry.first.ps if r not in entry.requests]
-            report = stall_mod.format_stall_report(
-                entry.first.kind, name, entry.first_round, now - entry.first_time, arrived,
-                {r: (self.rt.topo.hostnames[r], answers.get(r, ("(no answer)", {}))[0]) for r in missing},
-            )
-            if not entry.reported and self.rank == arrived[0]:
-                log.error("%s", report)
-            entry.reported = True
-            if action == "shutdown":
-                del self.table.entries[name]
-                self._stall_shutdown = True  # the stalled peers will not join a collective shutdown
-                self._fail_local(name, CollectiveTimeoutError(report))
 
     def _break(self, error: BaseException) -> None:
         with self._lock:
@@ -546,8 +452,3 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
         numel *= d
     t = getattr(torch, dtype, None)
     return numel * (t.itemsize if isinstance(t, torch.dtype) else 0)
-
-
-def _template(req: Request) -> Request:
-    """The cache key of a request: an unnamed op's sequence name changes every call, its template does not."""
-    return req._replace(name="") if req.name.startswith(_UNNAMED) else req
