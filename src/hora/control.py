@@ -90,7 +90,9 @@ class DeathWatch:
     def _run(self) -> None:
         buf = torch.zeros(1)
         try:
-            dist.irecv(buf, src=self.peer, group=self._group, tag=self._TAG).wait()
+            work = dist.irecv(buf, src=self.peer, group=self._group, tag=self._TAG)
+            if work is not None:  # None only when this rank is not in the group, which cannot happen here
+                work.wait()
         except Exception as e:  # the connection closed: the peer is gone (or our own group was destroyed)
             self._lost(self.peer, e)
 
