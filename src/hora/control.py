@@ -4,8 +4,10 @@ watchdog that rings it when a pending collective stalls. Plumbing only; the logi
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import queue
+import socket
 import struct
 import threading
 import time
@@ -17,6 +19,8 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from hora.runtime import Runtime
+
+log = logging.getLogger(__name__)
 
 _SLOT = 256  # bytes per rank in the first control allgather of a round (one new op fits); more takes a second
 
@@ -72,29 +76,65 @@ class Watchdog:
 
 class DeathWatch:
     """Notices at once when the next rank's process dies or its link breaks, even while every negotiator is
-    idle: a receive that is never sent to, posted on a dedicated Gloo group, fails as soon as that peer's
-    connection closes. Each rank watches its successor, so every death is seen by someone, who rings a round
-    that then fails on every rank (nobody waits forever for a dead peer)."""
+    idle. Each rank listens on a TCP port it never accepts on and connects to its successor's: when the
+    successor's process ends, its kernel resets that connection and the blocked ``recv`` returns. Plain
+    sockets, so nothing is left pending in c10d when a process exits. Each rank watches its successor, so
+    every death is seen by someone, who rings a round that then fails on every rank."""
 
-    _TAG = 0x4C05
-
-    def __init__(self, rank: int, size: int, group: Any, lost: Callable[[int, BaseException], None]) -> None:
+    def __init__(self, rank: int, size: int, store: dist.Store, advertise: str, timeout: float,
+                 lost: Callable[[int, str], None]) -> None:
         self.peer = (rank + 1) % size
-        self._group = group
+        self._store = store
+        self._timeout = timeout
         self._lost = lost
+        self._listener = socket.create_server(("", 0), backlog=4)
+        store.set(f"watch/{rank}", f"{advertise}:{self._listener.getsockname()[1]}")
+        self._conn: socket.socket | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="hora-death-watch", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def close(self) -> None:
+        """Stop watching (shutdown): closing our sockets is what our predecessor will see."""
+        self._closed = True
+        for sock in (self._conn, self._listener):
+            if sock is not None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
     def _run(self) -> None:
-        buf = torch.zeros(1)
         try:
-            work = dist.irecv(buf, src=self.peer, group=self._group, tag=self._TAG)
-            if work is not None:  # None only when this rank is not in the group, which cannot happen here
-                work.wait()
-        except Exception as e:  # the connection closed: the peer is gone (or our own group was destroyed)
-            self._lost(self.peer, e)
+            key = f"watch/{self.peer}"
+            self._store.wait([key], datetime.timedelta(seconds=self._timeout))
+            host, _, port = self._store.get(key).decode().rpartition(":")
+            self._conn = socket.create_connection((host, int(port)), timeout=self._timeout)
+            self._conn.settimeout(None)
+        except Exception as e:  # without a watch the job still runs; the stall inspector remains
+            if not self._closed:
+                log.warning("death watch of rank %d not set up (%s); a lost rank is noticed by the stall "
+                            "inspector instead", self.peer, e)
+            return
+        try:
+            self._conn.recv(1)  # never sent to: returns (or raises) only when the connection ends
+            reason = "its connection closed"
+        except OSError as e:
+            reason = str(e)
+        if not self._closed:
+            self._lost(self.peer, reason)
+
+
+def advertised_address(store_host: str) -> str:
+    """This host's address on the route to the store host: the one peers can reach us at."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((store_host, 9))  # no packet is sent: this only picks the route
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
 
 
 class Exchange:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hora import fusion
-from hora.control import DeathWatch, Exchange, Watchdog, make_bell
+from hora.control import DeathWatch, Exchange, Watchdog, advertised_address, make_bell
 from hora.diagnostics import stall as stall_mod
 from hora.diagnostics import timeline as timeline_mod
 from hora.diagnostics.stall_inspector import StallInspector
@@ -95,8 +95,8 @@ class Negotiator:
         self._bell = make_bell(rt)
         self._watchdog = Watchdog(self._on_watchdog)
         self._closing = False  # a shutdown is under way: peers closing their connections is expected
-        self._death_watch = (DeathWatch(self.rank, self.size, rt.watch_group, self._on_peer_lost)
-                             if rt.watch_group is not None else None)
+        self._death_watch = (DeathWatch(self.rank, self.size, rt.store, advertised_address(rt.env.store_addr),
+                                        rt.knobs.start_timeout, self._on_peer_lost) if self.size > 1 else None)
         self._exchange = Exchange(self.size, rt.ctrl_group)
         self._thread = threading.Thread(target=self._run, name="hora-negotiator", daemon=True)
 
@@ -171,6 +171,8 @@ class Negotiator:
             self._exit_requested = True  # never ring for this: peers would wait in a round we never join
         self._thread.join(timeout=1.0)
         self._watchdog.stop()
+        if self._death_watch is not None:
+            self._death_watch.close()
         self._bell.close()
 
     def _ring_if_idle(self) -> None:  # caller holds self._lock
@@ -223,7 +225,7 @@ class Negotiator:
             self._idle_round = None
             return not (self._exit_requested and not self._outbox)
 
-    def _on_peer_lost(self, peer: int, error: BaseException) -> None:
+    def _on_peer_lost(self, peer: int, error: str) -> None:
         """The death watch saw ``peer`` go: say so in the store for every rank's error message, and ring a
         round, which fails on every rank instead of leaving them waiting for the dead peer."""
         with self._lock:

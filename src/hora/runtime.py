@@ -58,7 +58,6 @@ class Runtime:
     next_set_id: int = 1
     negotiator: Any = None
     connect_store: Callable[[], dist.Store] | None = None  # a fresh client connection (the negotiator's bell)
-    watch_group: Any = None  # Gloo group on which each rank watches its successor's connection (death watch)
 
     def register_process_set(self, ps: ProcessSet | Sequence[int]) -> ProcessSet:
         ps = ps if isinstance(ps, ProcessSet) else ProcessSet(ps)
@@ -152,12 +151,11 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
         connect = _connector(_default_store(), prefix, timeout)
         backend = dist.get_backend()
     ctrl = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-    watch = dist.new_group(backend="gloo") if env.size > 1 else None
     topo = _topology(env, ctrl)
     global_process_set.ranks = list(range(env.size))
     global_process_set._bind(0, dist.new_group(backend=backend), env.rank)
     rt = Runtime(env=env, knobs=knobs, store=base, topo=topo, backend=backend, owns_default_group=owns,
-                 ctrl_group=ctrl, device=device, connect_store=connect, watch_group=watch)
+                 ctrl_group=ctrl, device=device, connect_store=connect)
     rt.process_sets[0] = global_process_set
     return rt
 
@@ -280,7 +278,7 @@ def _teardown_groups(s: Runtime) -> None:
     if s.owns_default_group and dist.is_initialized():
         dist.destroy_process_group()
     elif dist.is_initialized():
-        for g in [s.ctrl_group, s.watch_group, global_process_set.group]:
+        for g in [s.ctrl_group, global_process_set.group]:
             if g is not None:
                 dist.destroy_process_group(g)
 
