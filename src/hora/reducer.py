@@ -371,7 +371,8 @@ class GradientReducer:
 
         index_of = {id(p): i for i, p in enumerate(self.params)}
         for obj in gc.get_objects():
-            if not isinstance(obj, DistributedDataParallel):
+            # not isinstance(): on every live object it trips torch.distributed.reduce_op's FutureWarning
+            if DistributedDataParallel not in type(obj).__mro__:
                 continue
             world = obj.process_group.size() if obj.process_group is not None else 1
             for p in getattr(obj, "_module_parameters", None) or list(obj.module.parameters()):

@@ -66,3 +66,4 @@ def test_readme_main_job_under_hora_run() -> None:
     lines = [ln for ln in proc.stdout.splitlines() if "test accuracy (averaged over ranks)" in ln]
     assert len(lines) == 1 and lines[0].startswith("[0]")  # printed once, by rank 0
     assert float(lines[0].rsplit(" ", 1)[1]) > 0.6  # 2 epochs; chance is 0.1
+    assert "Warning" not in proc.stderr  # what the user sees is the bar and the result, no library warnings
