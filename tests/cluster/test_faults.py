@@ -24,10 +24,10 @@ pytestmark = pytest.mark.cluster
 
 HOSTS = "10.78.0.2:1,10.78.0.3:2,10.78.0.4:1"  # four ranks: 0 on node2, 1 and 2 on node3, 3 on node4
 FAULT_DEADLINE_S = 15.0  # issue 4 point 5: "every case ends within 15 seconds"
-# A silent link is noticed by ssh keep-alives (hora's SshTransport: ServerAliveInterval 5 x CountMax 3)...
-SILENT_LINK_S = 15.0
-# ...and the cut-off host's agent stops its workers when the driver's pings stop (RunConfig.heartbeat_timeout).
-HEARTBEAT_TIMEOUT_S = 30.0
+# The configured silent-link timeout (--heartbeat-timeout): ssh keep-alives every timeout/3 s, 3 missed end the
+# session on the launcher's side, and the cut-off host's agent stops its workers when the driver's pings stop.
+HEARTBEAT_TIMEOUT_S = 9.0
+SILENT_LINK_S = HEARTBEAT_TIMEOUT_S
 LOST_AGENT = re.compile(r"rank [12] on host 10\.78\.0\.3 failed first: lost: the agent on host 10\.78\.0\.3 ended")
 
 
@@ -57,7 +57,7 @@ def running(hosts: netns.Cluster, tmp_path: Path) -> Iterator[Running]:
     ready.mkdir()
     job = jobs.start_job(
         hosts,
-        ["-np", "4", "-H", HOSTS, *jobs.hora_ssh_flags(hosts)],
+        ["-np", "4", "-H", HOSTS, "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), *jobs.hora_ssh_flags(hosts)],
         jobs.worker("loop", str(ready)),
         tmp_path,
     )

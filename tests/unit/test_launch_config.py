@@ -17,7 +17,7 @@ from hora.launch.transport import SshTransport
 
 FLAGS = [
     "--blacklist-cooldown-range", "--check-build", "--config-file", "--cycle-time-ms", "--disable-cache",
-    "--elastic-timeout", "--fusion-threshold-mb", "--gloo", "--help", "--host-discovery-script", "--hostfile",
+    "--elastic-timeout", "--fusion-threshold-mb", "--gloo", "--heartbeat-timeout", "--help", "--host-discovery-script", "--hostfile",
     "--hosts", "--jsrun", "--log-level", "--max-np", "--min-np", "--mpi", "--mpi-args", "--network-interface",
     "--network-interfaces", "--no-stall-check", "--num-proc", "--output-filename", "--prefix-output-with-timestamp",
     "--reset-limit", "--slots-per-host", "--ssh-config-file", "--ssh-identity-file", "--ssh-option", "--ssh-port",
@@ -95,12 +95,27 @@ def test_rank_env_contract() -> None:
     assert (env["HOROVOD_RANK"], env["HOROVOD_CROSS_SIZE"], env["HOROVOD_HOSTNAME"]) == ("5", "2", "n2")
 
 
+def test_user_ssh_options_come_before_hora_defaults_so_they_win() -> None:
+    argv = SshTransport(options=("ConnectTimeout=99", "ServerAliveInterval=2")).ssh_prefix("h")
+    assert argv.index("ConnectTimeout=99") < argv.index("ConnectTimeout=10")
+    assert argv.index("ServerAliveInterval=2") < argv.index("ServerAliveInterval=5")
+
+
+def test_heartbeat_timeout_flag_sets_the_agents_deadline_and_ssh_keepalive() -> None:
+    cfg = _cfg(["-np", "1", "--heartbeat-timeout", "9", sys.executable, "-V"])
+    assert cfg.heartbeat_timeout == 9.0
+    from hora.launch.driver import default_transport
+
+    ssh = default_transport(cfg)("remote", False)
+    assert isinstance(ssh, SshTransport) and ssh.alive_interval == 3
+
+
 def test_ssh_command_line_is_batch_mode_with_port_key_and_options() -> None:
     ssh = SshTransport(port=2222, identity_file="/keys/id", options=("StrictHostKeyChecking=no",),
                        config_file="/keys/cfg", connect_timeout=7)
     assert ssh.command("10.78.0.3", ["python", "-c", "print('a b')"], cwd="/work dir") == [
-        "ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=7", "-o", "ServerAliveInterval=5",
-        "-o", "ServerAliveCountMax=3", "-F", "/keys/cfg", "-p", "2222", "-i", "/keys/id",
-        "-o", "StrictHostKeyChecking=no", "10.78.0.3",
+        "ssh", "-o", "BatchMode=yes", "-F", "/keys/cfg", "-p", "2222", "-i", "/keys/id",
+        "-o", "StrictHostKeyChecking=no", "-o", "ConnectTimeout=7", "-o", "ServerAliveInterval=5",
+        "-o", "ServerAliveCountMax=3", "10.78.0.3",
         "cd '/work dir' 2>/dev/null; exec python -c 'print('\"'\"'a b'\"'\"')'"]
     assert ssh.command("[fe80::1]", ["true"])[-2:] == ["fe80::1", "exec true"]

@@ -53,6 +53,9 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--network-interface", "--network-interfaces", dest="network_interfaces", action="append",
                    help="interface(s) for the store and Gloo/NCCL traffic, e.g. eth0")
     p.add_argument("--start-timeout", type=float, help="seconds for preflight and rendezvous (default 30)")
+    p.add_argument("--heartbeat-timeout", type=float,
+                   help="seconds of silence from the launcher (a dead link) before a host stops its workers "
+                        "(default 30)")
     p.add_argument("--output-filename", help="write DIR/rank.N/stdout and stderr")
     p.add_argument("--prefix-output-with-timestamp", action="store_true", default=None,
                    help="prefix each output line with the time")

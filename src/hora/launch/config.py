@@ -69,6 +69,9 @@ class RunConfig:
             raise ConfigError(f"-np {self.np}: the number of processes must be at least 1")
         if self.start_timeout <= 0:
             raise ConfigError(f"--start-timeout {self.start_timeout:g}: must be more than 0 seconds")
+        if self.heartbeat_timeout < 3:
+            raise ConfigError(f"--heartbeat-timeout {self.heartbeat_timeout:g}: must be at least 3 seconds "
+                              "(the launcher sends a heartbeat every second)")
 
     @property
     def all_local(self) -> bool:
@@ -205,4 +208,5 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         output_filename=ns.output_filename, prefix_timestamp=bool(ns.prefix_output_with_timestamp),
         verbose=bool(ns.verbose), env=env,
         timeline_filename=env.get("HORA_TIMELINE"), cwd=cwd,
+        heartbeat_timeout=float(ns.heartbeat_timeout) if ns.heartbeat_timeout is not None else 30.0,
     )

@@ -89,8 +89,9 @@ class SshTransport:
 
     def ssh_prefix(self, host: str) -> list[str]:
         """``ssh [options] host``, without the remote command."""
-        argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.connect_timeout}",
-                "-o", f"ServerAliveInterval={self.alive_interval}", "-o", "ServerAliveCountMax=3"]
+        # ssh keeps the first value it sees for an option: the user's -o come before hora's defaults
+        # (BatchMode stays first: never a password prompt)
+        argv = ["ssh", "-o", "BatchMode=yes"]
         if self.config_file:
             argv += ["-F", self.config_file]
         if self.port is not None:
@@ -99,6 +100,8 @@ class SshTransport:
             argv += ["-i", self.identity_file]
         for option in self.options:
             argv += ["-o", option]
+        argv += ["-o", f"ConnectTimeout={self.connect_timeout}", "-o", f"ServerAliveInterval={self.alive_interval}",
+                 "-o", "ServerAliveCountMax=3"]
         return argv + [host.strip("[]")]
 
     def command(self, host: str, argv: list[str], cwd: str | None = None) -> list[str]:
