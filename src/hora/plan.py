@@ -171,7 +171,8 @@ class Table:
             return None
         return CollectiveError(
             f"{entry.first.kind} {entry.name!r} cannot complete: rank(s) {gone} called shutdown() without "
-            "submitting it. Every rank must run the same collectives before shutting down."
+            "submitting it. Every rank must run the same collectives before shutting down; if ranks run "
+            "different numbers of steps (uneven data), call hvd.join() after the training loop."
         )
 
     def _join_conflict(self, entry: Entry, joined: frozenset[int]) -> CollectiveError | None:

@@ -47,3 +47,4 @@ def test_a_rank_shutting_down_fails_what_waits_for_it() -> None:
     assert results[1] == "shut down"
     for message in (results[0], results[2]):
         assert "rank(s) [1] called shutdown() without submitting it" in message, message
+        assert message.endswith("(uneven data), call hvd.join() after the training loop."), message
