@@ -232,7 +232,7 @@ class Negotiator:
             if self._closing or self._stopped.is_set() or self._broken is not None:
                 return
         host = self.rt.topo.hostnames[peer] if peer < len(self.rt.topo.hostnames) else "?"
-        log.warning("rank %d: rank %d on %s is gone (%s)", self.rank, peer, host, error)
+        log.info("rank %d: rank %d on %s is gone (%s)", self.rank, peer, host, error)
         try:
             self.rt.store.set("lost", f"{peer}")
         except Exception:  # the store is gone too: the round below fails anyway
@@ -241,17 +241,20 @@ class Negotiator:
             self._ring_if_idle()
 
     def _peer_loss(self, error: BaseException) -> CollectiveError:
-        """The error every pending op gets when a round fails: name the lost rank if some rank saw it go."""
-        lost = ""
+        """The error every pending op gets when a round fails: name the lost rank if some rank saw it go
+        (the backend's own text then goes to the debug log); otherwise quote the backend."""
         try:
             if self.rt.store.check(["lost"]):
                 peer = int(self.rt.store.get("lost"))
-                lost = f"rank {peer} on host {self.rt.topo.hostnames[peer]} is gone (its process exited or its " \
-                       "link broke); "
+                log.debug("rank %d: round failed after rank %d was lost: %s", self.rank, peer, error)
+                return CollectiveError(
+                    f"rank {self.rank}: rank {peer} on host {self.rt.topo.hostnames[peer]} is gone (its process "
+                    "exited or its link broke), so collectives cannot continue: see that rank's log for the root "
+                    "cause")
         except Exception:  # the store may be gone with the launcher
             pass
-        return CollectiveError(f"rank {self.rank}: {lost}negotiation with peers failed: {error}. The job cannot "
-                               "continue without that rank: see its log for the root cause.")
+        return CollectiveError(f"rank {self.rank}: negotiation with peers failed: {error}. A peer process probably "
+                               "died or lost its network link: see the other ranks' logs for the root cause.")
 
     def _on_watchdog(self, round_no: int) -> None:
         """Runs on the watchdog thread when a stall deadline passes while this rank is idle."""

@@ -17,7 +17,8 @@ from hora.launch.transport import SshTransport
 
 FLAGS = [
     "--blacklist-cooldown-range", "--check-build", "--config-file", "--cycle-time-ms", "--disable-cache",
-    "--elastic-timeout", "--fusion-threshold-mb", "--gloo", "--heartbeat-timeout", "--help", "--host-discovery-script", "--hostfile",
+    "--elastic-timeout", "--fusion-threshold-mb", "--gloo", "--heartbeat-timeout", "--help",
+    "--host-discovery-script", "--hostfile",
     "--hosts", "--jsrun", "--log-level", "--max-np", "--min-np", "--mpi", "--mpi-args", "--network-interface",
     "--network-interfaces", "--no-stall-check", "--num-proc", "--output-filename", "--prefix-output-with-timestamp",
     "--reset-limit", "--slots-per-host", "--ssh-config-file", "--ssh-identity-file", "--ssh-option", "--ssh-port",

@@ -5,4 +5,4 @@ from __future__ import annotations
 import hora as _hora
 
 globals().update({_name: getattr(_hora, _name) for _name in dir(_hora) if not _name.startswith("_")})
-__version__ = _hora.__version__
+__version__ = "0.28.1"  # the Horovod API hora implements (see horovod/__init__.py)
