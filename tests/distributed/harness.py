@@ -1,8 +1,10 @@
 """Run a function on N fork-started ranks with real process groups, from a pytest process.
 
-The pytest parent never initialises a process group. It hosts the rendezvous store (as ``hora run``'s
-driver does) and gives each child the launcher's variables (``HORA_RANK`` ...), so ``hora.init()`` in a
-child takes the same path as under the real launcher.
+The pytest parent never initialises a process group, and never runs c10d threads: the rendezvous store
+(what ``hora run``'s driver hosts) lives in a separate store process, started once per session, because a
+child forked while the store's server thread holds a c10d lock would deadlock creating its own client. The
+parent gives each child the launcher's variables (``HORA_RANK`` ...), so ``hora.init()`` in a child takes
+the same path as under the real launcher; every job has its own key prefix (``HORA_JOB_ID``).
 
 Each rank reports its return value, or its exception with traceback and wall-clock time. On failure one
 AssertionError shows the earliest failure first (a follow-on Gloo error on another rank can mask the root
@@ -23,6 +25,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +42,29 @@ import torch.distributed as dist
 # After one rank fails, the others get this long to report (their own error or a follow-on one).
 FAILURE_GRACE_S = 3.0
 _calls = itertools.count()
+_store_server: subprocess.Popen[str] | None = None
+_store_port = 0
+
+_STORE_SERVER = (
+    "import sys, torch.distributed as d\n"
+    "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+    "print(s.port, flush=True)\n"
+    "sys.stdin.read()  # serve until the test session (our stdin's writer) ends\n"
+)
+
+
+def _store() -> int:
+    """The port of the session's store process (started on first use; it ends with this process)."""
+    global _store_server, _store_port
+    if _store_server is None or _store_server.poll() is not None:
+        _store_server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+        assert _store_server.stdout is not None
+        line = _store_server.stdout.readline()
+        if not line.strip().isdigit():
+            raise RuntimeError(f"the test store process did not start (it said {line!r})")
+        _store_port = int(line)
+    return _store_port
 
 
 @dataclass
@@ -71,7 +97,7 @@ def run_ranks(
     Raises:
         AssertionError: a rank raised, crashed or hung. The message shows the earliest failure first.
     """
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = _store()
     stacks = tempfile.mkdtemp(prefix="hora-ranks-")
     job_env = {
         "HORA_SIZE": str(nprocs),
@@ -79,7 +105,7 @@ def run_ranks(
         "HORA_CROSS_RANK": "0",
         "HORA_CROSS_SIZE": "1",
         "HORA_STORE_ADDR": "127.0.0.1",
-        "HORA_STORE_PORT": str(store.port),
+        "HORA_STORE_PORT": str(port),
         "HORA_JOB_ID": f"test-{os.getpid()}-{next(_calls)}-{uuid.uuid4().hex[:8]}",
         **(env or {}),
     }
@@ -95,7 +121,6 @@ def run_ranks(
         for conn in conns:
             conn.close()
         shutil.rmtree(stacks, ignore_errors=True)
-        del store
     failures = sorted((r for r in reports.values() if not r.ok), key=lambda r: r.when)
     if failures or unfinished:
         raise AssertionError(_failure_message(failures, unfinished, nprocs, timeout, where))
