@@ -152,6 +152,11 @@ def _to_wire(t: torch.Tensor, copy: bool) -> torch.Tensor:
     return t.clone() if copy else t
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` is ``b``'s storage seen through another tensor object (e.g. ``b.detach()``)."""
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+
+
 def _from_wire(call: Call, result: torch.Tensor) -> torch.Tensor:
     dtype = call.tensor.dtype
     return result.to(dtype) if result.dtype != dtype and dtype in _WIRE_CAST else result
@@ -184,8 +189,9 @@ def _finish_reduction(call: Call, result: torch.Tensor) -> torch.Tensor:
         result = _from_wire(call, result)
     _scale_after(call, result)
     result = call.compression.decompress(result, call.ctx)
-    if call.inplace and result is not call.tensor:
-        call.tensor.copy_(result)
+    if call.inplace:
+        if not _same_memory(result, call.tensor):  # the wire was a copy (cast, compression)
+            call.tensor.copy_(result)
         return call.tensor
     return result
 
@@ -260,8 +266,9 @@ class Broadcast:
     @staticmethod
     def finish(call: Call) -> torch.Tensor:
         result = _from_wire(call, call.wire)
-        if call.inplace and result is not call.tensor:
-            call.tensor.copy_(result)
+        if call.inplace:
+            if not _same_memory(result, call.tensor):
+                call.tensor.copy_(result)
             return call.tensor
         return result
 
