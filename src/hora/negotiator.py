@@ -5,9 +5,10 @@ the last round, in one control-plane allgather on a dedicated Gloo group; every 
 :class:`hora.plan.Table` and reaches the same decision (ready / mismatched, and the order to run them). Only
 this thread issues hora's data-plane collectives, in that order, on hora's own groups.
 
-Rounds are event-driven. While work is pending they run back to back; when a round makes no progress every
-negotiator goes idle and blocks on a store key (the *bell*) for the next round; a rank that submits while
-idle rings it. No busy loop, no fixed cycle, no CPU while idle.
+Rounds are event-driven. After each round every negotiator goes idle and blocks on a store key (the *bell*)
+for the next one; a rank that submits while idle, or still has something to send, rings it, so rounds run
+back to back while there is work and stop when there is none. No busy loop, no fixed cycle, no CPU while
+idle. A death watch rings it too when a peer's process goes, so nobody waits for a dead rank.
 
 A name seen before with identical metadata is sent as a small integer (the response cache), so steady-state
 rounds carry a few bytes. The stall inspector lives here too: the table knows which ranks have not submitted
@@ -193,12 +194,12 @@ class Negotiator:
             while True:
                 if self._idle_round is not None and not self._wait_bell(round_no):
                     return
-                progress, finished = self._round(round_no)
+                finished = self._round(round_no)
                 if finished:
                     return
                 with self._lock:
-                    # Keep going while rounds make progress and this rank has more to send; otherwise every
-                    # rank goes idle on the next round's bell (the decision is the same everywhere).
+                    # Every rank goes idle on the next round's bell after every round (the same decision
+                    # everywhere); a rank with more to send rings it at once, so busy ranks run back to back.
                     self._idle_round = round_no + 1
                     self._rung = False
                     if self._outbox or self._flags:
@@ -264,7 +265,7 @@ class Negotiator:
                 self._flags["stall_query"] = due
                 self._ring_if_idle()
 
-    def _round(self, round_no: int) -> tuple[bool, bool]:
+    def _round(self, round_no: int) -> bool:
         with self._lock:
             outgoing, self._outbox = self._outbox, []
             flags, self._flags = self._flags, {}
@@ -277,9 +278,7 @@ class Negotiator:
             tl.instant("round", t0, row="negotiator", round=round_no)
         decision = Decision()
         now = time.monotonic()
-        any_news = False
-        for rank, (entries, inline, rank_flags) in enumerate(gathered):
-            any_news = any_news or bool(entries) or bool(rank_flags)
+        for rank, (entries, inline, _flags) in enumerate(gathered):
             for item, data in zip(entries, inline):
                 fresh = isinstance(item, Request)
                 req = self._cache.decode(item, rank)
@@ -287,8 +286,7 @@ class Negotiator:
         self.table.decide(decision)
         self._apply(decision)
         finished = self._handle_flags(gathered, decision)
-        progress = any_news or bool(decision.ready or decision.failed or decision.late_failures)
-        return progress, finished
+        return finished
 
     def _apply(self, decision: Decision) -> None:
         for entry, error in decision.failed:
