@@ -87,7 +87,7 @@ def test_unreachable_port_is_one_preflight_line_with_the_command_to_reproduce(
     lines = result.stderr.splitlines()
     assert lines[0] == (
         f"hora run: error: host {addr}: cannot connect over ssh (ssh: connect to host {addr} port {closed}: "
-        f"Connection refused); try: ssh -o BatchMode=yes -o ConnectTimeout=30 -o ServerAliveInterval=5 "
-        f"-o ServerAliveCountMax=3 -p {closed} -i {key} -o StrictHostKeyChecking=no "
-        f"-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR {addr} 'exec {PYTHON} -V'")
+        f"Connection refused); try: ssh -o BatchMode=yes -p {closed} -i {key} -o StrictHostKeyChecking=no "
+        f"-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o ConnectTimeout=30 -o ServerAliveInterval=5 "
+        f"-o ServerAliveCountMax=3 {addr} 'exec {PYTHON} -V'")
     assert lines[1:] == ["hora run: error: preflight found 1 problem(s); nothing was started"]

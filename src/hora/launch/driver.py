@@ -72,7 +72,7 @@ def default_transport(cfg: RunConfig) -> Callable[[str, bool], Transport]:
     ssh = SshTransport(port=cfg.ssh_port, identity_file=cfg.ssh_identity_file, options=cfg.ssh_options,
                        config_file=cfg.ssh_config_file,
                        connect_timeout=max(1, int(min(cfg.start_timeout, 30))),
-                       alive_interval=max(1, int(cfg.heartbeat_timeout // 3)))
+                       alive_interval=max(1, min(5, int(cfg.heartbeat_timeout // 3))))
     return lambda host, is_local: LocalTransport() if is_local else ssh
 
 
