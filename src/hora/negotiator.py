@@ -235,7 +235,7 @@ class Negotiator:
         host = self.rt.topo.hostnames[peer] if peer < len(self.rt.topo.hostnames) else "?"
         log.info("rank %d: rank %d on %s is gone (%s)", self.rank, peer, host, error)
         try:
-            self.rt.store.set("lost", f"{peer}")
+            self.rt.store.compare_set("lost", "", f"{peer}")  # the first loss is the root cause: keep it
         except Exception:  # the store is gone too: the round below fails anyway
             pass
         with self._lock:
