@@ -148,15 +148,20 @@ def fork_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float =
                env: Mapping[str, str] | None = None) -> list[Any]:
     """Run ``fn(rank, size, *args)`` on ``nprocs`` fork-started ranks with hora's launcher variables.
 
-    The parent hosts the rendezvous store, as ``hora run``'s driver does; returns the values in rank order
-    and raises RuntimeError with every failed rank's traceback.
+    The rendezvous store runs in its own process (as ``hora run``'s driver hosts it), never in this forking
+    parent: a child forked while the store's server thread holds a c10d lock could deadlock. Returns the
+    values in rank order and raises RuntimeError with every failed rank's traceback.
     """
-    import torch.distributed as dist
-
     ctx = multiprocessing.get_context("fork")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch.distributed as d\n"
+         "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+         "print(s.port, flush=True)\nsys.stdin.read()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert store.stdout is not None and store.stdin is not None
+    port = int(store.stdout.readline())
     base = {"HORA_SIZE": str(nprocs), "HORA_LOCAL_SIZE": str(nprocs), "HORA_CROSS_RANK": "0",
-            "HORA_CROSS_SIZE": "1", "HORA_STORE_ADDR": "127.0.0.1", "HORA_STORE_PORT": str(store.port),
+            "HORA_CROSS_SIZE": "1", "HORA_STORE_ADDR": "127.0.0.1", "HORA_STORE_PORT": str(port),
             "HORA_JOB_ID": f"bench-{os.getpid()}-{time.time_ns()}", **(env or {})}
     pipes, procs = [], []
     for rank in range(nprocs):
@@ -186,7 +191,8 @@ def fork_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float =
         if proc.is_alive():
             proc.kill()
         proc.join()
-    del store
+    store.stdin.close()  # the store process ends when its stdin does
+    store.wait(timeout=30)
     if errors:
         raise RuntimeError("benchmark ranks failed:\n" + "\n".join(errors))
     return results
