@@ -40,12 +40,16 @@ def to_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def request_nbytes(req: Request) -> int:
+    """Bytes of the tensor a request describes (0 for requests without a tensor, e.g. shutdown)."""
+    dtype = getattr(torch, req.dtype, None) if req.dtype else None
+    if not isinstance(dtype, torch.dtype):
+        return 0
+    return int(torch.Size(req.shape).numel()) * dtype.itemsize
+
+
 def nbytes(entry: Entry) -> int:
-    req = entry.first
-    numel = 1
-    for d in req.shape:
-        numel *= d
-    return numel * to_dtype(req.dtype).itemsize
+    return request_nbytes(entry.first)
 
 
 def _key(entry: Entry, threshold: int) -> tuple[object, ...] | None:

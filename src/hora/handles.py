@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hora.diagnostics import timeline
+from hora.diagnostics import timeline, where
 
 _UNSET = object()
 
@@ -79,8 +79,6 @@ class Handle:
                 self._on_done(self)
 
     def _wait_launched(self) -> None:
-        from hora.diagnostics import where
-
         where.set_waiting(where.describe_op(self.kind, self.name))
         try:
             while not self._launched.wait(timeout=1.0):

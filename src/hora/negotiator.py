@@ -386,7 +386,7 @@ class Negotiator:
             return
         r = op.req
         args: dict[str, Any] = {"kind": r.kind, "dtype": r.dtype, "shape": list(r.shape),
-                                "bytes": _nbytes(r.dtype, r.shape)}
+                                "bytes": fusion.request_nbytes(r)}
         tl.span(r.name, "negotiate", op.submitted_at, t_launch, **args)
         if fused:
             args["fused"] = fused
@@ -447,11 +447,3 @@ class Negotiator:
             self._outbox = []
         for op in pending:
             op.handle.fail(error)
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    numel = 1
-    for d in shape:
-        numel *= d
-    t = getattr(torch, dtype, None)
-    return numel * (t.itemsize if isinstance(t, torch.dtype) else 0)
