@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hora.errors import ConfigError
+from hora.topology import derive_topology
 
 # A host name, an IPv4 address, or a bracketed IPv6 address.
 _HOST_RE = re.compile(r"^(\[[0-9A-Fa-f:.%a-zA-Z0-9]+\]|[A-Za-z0-9_.\-]+)$")
@@ -153,16 +154,12 @@ def assign_slots(hosts: tuple[HostSpec, ...] | list[HostSpec], np: int) -> list[
         for local in range(host.slots):
             if len(placed) < np:
                 placed.append((index, local))
-    local_size = {i: sum(1 for h, _ in placed if h == i) for i, _ in enumerate(hosts)}
-    hosts_with_local: dict[int, list[int]] = {}
-    for host_index, local in placed:
-        hosts_with_local.setdefault(local, [])
-        if host_index not in hosts_with_local[local]:
-            hosts_with_local[local].append(host_index)
-    return [
-        SlotInfo(rank=rank, size=np, local_rank=local, local_size=local_size[host_index],
-                 cross_rank=hosts_with_local[local].index(host_index),
-                 cross_size=len(hosts_with_local[local]), hostname=hosts[host_index].name,
-                 host_index=host_index)
-        for rank, (host_index, local) in enumerate(placed)
-    ]
+    keys = [str(host_index) for host_index, _ in placed]  # hosts by position: two may share a name
+    names = [hosts[host_index].name for host_index, _ in placed]
+    slots = []
+    for rank, (host_index, _) in enumerate(placed):
+        t = derive_topology(keys, names, rank)  # the same numbering init() derives in the workers
+        slots.append(SlotInfo(rank=rank, size=np, local_rank=t.local_rank, local_size=t.local_size,
+                              cross_rank=t.cross_rank, cross_size=t.cross_size, hostname=names[rank],
+                              host_index=host_index))
+    return slots
