@@ -1,5 +1,10 @@
 """The negotiator's control plane: the per-round allgather, the bell idle negotiators wait on, and the
-watchdog that rings it when a pending collective stalls. Plumbing only; the logic is in negotiator.py."""
+watchdog that rings it when a pending collective stalls. Plumbing only; the logic is in negotiator.py.
+
+Two control planes share one interface (:class:`ControlPlane`): the TCP mesh (:mod:`hora.mesh`, the default
+up to 256 ranks: one round trip per round) and :class:`GlooPlane` (an allgather on a Gloo group, idle ranks
+woken through a store key, peers watched by :class:`DeathWatch`), which needs one connection per rank
+instead of one per pair."""
 
 from __future__ import annotations
 
@@ -12,16 +17,19 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+from hora.errors import ConfigError
 
 if TYPE_CHECKING:
     from hora.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
+_CONTROL_ROUND_TIMEOUT_S = 120.0  # a live peer answers a round at once; this catches a hung one
 _SLOT = 256  # bytes per rank in the first control allgather of a round (one new op fits); more takes a second
 
 
@@ -239,7 +247,53 @@ class StoreBell:
                 return
 
 
-def make_bell(rt: Runtime) -> LocalBell | StoreBell:
-    if rt.topo.size == 1 or rt.connect_store is None:
-        return LocalBell()
-    return StoreBell(rt.connect_store)
+class ControlPlane(Protocol):
+    """What the negotiator needs: a bell for idle rounds and a per-round allgather."""
+
+    def ring(self, round_no: int) -> None: ...
+    def wait(self, round_no: int, timeout: float) -> bool: ...
+    def clear(self, round_no: int) -> None: ...
+    def allgather(self, payload: bytes) -> list[bytes]: ...
+    def peek(self) -> dict[int, bytes]: ...
+    def close(self) -> None: ...
+
+
+class GlooPlane:
+    """The allgather on the control Gloo group, and a bell in the store (or in memory for one process)."""
+
+    watches_peers = False  # a dead peer is noticed by a DeathWatch, not by this plane
+
+    def __init__(self, rt: Runtime) -> None:
+        single = rt.topo.size == 1 or rt.connect_store is None
+        self._bell: LocalBell | StoreBell = LocalBell() if single else StoreBell(rt.connect_store)  # type: ignore[arg-type]
+        self._exchange = Exchange(rt.topo.size, rt.ctrl_group)
+        self.ring = self._bell.ring
+        self.wait = self._bell.wait
+        self.clear = self._bell.clear
+        self.allgather = self._exchange.allgather
+
+    @staticmethod
+    def peek() -> dict[int, bytes]:
+        """Peers' payloads are unknown until the allgather: every woken rank answers at once."""
+        return {}
+
+    def close(self) -> None:
+        self._bell.close()
+
+
+MESH_MAX_RANKS = 256  # beyond this "auto" picks Gloo: a mesh holds one socket per peer in every process
+CONTROL_PLANES = ("auto", "tcp", "gloo")
+
+
+def make_control_plane(rt: Runtime) -> Any:
+    """The control plane ``HORA_CONTROL_PLANE`` asks for (a mesh, or :class:`GlooPlane`)."""
+    choice = rt.knobs.control_plane.strip().lower()
+    if choice not in CONTROL_PLANES:
+        raise ConfigError(f"HORA_CONTROL_PLANE={rt.knobs.control_plane!r}: use one of {', '.join(CONTROL_PLANES)}")
+    size = rt.topo.size
+    if size == 1 or choice == "gloo" or (choice == "auto" and size > MESH_MAX_RANKS):
+        return GlooPlane(rt)
+    from hora.mesh import connect_mesh
+
+    return connect_mesh(rt.topo.rank, size, rt.store, advertised_address(rt.env.store_addr),
+                        rt.knobs.start_timeout, _CONTROL_ROUND_TIMEOUT_S)

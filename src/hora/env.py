@@ -290,6 +290,9 @@ KNOBS: tuple[Knob, ...] = (
          "Accepted for Horovod compatibility; hora's negotiation is event-driven and has no cycle."),
     Knob("HORA_DISABLE_CACHE", "HOROVOD_CACHE_CAPACITY", bool, False,
          "Turn the negotiation response cache off (Horovod's HOROVOD_CACHE_CAPACITY=0)."),
+    Knob("HORA_CONTROL_PLANE", None, str, "auto",
+         "How negotiators talk: tcp (a direct connection between every pair of ranks), gloo (an allgather on a "
+         "Gloo group, woken through the store), or auto (tcp up to 256 ranks, gloo beyond)."),
     Knob("HORA_BUCKET_CAP_MB", None, float, 25.0, "DistributedOptimizer bucket size in MB (DDP's default)."),
     Knob("HORA_FIRST_BUCKET_MB", None, float, 1.0,
          "Size of the first gradient bucket in MB, small so communication starts early in backward."),
@@ -310,6 +313,7 @@ class Knobs:
     fusion_threshold: int = 64 * 1024 * 1024
     cycle_time: float = 0.0
     disable_cache: bool = False
+    control_plane: str = "auto"
     bucket_cap_mb: float = 25.0
     first_bucket_mb: float = 1.0
 

@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hora import fusion
-from hora.control import DeathWatch, Exchange, Watchdog, advertised_address, make_bell
+from hora.control import DeathWatch, Watchdog, advertised_address, make_control_plane
 from hora.diagnostics import stall as stall_mod
 from hora.diagnostics import timeline as timeline_mod
 from hora.diagnostics.stall_inspector import StallInspector
 from hora.errors import CollectiveError
 from hora.handles import Handle
-from hora.plan import SHUTDOWN, Decision, Entry, Request, Table
+from hora.mesh import PeerLost
+from hora.plan import JOIN, SHUTDOWN, Decision, Entry, Request, Table
 from hora.response_cache import UNNAMED, ResponseCache
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _UNNAMED = UNNAMED
+_DEFER_MAX_S = 1.0
 _IDLE_WAIT_S = 3600.0  # store waits time out noisily in c10d's C++ log: wake only when rung
 
 
@@ -93,12 +95,15 @@ class Negotiator:
         self._joined_works: list[Any] = []
         self._stopped = threading.Event()
         self._exit_requested = False
-        self._bell = make_bell(rt)
+        self._plane = make_control_plane(rt)
+        # how long a rank may hold back its answer to a round it cannot advance (see _may_defer); well
+        # under the stall warning time, so stall reports are not delayed noticeably
+        self._defer_s = min(_DEFER_MAX_S, rt.knobs.stall_check_time_seconds / 4)
         self._watchdog = Watchdog(self._on_watchdog)
         self._closing = False  # a shutdown is under way: peers closing their connections is expected
         self._death_watch = (DeathWatch(self.rank, self.size, rt.store, advertised_address(rt.env.store_addr),
-                                        rt.knobs.start_timeout, self._on_peer_lost) if self.size > 1 else None)
-        self._exchange = Exchange(self.size, rt.ctrl_group)
+                                        rt.knobs.start_timeout, self._on_peer_lost)
+                             if self.size > 1 and not self._plane.watches_peers else None)
         self._thread = threading.Thread(target=self._run, name="hora-negotiator", daemon=True)
 
     # --- user side ----------------------------------------------------------------------------------
@@ -174,13 +179,13 @@ class Negotiator:
         self._watchdog.stop()
         if self._death_watch is not None:
             self._death_watch.close()
-        self._bell.close()
+        self._plane.close()
 
     def _ring_if_idle(self) -> None:  # caller holds self._lock
         if self._idle_round is not None and not self._rung:
             self._rung = True
             try:
-                self._bell.ring(self._idle_round)
+                self._plane.ring(self._idle_round)
             except Exception as e:  # the store is gone: the launcher died
                 self._break(CollectiveError(f"rank {self.rank} lost the rendezvous store: {e}"))
 
@@ -213,18 +218,53 @@ class Negotiator:
     def _wait_bell(self, round_no: int) -> bool:
         """Block until some rank rings ``round_no``. The watchdog rings it if a pending op stalls."""
         if self.rank == 0 and round_no > 0:
-            self._bell.clear(round_no - 1)  # everyone is past that bell: they all took part in its round
+            self._plane.clear(round_no - 1)  # everyone is past that bell: they all took part in its round
         delay = self._stall.check_in()
         if delay is not None:
             self._watchdog.arm(round_no, delay)
+        defer_until: float | None = None
         try:
-            while not self._bell.wait(round_no, _IDLE_WAIT_S):
-                pass
+            while True:
+                timeout = _IDLE_WAIT_S if defer_until is None else max(defer_until - time.monotonic(), 0.0)
+                woken = self._plane.wait(round_no, timeout)
+                if defer_until is not None and time.monotonic() >= defer_until:
+                    break  # deferred long enough: answer, so the others' round ends and their stall checks run
+                if woken and not self._may_defer():
+                    break
+                if woken and defer_until is None:
+                    defer_until = time.monotonic() + self._defer_s
         finally:
             self._watchdog.disarm()
         with self._lock:
             self._idle_round = None
             return not (self._exit_requested and not self._outbox)
+
+    def _may_defer(self) -> bool:
+        """True when peers started a round that this rank's answer cannot advance yet: everything they sent
+        waits for this rank's own submission. Answering with nothing would cost every rank a round that
+        decides nothing, and the op another round once this rank submits; deferring the answer until this
+        rank has something (or ``_defer_s`` passes) runs the op in one round. Only the peers' frames and the
+        table (identical everywhere) are read, and an answer changes only when a round ends, not what it
+        decides, so every rank still reaches the same decisions."""
+        with self._lock:
+            if self._outbox or self._flags or self._exit_requested or self._closing:
+                return False
+        frames = self._plane.peek()
+        table = self.table
+        if not frames or "__join__" in table.entries or "__shutdown__" in table.entries:
+            return False
+        for rank, raw in frames.items():
+            entries, _inline, flags = pickle.loads(raw)
+            if flags:
+                return False
+            for item in entries:
+                req = self._cache.decode(item, rank)
+                if req.kind in (JOIN, SHUTDOWN) or req.name in table.tombstones or self.rank not in req.ps:
+                    return False
+                entry = table.entries.get(req.name)
+                if entry is not None and self.rank in entry.requests:
+                    return False  # this request may complete (or contradict) ours: answer now
+        return True
 
     def _on_peer_lost(self, peer: int, error: str) -> None:
         """The death watch saw ``peer`` go: say so in the store for every rank's error message, and ring a
@@ -244,6 +284,11 @@ class Negotiator:
     def _peer_loss(self, error: BaseException) -> CollectiveError:
         """The error every pending op gets when a round fails: name the lost rank if some rank saw it go
         (the backend's own text then goes to the debug log); otherwise quote the backend."""
+        if isinstance(error, PeerLost):  # the mesh saw it: record it as the root cause unless one is known
+            try:
+                self.rt.store.compare_set("lost", "", f"{error.peer}")
+            except Exception:
+                pass
         try:
             if self.rt.store.check(["lost"]):
                 peer = int(self.rt.store.get("lost"))
@@ -272,7 +317,7 @@ class Negotiator:
         inline = [fusion.inline_bytes(op.req, op.wire) for op in outgoing]
         payload = pickle.dumps(([self._cache.encode(op.req) for op in outgoing], inline, flags), protocol=5)
         t0 = time.perf_counter()
-        gathered = [pickle.loads(b) for b in self._exchange.allgather(payload)]
+        gathered = [pickle.loads(b) for b in self._plane.allgather(payload)]
         tl = timeline_mod.active()
         if tl is not None and tl.mark_cycles:
             tl.instant("round", t0, row="negotiator", round=round_no)

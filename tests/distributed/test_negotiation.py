@@ -37,9 +37,9 @@ def _out_of_order(rank: int, size: int) -> None:
     close(hvd.allreduce(x["op0"][rank], op=hvd.Sum), reduce(x["op0"], hvd.Sum), "unnamed after named")
 
 
-@pytest.mark.parametrize("nprocs", [2, 3])
-def test_named_async_ops_in_different_orders_on_each_rank(nprocs: int) -> None:
-    run_ranks(_out_of_order, nprocs)
+@pytest.mark.parametrize("nprocs,plane", [(2, "tcp"), (3, "tcp"), (3, "gloo")])
+def test_named_async_ops_in_different_orders_on_each_rank(nprocs: int, plane: str) -> None:
+    run_ranks(_out_of_order, nprocs, env={"HORA_CONTROL_PLANE": plane})
 
 
 def _local_errors(rank: int, size: int) -> None:
@@ -130,9 +130,9 @@ def _mismatches(rank: int, size: int) -> list[dict]:
     return seen
 
 
-@pytest.mark.parametrize("nprocs", [2, 3])
-def test_mismatched_metadata_raises_on_every_rank_and_the_job_goes_on(nprocs: int) -> None:
-    results = run_ranks(_mismatches, nprocs)
+@pytest.mark.parametrize("nprocs,plane", [(2, "tcp"), (3, "tcp"), (3, "gloo")])
+def test_mismatched_metadata_raises_on_every_rank_and_the_job_goes_on(nprocs: int, plane: str) -> None:
+    results = run_ranks(_mismatches, nprocs, env={"HORA_CONTROL_PLANE": plane})
     expected_fields = {"shape": ("shape",), "dtype": ("dtype",), "kind": ("kind",), "op": ("op",),
                        "root": ("root",), "prescale": ("prescale",), "postscale": ("postscale",),
                        "async": ("shape",), "process set": ("process", "ps")}

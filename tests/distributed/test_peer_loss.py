@@ -1,5 +1,6 @@
-"""A rank that dies while the others wait for it is noticed at once (the death watch), even when no
-collective is touching it: the waiting ranks get HorovodInternalError naming the lost rank, not a hang."""
+"""A rank that dies while the others wait for it is noticed at once (its control connections close, or the
+death watch sees it), even when no collective is touching it: the waiting ranks get HorovodInternalError
+naming the lost rank, not a hang."""
 
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ def _one_rank_leaves(rank: int, size: int) -> str:
     return str(info.value)
 
 
-def test_waiting_ranks_learn_which_rank_is_gone() -> None:
-    results = run_ranks(_one_rank_leaves, 3, timeout=60, init=False)  # rank 1 exits without shutdown()
+@pytest.mark.parametrize("plane", ["tcp", "gloo"])  # the mesh sees the loss itself; gloo has the death watch
+def test_waiting_ranks_learn_which_rank_is_gone(plane: str) -> None:
+    results = run_ranks(_one_rank_leaves, 3, timeout=60, init=False,  # rank 1 exits without shutdown()
+                        env={"HORA_CONTROL_PLANE": plane})
     assert results[1] == "left"
     for message in (results[0], results[2]):
         assert "rank 1 on host" in message and "is gone" in message, message

@@ -17,11 +17,12 @@ import pytest
 
 WORKER = textwrap.dedent(
     """
-    import torch, hora as hvd
+    import os, torch, hora as hvd
     hvd.init()
     total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum).item()
-    print(f"rank={hvd.rank()} size={hvd.size()} local={hvd.local_rank()}/{hvd.local_size()} "
-          f"cross={hvd.cross_rank()}/{hvd.cross_size()} sum={total}", flush=True)
+    line = (f"rank={hvd.rank()} size={hvd.size()} local={hvd.local_rank()}/{hvd.local_size()} "
+            f"cross={hvd.cross_rank()}/{hvd.cross_size()} sum={total}\\n")
+    os.write(1, line.encode())  # one write: under torchrun both ranks share one pipe
     hvd.shutdown()
     """
 )
