@@ -105,12 +105,13 @@ def _request(call: Call) -> Request:
                    float(call.prescale), float(call.postscale), tuple(call.ps.ranks), t.device.type, call.splits)
 
 
-def submit(call: Call) -> Handle:
-    """Validate, prepare the wire buffer, and hand the op to the negotiator."""
-    return submit_many([call])[0]
+def submit(call: Call, waiting: bool = False) -> Handle:
+    """Validate, prepare the wire buffer, and hand the op to the negotiator. ``waiting``: the caller
+    synchronizes the handle at once (a synchronous op), so its own thread may run the negotiation round."""
+    return submit_many([call], waiting)[0]
 
 
-def submit_many(calls: list[Call]) -> list[Handle]:
+def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
     """Submit several calls in one negotiation round; nothing is submitted if any call is invalid."""
     if not calls:
         return []
@@ -123,7 +124,7 @@ def submit_many(calls: list[Call]) -> list[Handle]:
     for call in calls:  # only a valid call takes a sequence number, so a rejected one can't desync ranks
         if not call.name:
             call.name = neg.unnamed(call.ps.process_set_id)
-    return neg.submit_many([_local_op(call, neg) for call in calls])
+    return neg.submit_many([_local_op(call, neg) for call in calls], waiting)
 
 
 def _local_op(call: Call, neg: Any) -> LocalOp:
@@ -134,7 +135,7 @@ def _local_op(call: Call, neg: Any) -> LocalOp:
     if tl is not None and call.wire is not call.tensor:  # a copy or compression happened (diagnostics)
         phase = "copy_in" if call.compression is Compression.none else "compress"
         tl.span(call.name, phase, t0, time.perf_counter(), kind=call.kind, bytes=call.wire.nbytes)
-    handle = Handle(call.name, call.kind, lambda: kind.finish(call), neg.done)
+    handle = Handle(call.name, call.kind, lambda: kind.finish(call), neg.done, neg.drive)
     event = None
     if call.wire.is_cuda:
         event = torch.cuda.Event()

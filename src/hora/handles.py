@@ -27,9 +27,10 @@ _UNSET = object()
 class Handle:
     """One submitted collective. Thread-safe: launched by the negotiator, finished by the user's thread."""
 
-    __slots__ = ("_error", "_finish", "_launched", "_lock", "_on_done", "_result", "_work", "kind", "name")
+    __slots__ = ("_drive", "_error", "_finish", "_launched", "_lock", "_on_done", "_result", "_work", "kind", "name")
 
-    def __init__(self, name: str, kind: str, finish: Callable[[], Any], on_done: Callable[[Handle], None]) -> None:
+    def __init__(self, name: str, kind: str, finish: Callable[[], Any], on_done: Callable[[Handle], None],
+                 drive: Callable[[Handle], None] | None = None) -> None:
         self.name = name
         self.kind = kind
         self._launched = threading.Event()
@@ -38,6 +39,7 @@ class Handle:
         self._finish = finish
         self._result: Any = _UNSET
         self._on_done = on_done
+        self._drive = drive  # runs the negotiation round on the waiting thread when it can (Negotiator.drive)
         self._lock = threading.Lock()
 
     # --- called by the negotiator thread ---------------------------------------------------------------
@@ -81,6 +83,8 @@ class Handle:
     def _wait_launched(self) -> None:
         where.set_waiting(where.describe_op(self.kind, self.name))
         try:
+            if self._drive is not None and not self._launched.is_set():
+                self._drive(self)
             while not self._launched.wait(timeout=1.0):
                 pass  # a timeout loop keeps Ctrl-C responsive
         finally:

@@ -26,7 +26,7 @@ from hora.errors import CollectiveError
 _HELLO = struct.Struct("<4sI")  # magic, rank: the first bytes a connecting rank sends
 _MAGIC = b"hora"
 _LEN = struct.Struct("<I")
-_ROUND = struct.Struct("<q")
+_RING = b"!"
 _READ = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 
 
@@ -42,6 +42,7 @@ class Mesh:
     """The control plane of one negotiator; see the module docstring. Built by :func:`connect_mesh`."""
 
     watches_peers = True  # a dead peer's connection closes: no separate death watch needed
+    inline_rounds = True  # a thread about to wait for its op may run the round itself (Negotiator.drive)
 
     def __init__(self, rank: int, size: int, peers: dict[int, socket.socket], round_timeout: float) -> None:
         self.rank = rank
@@ -52,40 +53,59 @@ class Mesh:
         self._round_timeout = round_timeout
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
-        self._wake_buf = bytearray()
-        self._early = False
+        self._wake_w.setblocking(False)
+        # two poll sets: the idle wait (negotiator thread) and rounds (whichever thread runs one) may overlap
+        self._idle_poll = select.poll()
+        self._idle_poll.register(self._wake_r.fileno(), _READ)
         self._poll = select.poll()
-        self._poll.register(self._wake_r.fileno(), _READ)
         for s in peers.values():
             s.setblocking(False)
+            self._idle_poll.register(s.fileno(), _READ)
             self._poll.register(s.fileno(), _READ)
 
     # --- the bell -----------------------------------------------------------------------------------
     def ring(self, round_no: int) -> None:
         """Wake this rank's negotiator for ``round_no`` (from any thread)."""
-        self._wake_w.send(_ROUND.pack(round_no))
+        try:
+            self._wake_w.send(_RING)
+        except BlockingIOError:  # plenty of rings are pending already
+            pass
 
     def wait(self, round_no: int, timeout: float) -> bool:
-        """Block until this rank is woken for ``round_no`` or a peer sends something new (it started the
-        round). Frames that arrived early, during the previous round, count as new once."""
-        if self._early:
-            self._early = False
-            return True
+        """Block until this rank is rung or a peer's connection has something to read (a peer started a
+        round, or closed). Reads nothing from peers: the thread that runs the next round does, under the
+        negotiator's round lock (see :meth:`receive_ready`). Any ring wakes it; the negotiator checks under
+        that lock whether a round is really due, so a stale ring costs a look, never a wrong round."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            woken = False
-            for fd, _ in self._poll.poll(left * 1000.0):
-                peer = self._by_fd.get(fd)
-                if peer is None:
-                    woken = self._drain_wake(round_no) or woken
-                else:
-                    self._receive(peer)  # raises PeerLost at EOF: the round that follows fails on it anyway
-                    woken = True
-            if woken:
+            events = self._idle_poll.poll(left * 1000.0)
+            for fd, _ in events:
+                if fd == self._wake_r.fileno():
+                    self._read_wake()
+            if events:
                 return True
+
+    def receive_ready(self) -> None:
+        """Read whatever peers have sent, without blocking (round lock held)."""
+        for peer in self._peers:
+            self._receive(peer)
+
+    def has_input(self) -> bool:
+        """True when some peer has sent (part of) a frame this rank has not consumed in a round."""
+        return any(self._inbox.values())
+
+    def clear(self, round_no: int) -> None:
+        """Nothing to clean: a mesh keeps no state per round."""
+
+    def _read_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def peek(self) -> dict[int, bytes]:
         """The complete frames peers have sent for the next round, without consuming them."""
@@ -96,23 +116,6 @@ class Mesh:
                 if len(buf) >= _LEN.size + n:
                     frames[peer] = bytes(buf[_LEN.size : _LEN.size + n])
         return frames
-
-    def clear(self, round_no: int) -> None:
-        """Nothing to clean: a mesh keeps no state per round."""
-
-    def _read_wake(self) -> None:
-        try:
-            while chunk := self._wake_r.recv(4096):
-                self._wake_buf += chunk
-        except BlockingIOError:
-            pass
-
-    def _drain_wake(self, round_no: int) -> bool:
-        self._read_wake()
-        whole = len(self._wake_buf) - len(self._wake_buf) % _ROUND.size
-        rounds = [r for (r,) in _ROUND.iter_unpack(self._wake_buf[:whole])]
-        del self._wake_buf[:whole]
-        return round_no in rounds  # an older ring (its round already ran) is stale
 
     # --- the exchange -------------------------------------------------------------------------------
     def allgather(self, payload: bytes) -> list[bytes]:
@@ -134,10 +137,7 @@ class Mesh:
                 raise CollectiveError(f"rank {self.rank}: rank(s) {missing} did not answer a negotiation round "
                                       f"within {self._round_timeout:.0f}s (hung process or broken network)")
             for fd, ev in events:
-                peer = self._by_fd.get(fd)
-                if peer is None:
-                    self._read_wake()  # a ring that raced with this round's start: wait() sorts it out
-                    continue
+                peer = self._by_fd[fd]
                 if ev & select.POLLOUT:
                     self._send(peer, unsent)
                     if peer not in unsent:
@@ -145,7 +145,6 @@ class Mesh:
                 if ev & ~select.POLLOUT:
                     self._receive(peer)
                     self._take(peer, got)
-        self._early = any(self._inbox.values())  # a peer is already in the next round
         return [got[r] for r in range(self.size)]
 
     def _send(self, peer: int, unsent: dict[int, memoryview]) -> None:

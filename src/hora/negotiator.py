@@ -80,15 +80,19 @@ class Negotiator:
         self.table = Table(self.size)
         self._stall = StallInspector(self.table, stall_mod.StallPolicy.from_knobs(rt.knobs), self.rank,
                                      rt.topo.hostnames)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # _break() may run while a submitter holds it
         self._outbox: list[LocalOp] = []
         self._mine: dict[str, LocalOp] = {}  # submitted, not yet launched or failed
         self._in_flight: set[str] = set()  # names whose handle has not been synchronized
         self._flags: dict[str, Any] = {}
         self._broken: BaseException | None = None
         self._stall_shutdown = False  # a stalled collective was failed: do not wait for peers at stop()
-        self._idle_round: int | None = 0  # every negotiator starts idle, waiting for round 0's bell
+        self._idle_round: int | None = None  # the round whose bell the negotiator thread waits for, if idle
         self._rung = False
+        self._round_lock = threading.Lock()  # held by whichever thread runs a round (see drive())
+        self._round_no = 0
+        self._woken = False  # the gloo plane's bell rang: join that round
+        self._defer_until: float | None = None
         self._seq: dict[int, int] = {}
         self._cache = ResponseCache(self.rank, enabled=not rt.knobs.disable_cache)
         self._fused = fusion.FusionBuffers(rt.knobs.fusion_threshold)
@@ -96,6 +100,7 @@ class Negotiator:
         self._stopped = threading.Event()
         self._exit_requested = False
         self._plane = make_control_plane(rt)
+        self._inline_ok = bool(getattr(self._plane, "inline_rounds", False))
         # how long a rank may hold back its answer to a round it cannot advance (see _may_defer); well
         # under the stall warning time, so stall reports are not delayed noticeably
         self._defer_s = min(_DEFER_MAX_S, rt.knobs.stall_check_time_seconds / 4)
@@ -124,8 +129,11 @@ class Negotiator:
     def submit(self, op: LocalOp) -> Handle:
         return self.submit_many([op])[0]
 
-    def submit_many(self, ops: list[LocalOp]) -> list[Handle]:
-        """Queue ops for the next round, all in the same round (grouped ops stay together)."""
+    def submit_many(self, ops: list[LocalOp], waiting: bool = False) -> list[Handle]:
+        """Queue ops for the next round, all in the same round (grouped ops stay together).
+
+        ``waiting``: the caller synchronizes at once, so on the mesh its ``wait()`` runs the round itself
+        (``drive``) and the negotiator thread is not woken for it."""
         with self._lock:
             if self._broken is not None:
                 raise CollectiveError(f"hora cannot run {ops[0].req.kind} {ops[0].req.name!r}: {self._broken}"
@@ -143,7 +151,8 @@ class Negotiator:
                 op.submitted_at = now
                 self._mine[op.req.name] = op
                 self._outbox.append(op)
-            self._ring_if_idle()
+            if not (waiting and self._inline_ok):
+                self._ring_if_idle()
         return [op.handle for op in ops]
 
     def done(self, handle: Handle) -> None:
@@ -194,50 +203,98 @@ class Negotiator:
         torch.set_grad_enabled(False)  # thread-local: collectives never record autograd history
         if self.rt.device is not None:
             torch.cuda.set_device(self.rt.device)
-        round_no = 0
         try:
             while True:
-                if self._idle_round is not None and not self._wait_bell(round_no):
-                    return
-                finished = self._round(round_no)
-                if finished:
-                    return
-                with self._lock:
-                    # Every rank goes idle on the next round's bell after every round (the same decision
-                    # everywhere); a rank with more to send rings it at once, so busy ranks run back to back.
-                    self._idle_round = round_no + 1
-                    self._rung = False
-                    if self._outbox or self._flags:
-                        self._ring_if_idle()
-                round_no += 1
+                with self._round_lock:
+                    with self._lock:
+                        self._idle_round = None
+                    if self._run_due_rounds():
+                        return  # the shutdown round ran
+                    with self._lock:
+                        if self._exit_requested and not self._outbox:
+                            return
+                    round_no = self._round_no
+                    timeout = self._go_idle(round_no)
+                try:
+                    self._woken = self._plane.wait(round_no, timeout)
+                finally:
+                    self._watchdog.disarm()
         except Exception as e:  # any failure ends negotiation; users see it on their handles
             self._break(self._peer_loss(e))
         finally:
             self._stopped.set()
 
-    def _wait_bell(self, round_no: int) -> bool:
-        """Block until some rank rings ``round_no``. The watchdog rings it if a pending op stalls."""
+    def _go_idle(self, round_no: int) -> float:
+        """Before blocking on the bell (round lock held): arm the stall watchdog, let submitters ring, and
+        return how long to block."""
         if self.rank == 0 and round_no > 0:
             self._plane.clear(round_no - 1)  # everyone is past that bell: they all took part in its round
         delay = self._stall.check_in()
         if delay is not None:
             self._watchdog.arm(round_no, delay)
-        defer_until: float | None = None
-        try:
-            while True:
-                timeout = _IDLE_WAIT_S if defer_until is None else max(defer_until - time.monotonic(), 0.0)
-                woken = self._plane.wait(round_no, timeout)
-                if defer_until is not None and time.monotonic() >= defer_until:
-                    break  # deferred long enough: answer, so the others' round ends and their stall checks run
-                if woken and not self._may_defer():
-                    break
-                if woken and defer_until is None:
-                    defer_until = time.monotonic() + self._defer_s
-        finally:
-            self._watchdog.disarm()
         with self._lock:
-            self._idle_round = None
-            return not (self._exit_requested and not self._outbox)
+            self._idle_round = round_no
+            self._rung = False
+            if self._outbox or self._flags:
+                # more to send (the gloo plane: ring the next round at once, so busy ranks run back to back;
+                # the mesh: a submitter that meant to run the round itself found this thread busy)
+                self._ring_if_idle()
+        if self._defer_until is not None:
+            return max(self._defer_until - time.monotonic(), 0.0)
+        return _IDLE_WAIT_S
+
+    def _run_due_rounds(self) -> bool:
+        """Run the rounds that are due now (round lock held); True once the shutdown round ran.
+
+        Gloo plane: the round whose bell woke us (every rank joins every rung round). Mesh: a round is due
+        when this rank has something to send, or peers started one that this rank can advance (see
+        ``_may_defer``), or this rank has deferred its answer long enough.
+        """
+        if not self._inline_ok:
+            if not self._woken:
+                return False
+            self._woken = False
+            return self._round()
+        while True:
+            self._plane.receive_ready()
+            with self._lock:
+                local = bool(self._outbox or self._flags)
+            if not local:
+                if not self._plane.has_input():
+                    return False
+                now = time.monotonic()
+                if self._defer_until is None or now < self._defer_until:
+                    if self._may_defer():
+                        if self._defer_until is None:
+                            self._defer_until = now + self._defer_s
+                        return False
+            if self._round():
+                return True
+
+    def drive(self, handle: Handle) -> None:
+        """Called by a thread about to block on ``handle``: if the op has not been sent and no round is under
+        way, run the round on this thread (mesh only), saving the hand-offs to and from the negotiator
+        thread; otherwise make sure that thread is woken. At most one round: if peers have not submitted
+        the op yet, their rounds wake the negotiator thread as usual."""
+        if self._inline_ok and self._round_lock.acquire(blocking=False):
+            try:
+                with self._lock:
+                    unsent = self._broken is None and any(op.handle is handle for op in self._outbox)
+                if unsent:
+                    self._plane.receive_ready()
+                    self._round()
+            except Exception as e:  # a round cut short leaves the ranks out of step: negotiation is over
+                error = self._peer_loss(e)
+                self._break(error)
+                raise error from e
+            except BaseException as e:  # Ctrl-C in the middle of a round
+                self._break(CollectiveError(f"rank {self.rank}: a negotiation round was interrupted ({e!r})"))
+                raise
+            finally:
+                self._round_lock.release()
+        with self._lock:
+            if self._outbox or self._flags:
+                self._ring_if_idle()
 
     def _may_defer(self) -> bool:
         """True when peers started a round that this rank's answer cannot advance yet: everything they sent
@@ -310,7 +367,12 @@ class Negotiator:
                 self._flags["stall_query"] = due
                 self._ring_if_idle()
 
-    def _round(self, round_no: int) -> bool:
+    def _round(self) -> bool:
+        """One negotiation round (round lock held): send what this rank has, decide on what every rank
+        sent, launch what is ready. True when it was the shutdown round."""
+        round_no = self._round_no
+        self._round_no += 1
+        self._defer_until = None
         with self._lock:
             outgoing, self._outbox = self._outbox, []
             flags, self._flags = self._flags, {}
@@ -321,8 +383,12 @@ class Negotiator:
         tl = timeline_mod.active()
         if tl is not None and tl.mark_cycles:
             tl.instant("round", t0, row="negotiator", round=round_no)
-        decision = Decision()
         now = time.monotonic()
+        steady = self._steady_entry(gathered, round_no, now)
+        if steady is not None:  # the common case, decided without the table (same outcome, less work)
+            self._apply(Decision(ready=[steady]))
+            return False
+        decision = Decision()
         for rank, (entries, inline, _flags) in enumerate(gathered):
             for item, data in zip(entries, inline):
                 fresh = isinstance(item, Request)
@@ -332,6 +398,29 @@ class Negotiator:
         self._apply(decision)
         finished = self._handle_flags(gathered, decision)
         return finished
+
+    def _steady_entry(self, gathered: list[Any], round_no: int, now: float) -> Entry | None:
+        """The steady state of a training loop: every rank sent the same one cached request (same cache id,
+        same name), nothing else is pending and no rank has joined. The table would find it ready and
+        consistent (a cache id stands for requests that matched before), so build its entry directly.
+        None when anything differs: the table decides."""
+        if self.table.entries or self.table.tombstones:
+            return None
+        first = gathered[0][0]
+        if len(first) != 1 or isinstance(first[0], Request):
+            return None
+        item = first[0]
+        for entries, _inline, flags in gathered:
+            if flags or len(entries) != 1 or entries[0] != item:
+                return None
+        requests = {rank: self._cache.decode(item, rank) for rank in range(self.size)}
+        req = requests[0]
+        if set(req.ps) != set(range(self.size)):
+            return None  # a process set: the table checks who must take part
+        entry = Entry(req.name, requests, round_no, now, arrival=dict.fromkeys(requests, round_no))
+        if gathered[0][1][0] is not None:
+            entry.inline = {rank: g[1][0] for rank, g in enumerate(gathered)}
+        return entry
 
     def _apply(self, decision: Decision) -> None:
         for entry, error in decision.failed:

@@ -37,12 +37,12 @@ def _allreduce_call(tensor: torch.Tensor, average: bool | None, name: str | None
                 prescale=prescale_factor, postscale=postscale_factor, compression=compression, inplace=inplace)
 
 
-def _allreduce_submit(call: Call) -> Any:
+def _allreduce_submit(call: Call, waiting: bool = False) -> Any:
     if call.op == ReduceOp.ADASUM:
         from hora.handles import DoneHandle
 
         return DoneHandle(_adasum(call))
-    return submit(call)
+    return submit(call, waiting)
 
 
 def _adasum(call: Call) -> torch.Tensor:
@@ -77,7 +77,7 @@ class _AllreduceFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, call: Call) -> torch.Tensor:  # type: ignore[override]
         ctx.call = call
-        return _allreduce_submit(call).wait()
+        return _allreduce_submit(call, waiting=True).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
@@ -95,7 +95,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     """
     call = _allreduce_call(tensor, average, name, op, prescale_factor, postscale_factor, process_set, compression)
     if not _needs_grad(tensor):
-        return _allreduce_submit(call).wait()
+        return _allreduce_submit(call, waiting=True).wait()
     return _AllreduceFn.apply(tensor, call)
 
 
@@ -103,13 +103,14 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place allreduce: ``tensor`` holds the result afterwards (and is returned)."""
-    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set).wait()
+    return _allreduce_submit(_allreduce_call(tensor, average, name, op, prescale_factor, postscale_factor,
+                                             process_set, inplace=True), waiting=True).wait()
 
 
-def _grouped(calls: list[Call]) -> GroupHandle:
+def _grouped(calls: list[Call], waiting: bool = False) -> GroupHandle:
     from hora.collectives import submit_many
 
-    return GroupHandle(submit_many(calls))
+    return GroupHandle(submit_many(calls, waiting))
 
 
 def _group_names(name: str | None, n: int) -> list[str]:
@@ -147,7 +148,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
              for t, n in zip(tensors, _group_names(name, len(tensors)))]
     if calls and calls[0].op == ReduceOp.ADASUM:
         return [_adasum(c) for c in calls]
-    return _grouped(calls).wait()
+    return _grouped(calls, waiting=True).wait()
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -169,7 +170,7 @@ class _AllgatherFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, ps: ProcessSet) -> torch.Tensor:  # type: ignore[override]
         call = Call("allgather", tensor, name or "", ps)
-        out = submit(call).wait()
+        out = submit(call, waiting=True).wait()
         ctx.rows, ctx.index, ctx.ps = call.meta, ps.rank(), ps
         return out
 
@@ -184,7 +185,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every member's ``tensor`` along dim 0. Differentiable."""
     if not _needs_grad(tensor):
-        return allgather_async(tensor, name, process_set).wait()
+        return submit(Call("allgather", tensor, name or "", process_set), waiting=True).wait()
     return _AllgatherFn.apply(tensor, name, process_set)
 
 
@@ -197,7 +198,8 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather a list of tensors as one group."""
-    return grouped_allgather_async(tensors, name, process_set).wait()
+    return _grouped([Call("allgather", t, n, process_set) for t, n in zip(tensors, _group_names(name, len(tensors)))],
+                    waiting=True).wait()
 
 
 # --- broadcast ---------------------------------------------------------------------------------------------
@@ -217,7 +219,7 @@ class _BroadcastFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root: int, name: str | None, ps: ProcessSet) -> torch.Tensor:  # type: ignore[override]
         ctx.root, ctx.ps = root, ps
-        return broadcast_async(tensor, root, name, ps).wait()
+        return submit(Call("broadcast", tensor, name or "", ps, root=int(root)), waiting=True).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
@@ -231,14 +233,15 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return ``root_rank``'s tensor on every member. Differentiable."""
     if not _needs_grad(tensor):
-        return broadcast_async(tensor, root_rank, name, process_set).wait()
+        return submit(Call("broadcast", tensor, name or "", process_set, root=int(root_rank)), waiting=True).wait()
     return _BroadcastFn.apply(tensor, int(root_rank), name, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place broadcast: ``tensor`` holds root's value afterwards."""
-    return broadcast_async_(tensor, root_rank, name, process_set).wait()
+    return submit(Call("broadcast", tensor, name or "", process_set, root=int(root_rank), inplace=True),
+                  waiting=True).wait()
 
 
 # --- alltoall ----------------------------------------------------------------------------------------------
@@ -265,14 +268,14 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 class _AlltoallFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None, ps: ProcessSet) -> Any:  # type: ignore[override]
-        out, received = alltoall_async(tensor, splits, name, ps).wait()
+        out, received = submit(_alltoall_call(tensor, splits, name, ps), waiting=True).wait()
         ctx.received, ctx.ps = received, ps
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> Any:  # type: ignore[override]
-        back, _ = alltoall_async(grad.contiguous(), ctx.received, None, ctx.ps).wait()
+        back, _ = submit(_alltoall_call(grad.contiguous(), ctx.received, None, ctx.ps), waiting=True).wait()
         return back, None, None, None
 
 
@@ -302,7 +305,7 @@ class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, call: Call) -> torch.Tensor:  # type: ignore[override]
         ctx.call = call
-        return submit(call).wait()
+        return submit(call, waiting=True).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
@@ -318,7 +321,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Co
     """Reduce over the set, then give each member its slice of dim 0. Differentiable."""
     call = _reducescatter_call(tensor, name, compression, op, process_set, prescale_factor, postscale_factor)
     if not _needs_grad(tensor):
-        return submit(call).wait()
+        return submit(call, waiting=True).wait()
     return _ReducescatterFn.apply(tensor, call)
 
 
@@ -365,11 +368,11 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every member of the set reaches the barrier."""
-    submit(Call("barrier", torch.empty(0), "", process_set)).wait()
+    submit(Call("barrier", torch.empty(0), "", process_set), waiting=True).wait()
 
 
 def join(device: int = -1) -> int:
     """Say this rank has no more data: until every rank joins, its negotiator contributes zeros to the
     others' allreduces (Average still divides by the full size). Returns the rank that joined last."""
-    return int(submit(Call("join", torch.empty(0), "__join__", global_process_set)).wait())
+    return int(submit(Call("join", torch.empty(0), "__join__", global_process_set), waiting=True).wait())
 

@@ -96,19 +96,25 @@ def test_a_fast_rank_runs_ahead_and_its_early_frames_wait_in_order() -> None:
         _close(meshes)
 
 
-def test_wait_wakes_on_a_ring_for_its_round_or_a_peer_frame_and_ignores_stale_rings() -> None:
+def test_wait_wakes_on_a_ring_or_a_peer_frame_and_only_the_round_consumes_frames() -> None:
     meshes = _meshes(2)
     try:
         a, b = meshes
-        a.ring(4)  # a ring for a round that already ran
-        assert not a.wait(5, 0.2)
-        a.ring(5)
-        assert a.wait(5, 1.0)
-        assert not b.wait(0, 0.2)  # nobody started a round: b stays asleep
+        assert not a.wait(0, 0.2)  # nothing happened: stays asleep until the timeout
+        a.ring(0)
+        assert a.wait(0, 1.0)
+        assert not a.wait(0, 0.2)  # the ring was consumed
         sender = threading.Thread(target=a.allgather, args=(b"hello",))
         sender.start()
         assert b.wait(0, 5.0)  # a's frame is the bell
+        deadline = time.monotonic() + 5
+        while not b.peek() and time.monotonic() < deadline:
+            b.receive_ready()
+        assert b.has_input() and b.peek() == {0: b"hello"}
+        assert not b.wait(0, 0.2)  # read already: no busy wake-ups while b defers its answer
+        assert b.peek() == {0: b"hello"}  # peeking does not consume
         assert b.allgather(b"there") == [b"hello", b"there"]
+        assert not b.has_input()
         sender.join(5)
     finally:
         _close(meshes)
@@ -122,8 +128,9 @@ def test_a_peer_that_goes_away_is_named() -> None:
             while True:  # rank 1 may answer first; rank 2's closed connection fails the round
                 meshes[0].allgather(b"x")
         assert info.value.peer == 2
+        assert meshes[1].wait(0, 5.0)  # an idle rank is woken by the loss...
         with pytest.raises(PeerLost, match="rank 2"):
-            meshes[1].wait(0, 5.0)  # an idle rank is woken by the loss and learns who it was
+            meshes[1].receive_ready()  # ...and learns who it was
     finally:
         _close(meshes)
 
