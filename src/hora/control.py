@@ -258,13 +258,21 @@ class ControlPlane(Protocol):
     def close(self) -> None: ...
 
 
+class InlinePlane(ControlPlane, Protocol):
+    """A plane whose rounds any thread may run (``inline_rounds``): the mesh and the local plane."""
+
+    def receive_ready(self) -> None: ...
+    def has_input(self) -> bool: ...
+    def quiet(self, on: bool) -> None: ...
+
+
 class GlooPlane:
     """The allgather on the control Gloo group, and a bell in the store (or in memory for one process)."""
 
     watches_peers = False  # a dead peer is noticed by a DeathWatch, not by this plane
 
     def __init__(self, rt: Runtime) -> None:
-        single = rt.topo.size == 1 or rt.connect_store is None
+        single = rt.connect_store is None  # an in-memory store: no second connection to wait on
         self._bell: LocalBell | StoreBell = LocalBell() if single else StoreBell(rt.connect_store)  # type: ignore[arg-type]
         self._exchange = Exchange(rt.topo.size, rt.ctrl_group)
         self.ring = self._bell.ring
@@ -281,6 +289,50 @@ class GlooPlane:
         self._bell.close()
 
 
+class LocalPlane:
+    """The control plane of a single-process job: a round is local, so it runs on whichever thread needs it
+    (no peers to read, no Gloo call, no store)."""
+
+    watches_peers = True  # no peers
+    inline_rounds = True
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._rung = False
+
+    def ring(self, round_no: int) -> None:
+        with self._cond:
+            self._rung = True
+            self._cond.notify()
+
+    def wait(self, round_no: int, timeout: float) -> bool:
+        with self._cond:
+            rung = self._cond.wait_for(lambda: self._rung, timeout)
+            self._rung = False
+            return rung
+
+    def allgather(self, payload: bytes) -> list[bytes]:
+        return [payload]
+
+    def peek(self) -> dict[int, bytes]:
+        return {}
+
+    def has_input(self) -> bool:
+        return False
+
+    def receive_ready(self) -> None:
+        pass
+
+    def quiet(self, on: bool) -> None:
+        pass
+
+    def clear(self, round_no: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 MESH_MAX_RANKS = 256  # beyond this "auto" picks Gloo: a mesh holds one socket per peer in every process
 CONTROL_PLANES = ("auto", "tcp", "gloo")
 
@@ -291,7 +343,9 @@ def make_control_plane(rt: Runtime) -> Any:
     if choice not in CONTROL_PLANES:
         raise ConfigError(f"HORA_CONTROL_PLANE={rt.knobs.control_plane!r}: use one of {', '.join(CONTROL_PLANES)}")
     size = rt.topo.size
-    if size == 1 or choice == "gloo" or (choice == "auto" and size > MESH_MAX_RANKS):
+    if size == 1:
+        return LocalPlane()
+    if choice == "gloo" or (choice == "auto" and size > MESH_MAX_RANKS):
         return GlooPlane(rt)
     from hora.mesh import connect_mesh
 

@@ -54,14 +54,22 @@ class Mesh:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        # two poll sets: the idle wait (negotiator thread) and rounds (whichever thread runs one) may overlap
-        self._idle_poll = select.poll()
-        self._idle_poll.register(self._wake_r.fileno(), _READ)
+        # Two poll sets: rounds (whichever thread runs one) poll the peers; the idle negotiator thread polls
+        # the wake socket and an epoll set of the peers, which a thread running a round on its own switches
+        # off (one call), so the frames it is about to read do not also wake the idle thread.
         self._poll = select.poll()
+        self._peers_ep = select.epoll()
         for s in peers.values():
             s.setblocking(False)
-            self._idle_poll.register(s.fileno(), _READ)
             self._poll.register(s.fileno(), _READ)
+            self._peers_ep.register(s.fileno(), select.EPOLLIN)
+        self._idle_ep = select.epoll()
+        self._idle_ep.register(self._wake_r.fileno(), select.EPOLLIN)
+        self._idle_ep.register(self._peers_ep.fileno(), select.EPOLLIN)
+
+    def quiet(self, on: bool) -> None:
+        """While ``on``, peers' frames do not wake the idle negotiator thread (another thread reads them)."""
+        self._idle_ep.modify(self._peers_ep.fileno(), 0 if on else select.EPOLLIN)
 
     # --- the bell -----------------------------------------------------------------------------------
     def ring(self, round_no: int) -> None:
@@ -81,7 +89,7 @@ class Mesh:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            events = self._idle_poll.poll(left * 1000.0)
+            events = self._idle_ep.poll(left)
             for fd, _ in events:
                 if fd == self._wake_r.fileno():
                     self._read_wake()
@@ -191,6 +199,8 @@ class Mesh:
         del buf[: _LEN.size + n]
 
     def close(self) -> None:
+        self._idle_ep.close()
+        self._peers_ep.close()
         for s in (*self._peers.values(), self._wake_r, self._wake_w):
             try:
                 s.close()

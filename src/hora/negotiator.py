@@ -281,8 +281,12 @@ class Negotiator:
                 with self._lock:
                     unsent = self._broken is None and any(op.handle is handle for op in self._outbox)
                 if unsent:
-                    self._plane.receive_ready()
-                    self._round()
+                    self._plane.quiet(True)
+                    try:
+                        self._plane.receive_ready()
+                        self._round()
+                    finally:
+                        self._plane.quiet(False)
             except Exception as e:  # a round cut short leaves the ranks out of step: negotiation is over
                 error = self._peer_loss(e)
                 self._break(error)
@@ -293,7 +297,9 @@ class Negotiator:
             finally:
                 self._round_lock.release()
         with self._lock:
-            if self._outbox or self._flags:
+            # wake the negotiator thread if there is more to send, or if ops still wait for peers: it
+            # re-arms the stall watchdog for them
+            if self._outbox or self._flags or self.table.entries:
                 self._ring_if_idle()
 
     def _may_defer(self) -> bool:

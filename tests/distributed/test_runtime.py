@@ -82,6 +82,13 @@ def _single(rank: int, size: int) -> dict:
         close(hvd.broadcast(x, 0), x, "size-1 broadcast")
         close(hvd.alltoall(x), x, "size-1 alltoall")
         close(hvd.reducescatter(x, op=hvd.Sum), x, "size-1 reducescatter")
+        # async ops go through the negotiator thread (sync ones run their round on the caller's thread)
+        handles = [hvd.allreduce_async(x * i, op=hvd.Sum, name=f"a{i}") for i in range(3)]
+        for i, h in enumerate(handles):
+            close(hvd.synchronize(h), x * i, "size-1 async allreduce")
+        first, second = hvd.synchronize(hvd.grouped_allreduce_async([x, 2 * x], op=hvd.Sum))
+        close(first, x, "size-1 grouped allreduce")
+        close(second, 2 * x, "size-1 grouped allreduce")
         hvd.barrier()
         return {**_topology(0, 1), "join": hvd.join()}
     finally:

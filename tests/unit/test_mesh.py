@@ -17,15 +17,21 @@ from hora.errors import CollectiveError, ConfigError
 from hora.mesh import Mesh, PeerLost, connect_mesh
 
 
-def _meshes(size: int, round_timeout: float = 30.0, before: Callable[[dist.Store], None] | None = None) -> list[Mesh]:
+def _meshes(size: int, round_timeout: float = 30.0, before: Callable[[dist.Store], None] | None = None
+            ) -> list[Mesh]:
+    """Connect ``size`` ranks; ``before(store)``, if given, runs once rank 0 listens, before the others start."""
     store = dist.HashStore()
-    if before is not None:
-        before(store)
     out: list[Any] = [None] * size
     errors: list[BaseException] = []
 
     def one(rank: int) -> None:
         try:
+            if rank > 0 and before is not None:
+                store.wait(["mesh/0"])
+                if rank == 1:
+                    before(store)
+                    store.set("before-done", "1")
+                store.wait(["before-done"])
             out[rank] = connect_mesh(rank, size, store, "127.0.0.1", 20.0, round_timeout)
         except BaseException as e:  # surfaced below
             errors.append(e)
@@ -147,17 +153,21 @@ def test_a_peer_that_never_answers_fails_the_round_within_the_deadline() -> None
 
 
 def test_a_stray_connection_to_the_listener_is_ignored() -> None:
-    def poke_rank0(store: dist.Store) -> None:
-        def poke() -> None:
-            store.wait(["mesh/0"])
-            host, _, port = store.get("mesh/0").decode().rpartition(":")
-            with socket.create_connection((host, int(port))) as s:
-                s.sendall(b"GET / HTTP/1.0\r\n\r\n")
-                time.sleep(0.5)
+    strays: list[socket.socket] = []
 
-        threading.Thread(target=poke, daemon=True).start()
+    def poke_rank0(store: dist.Store) -> None:  # rank 0 listens; ranks 1 and 2 connect after this
+        host, _, port = store.get("mesh/0").decode().rpartition(":")
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        strays.append(s)
 
     meshes = _meshes(3, before=poke_rank0)
+    try:
+        closed = strays[0].recv(1) == b""
+    except ConnectionResetError:  # closed with our request unread: the kernel resets instead
+        closed = True
+    strays[0].close()
+    assert closed, "rank 0 closes a connection that does not say hello"
     try:
         assert _on_every_rank(meshes, lambda r, m: m.allgather(bytes([r])))[0] == [b"\0", b"\1", b"\2"]
     finally:
