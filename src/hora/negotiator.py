@@ -1,18 +1,22 @@
 """The negotiator: matches collectives across ranks by name, then runs them in one agreed order.
 
-One background thread per process. In each *round* every rank contributes the requests it submitted since
-the last round, in one control-plane allgather on a dedicated Gloo group; every rank adds them to the same
-:class:`hora.plan.Table` and reaches the same decision (ready / mismatched, and the order to run them). Only
-this thread issues hora's data-plane collectives, in that order, on hora's own groups.
+In each *round* every rank contributes the requests it submitted since the last round, in one allgather on
+the control plane (:mod:`hora.mesh`, or :class:`hora.control.GlooPlane` for very large jobs); every rank
+adds them to the same :class:`hora.plan.Table` and reaches the same decision (ready / mismatched, and the
+order to run them). Whichever thread runs the round (it holds the round lock) issues hora's data-plane
+collectives, in that order, on hora's own groups: the negotiator thread, or a thread about to wait for its
+own synchronous op (``drive``), which saves two thread hand-offs per op.
 
-Rounds are event-driven. After each round every negotiator goes idle and blocks on a store key (the *bell*)
-for the next one; a rank that submits while idle, or still has something to send, rings it, so rounds run
-back to back while there is work and stop when there is none. No busy loop, no fixed cycle, no CPU while
-idle. A death watch rings it too when a peer's process goes, so nobody waits for a dead rank.
+Rounds are event-driven. Between rounds the negotiator thread blocks on the plane's bell: a local submit
+rings it, and on the mesh so does a peer's frame (a peer started a round). No busy loop, no fixed cycle, no
+CPU while idle. A rank whose answer cannot advance a round that peers started holds it until it submits
+(``_may_defer``), so ranks reaching an op at slightly different times still run it in one round. A peer
+whose process goes is noticed at once (its mesh connections close, or the death watch), so nobody waits
+for a dead rank.
 
 A name seen before with identical metadata is sent as a small integer (the response cache), so steady-state
-rounds carry a few bytes. The stall inspector lives here too: the table knows which ranks have not submitted
-a pending name and since when.
+rounds carry a few bytes, and a round where every rank sent the same one cached op skips the table. The
+stall inspector lives here too: the table knows which ranks have not submitted a pending name and since when.
 """
 
 from __future__ import annotations
