@@ -301,9 +301,10 @@ class Negotiator:
             finally:
                 self._round_lock.release()
         with self._lock:
-            # wake the negotiator thread if there is more to send, or if ops still wait for peers: it
-            # re-arms the stall watchdog for them
-            if self._outbox or self._flags or self.table.entries:
+            # wake the negotiator thread if there is more to send, if ops still wait for peers (it re-arms
+            # the stall watchdog for them), or if a peer's next frame arrived during this round: it was read
+            # off the socket, so nothing else would wake that thread to answer it
+            if self._outbox or self._flags or self.table.entries or self._plane.has_input():
                 self._ring_if_idle()
 
     def _may_defer(self) -> bool:
