@@ -248,42 +248,59 @@ class StoreBell:
 
 
 class ControlPlane(Protocol):
-    """What the negotiator needs: a bell for idle rounds and a per-round allgather."""
+    """What the negotiator needs: a bell for idle rounds and a per-round allgather. Planes whose rounds any
+    thread may run (``inline_rounds``: the mesh, the local plane) also let it look at peers' frames before
+    answering (``receive_ready``, ``has_input``, ``peek``) and silence peers' wake-ups (``quiet``)."""
+
+    watches_peers: bool
+    inline_rounds: bool
 
     def ring(self, round_no: int) -> None: ...
     def wait(self, round_no: int, timeout: float) -> bool: ...
     def clear(self, round_no: int) -> None: ...
     def allgather(self, payload: bytes) -> list[bytes]: ...
     def peek(self) -> dict[int, bytes]: ...
-    def close(self) -> None: ...
-
-
-class InlinePlane(ControlPlane, Protocol):
-    """A plane whose rounds any thread may run (``inline_rounds``): the mesh and the local plane."""
-
     def receive_ready(self) -> None: ...
     def has_input(self) -> bool: ...
     def quiet(self, on: bool) -> None: ...
+    def close(self) -> None: ...
 
 
 class GlooPlane:
     """The allgather on the control Gloo group, and a bell in the store (or in memory for one process)."""
 
     watches_peers = False  # a dead peer is noticed by a DeathWatch, not by this plane
+    inline_rounds = False  # every rank joins every rung round on its negotiator thread
 
     def __init__(self, rt: Runtime) -> None:
         single = rt.connect_store is None  # an in-memory store: no second connection to wait on
         self._bell: LocalBell | StoreBell = LocalBell() if single else StoreBell(rt.connect_store)  # type: ignore[arg-type]
         self._exchange = Exchange(rt.topo.size, rt.ctrl_group)
-        self.ring = self._bell.ring
-        self.wait = self._bell.wait
-        self.clear = self._bell.clear
-        self.allgather = self._exchange.allgather
 
-    @staticmethod
-    def peek() -> dict[int, bytes]:
+    def ring(self, round_no: int) -> None:
+        self._bell.ring(round_no)
+
+    def wait(self, round_no: int, timeout: float) -> bool:
+        return self._bell.wait(round_no, timeout)
+
+    def clear(self, round_no: int) -> None:
+        self._bell.clear(round_no)
+
+    def allgather(self, payload: bytes) -> list[bytes]:
+        return self._exchange.allgather(payload)
+
+    def peek(self) -> dict[int, bytes]:
         """Peers' payloads are unknown until the allgather: every woken rank answers at once."""
         return {}
+
+    def receive_ready(self) -> None:
+        pass
+
+    def has_input(self) -> bool:
+        return False
+
+    def quiet(self, on: bool) -> None:
+        pass
 
     def close(self) -> None:
         self._bell.close()
@@ -337,7 +354,7 @@ MESH_MAX_RANKS = 256  # beyond this "auto" picks Gloo: a mesh holds one socket p
 CONTROL_PLANES = ("auto", "tcp", "gloo")
 
 
-def make_control_plane(rt: Runtime) -> Any:
+def make_control_plane(rt: Runtime) -> ControlPlane:
     """The control plane ``HORA_CONTROL_PLANE`` asks for (a mesh, or :class:`GlooPlane`)."""
     choice = rt.knobs.control_plane.strip().lower()
     if choice not in CONTROL_PLANES:

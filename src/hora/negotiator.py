@@ -104,7 +104,7 @@ class Negotiator:
         self._stopped = threading.Event()
         self._exit_requested = False
         self._plane = make_control_plane(rt)
-        self._inline_ok = bool(getattr(self._plane, "inline_rounds", False))
+        self._inline_ok = self._plane.inline_rounds
         # how long a rank may hold back its answer to a round it cannot advance (see _may_defer); well
         # under the stall warning time, so stall reports are not delayed noticeably
         self._defer_s = min(_DEFER_MAX_S, rt.knobs.stall_check_time_seconds / 4)
@@ -304,7 +304,8 @@ class Negotiator:
             # wake the negotiator thread if there is more to send, if ops still wait for peers (it re-arms
             # the stall watchdog for them), or if a peer's next frame arrived during this round: it was read
             # off the socket, so nothing else would wake that thread to answer it
-            if self._outbox or self._flags or self.table.entries or self._plane.has_input():
+            inline_left = self._inline_ok and (bool(self.table.entries) or self._plane.has_input())
+            if self._outbox or self._flags or inline_left:
                 self._ring_if_idle()
 
     def _may_defer(self) -> bool:
@@ -371,12 +372,19 @@ class Negotiator:
                                "died or lost its network link: see the other ranks' logs for the root cause.")
 
     def _on_watchdog(self, round_no: int) -> None:
-        """Runs on the watchdog thread when a stall deadline passes while this rank is idle."""
-        with self._lock:
-            due = self._stall.due()
-            if self._idle_round == round_no and due:
-                self._flags["stall_query"] = due
-                self._ring_if_idle()
+        """Runs on the watchdog thread when a stall deadline passes while this rank is idle. The table is
+        read under the round lock; if a round is under way (on any thread), the negotiator thread re-arms
+        the watchdog when it next goes idle, so skipping this firing loses nothing."""
+        if not self._round_lock.acquire(blocking=False):
+            return
+        try:
+            with self._lock:
+                due = self._stall.due()
+                if self._idle_round == round_no and due:
+                    self._flags["stall_query"] = due
+                    self._ring_if_idle()
+        finally:
+            self._round_lock.release()
 
     def _round(self) -> bool:
         """One negotiation round (round lock held): send what this rank has, decide on what every rank
