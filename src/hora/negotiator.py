@@ -109,6 +109,9 @@ class Negotiator:
         # under the stall warning time, so stall reports are not delayed noticeably
         self._defer_s = min(_DEFER_MAX_S, rt.knobs.stall_check_time_seconds / 4)
         self._watchdog = Watchdog(self._on_watchdog)
+        # after a synchronous op ran its round on the caller's thread, peers' next frames do not wake the
+        # idle negotiator thread for a while: the caller's next op usually answers them (see drive())
+        self._listen_timer = Watchdog(self._on_listen_timer)
         self._closing = False  # a shutdown is under way: peers closing their connections is expected
         self._death_watch = (DeathWatch(self.rank, self.size, rt.store, advertised_address(rt.env.store_addr),
                                         rt.knobs.start_timeout, self._on_peer_lost)
@@ -119,6 +122,8 @@ class Negotiator:
     def start(self) -> None:
         self._thread.start()
         self._watchdog.start()
+        if self._inline_ok:
+            self._listen_timer.start()
         if self._death_watch is not None:
             self._death_watch.start()
 
@@ -190,6 +195,7 @@ class Negotiator:
             self._exit_requested = True  # never ring for this: peers would wait in a round we never join
         self._thread.join(timeout=1.0)
         self._watchdog.stop()
+        self._listen_timer.stop()
         if self._death_watch is not None:
             self._death_watch.close()
         self._plane.close()
@@ -236,6 +242,7 @@ class Negotiator:
         delay = self._stall.check_in()
         if delay is not None:
             self._watchdog.arm(round_no, delay)
+        self._plane.quiet(False)  # this thread answers peers itself from now on
         with self._lock:
             self._idle_round = round_no
             self._rung = False
@@ -290,7 +297,7 @@ class Negotiator:
                         self._plane.receive_ready()
                         self._round()
                     finally:
-                        self._plane.quiet(False)
+                        self._listen_after_round()
             except Exception as e:  # a round cut short leaves the ranks out of step: negotiation is over
                 error = self._peer_loss(e)
                 self._break(error)
@@ -307,6 +314,20 @@ class Negotiator:
             inline_left = self._inline_ok and (bool(self.table.entries) or self._plane.has_input())
             if self._outbox or self._flags or inline_left:
                 self._ring_if_idle()
+
+    def _listen_after_round(self) -> None:
+        """After a round on the caller's thread (round lock held): in the steady state of a synchronous loop
+        (nothing pending, nothing early) keep the negotiator thread deaf to peers for up to ``_defer_s``:
+        the next frame is a peer's next op, which this rank would only defer, and the caller's next op
+        answers it without waking that thread, whose wake-up would compete with the caller for the CPU. The
+        timer restores it, so an answer is never later than a deferral would make it. Otherwise listen now."""
+        if self.table.entries or self._plane.has_input() or self._broken is not None:
+            self._plane.quiet(False)
+        else:
+            self._listen_timer.arm(self._round_no, self._defer_s)
+
+    def _on_listen_timer(self, round_no: int) -> None:
+        self._plane.quiet(False)
 
     def _may_defer(self) -> bool:
         """True when peers started a round that this rank's answer cannot advance yet: everything they sent
