@@ -19,9 +19,9 @@ import torch.distributed as dist
 from hora import runtime
 from hora.compression import Compression, Compressor
 from hora.diagnostics import timeline
+from hora.dispatch import Launch, LocalOp
 from hora.fusion import wire_op
 from hora.handles import Handle
-from hora.negotiator import Launch, LocalOp
 from hora.plan import Request
 from hora.process_sets import ProcessSet, global_process_set
 from hora.reduce_ops import ReduceOp

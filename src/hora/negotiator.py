@@ -4,7 +4,7 @@ In each *round* every rank contributes the requests it submitted since the last 
 the control plane (:mod:`hora.mesh`, or :class:`hora.control.GlooPlane` for very large jobs); every rank
 adds them to the same :class:`hora.plan.Table` and reaches the same decision (ready / mismatched, and the
 order to run them). Whichever thread runs the round (it holds the round lock) issues hora's data-plane
-collectives, in that order, on hora's own groups: the negotiator thread, or a thread about to wait for its
+collectives (:mod:`hora.dispatch`), in that order, on hora's own groups: the negotiator thread, or a thread about to wait for its
 own synchronous op (``drive``), which saves two thread hand-offs per op.
 
 Rounds are event-driven. Between rounds the negotiator thread blocks on the plane's bell: a local submit
@@ -25,8 +25,6 @@ import logging
 import pickle
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +34,7 @@ from hora.control import DeathWatch, Watchdog, advertised_address, make_control_
 from hora.diagnostics import stall as stall_mod
 from hora.diagnostics import timeline as timeline_mod
 from hora.diagnostics.stall_inspector import StallInspector
+from hora.dispatch import Dispatcher, LocalOp
 from hora.errors import CollectiveError
 from hora.handles import Handle
 from hora.mesh import PeerLost
@@ -50,28 +49,6 @@ log = logging.getLogger(__name__)
 _UNNAMED = UNNAMED
 _DEFER_MAX_S = 1.0
 _IDLE_WAIT_S = 3600.0  # store waits time out noisily in c10d's C++ log: wake only when rung
-
-
-@dataclass(eq=False)
-class LocalOp:
-    """An op this rank submitted: its request, its handle, and how to issue it once ready."""
-
-    req: Request
-    handle: Handle
-    launch: Callable[[Launch], Any]  # issues the c10d call on the negotiator thread; returns a Work or None
-    wire: torch.Tensor | None = None  # the buffer an allreduce sends: fusion may copy it into a fused buffer
-    event: Any = None  # CUDA event recorded at submit on the user's stream
-    submitted_at: float = 0.0
-
-
-@dataclass(eq=False)
-class Launch:
-    """What a launch needs beyond its own request: every member's request, and the group to run on."""
-
-    entry: Entry
-    group: Any
-    rank: int
-    joined: frozenset[int]
 
 
 class Negotiator:
@@ -99,8 +76,7 @@ class Negotiator:
         self._defer_until: float | None = None
         self._seq: dict[int, int] = {}
         self._cache = ResponseCache(self.rank, enabled=not rt.knobs.disable_cache)
-        self._fused = fusion.FusionBuffers(rt.knobs.fusion_threshold)
-        self._joined_works: list[Any] = []
+        self._dispatch = Dispatcher(self.rank, rt.process_sets, self._take_local, rt.knobs.fusion_threshold)
         self._stopped = threading.Event()
         self._exit_requested = False
         self._plane = make_control_plane(rt)
@@ -469,38 +445,11 @@ class Negotiator:
             if rank == self.rank:
                 self._fail_local(name, error)
         joined = self.table.joined
-        self._joined_works = [w for w in self._joined_works if not w.is_completed()]
-        for entry in decision.ready:
-            if entry.inline and self.rank in entry.first.ps:
-                self._finish_inline(entry, joined)
-        on_wire = [e for e in decision.ready if not e.inline]
-        for batch in fusion.plan_batches(on_wire, self._fused.threshold):
-            members = [e for e in batch if self.rank in e.first.ps]
-            if not members:
-                continue
-            if len(members) > 1:
-                self._launch_fused(members, joined)
-            else:
-                self._launch_one(members[0], joined)
+        self._dispatch.run(decision.ready, joined)
         for entry in decision.ready:
             self._cache.remember(entry)
             if self.rank in joined and entry.name.startswith(_UNNAMED):
                 self._advance_sequence(entry.name)
-
-    def _finish_inline(self, entry: Entry, joined: frozenset[int]) -> None:
-        """A tiny allreduce whose data every member sent with its request: reduce it here, in rank order,
-        identically on every rank. No data-plane op at all."""
-        op = self._take_local(entry.name)
-        if op is None:
-            return  # a joined rank: nothing to return
-        t_launch = time.perf_counter()
-        try:
-            op.wire.copy_(fusion.reduce_inline(entry))  # type: ignore[union-attr]
-        except Exception as e:  # report on the handle, keep negotiating
-            op.handle.fail(CollectiveError(f"allreduce {entry.name!r} failed on rank {self.rank}: {e}"))
-            return
-        op.handle.launched(None)
-        self._trace(op, t_launch, None, inline=True)
 
     def _advance_sequence(self, name: str) -> None:
         """A joined rank took part in an unnamed op it never submitted: keep its sequence in step."""
@@ -508,76 +457,6 @@ class Negotiator:
         ps_id = int(ps_part.removeprefix("ps"))
         with self._lock:
             self._seq[ps_id] = max(self._seq.get(ps_id, 0), int(n) + 1)
-
-    def _launch_one(self, entry: Entry, joined: frozenset[int]) -> None:
-        op = self._take_local(entry.name)
-        group = self._group_of(entry)
-        launch = Launch(entry, group, self.rank, joined)
-        kind = entry.first.kind
-        if op is None:  # this rank has joined: contribute zeros / nothing
-            from hora.collectives import launch_joined
-
-            work = launch_joined(launch)
-            if work is not None:
-                self._joined_works.append(work)
-            return
-        try:
-            self._wait_cuda(op)
-            t_launch = time.perf_counter()
-            work = op.launch(launch)
-        except Exception as e:  # report on the handle, keep negotiating
-            op.handle.fail(CollectiveError(f"{kind} {entry.name!r} could not start on rank {self.rank}: {e}"))
-            return
-        op.handle.launched(work)
-        self._trace(op, t_launch, work)
-
-    def _launch_fused(self, entries: list[Entry], joined: frozenset[int]) -> None:
-        ops_ = [self._take_local(e.name) for e in entries]
-        for op in ops_:
-            if op is not None:
-                self._wait_cuda(op)
-        group = self._group_of(entries[0])
-        t_launch = time.perf_counter()
-        try:
-            self._fused.allreduce([op.wire if op is not None else None for op in ops_], entries, group)
-        except Exception as e:
-            err = CollectiveError(f"fused allreduce of {len(entries)} tensors failed on rank {self.rank}: {e}")
-            for op in ops_:
-                if op is not None:
-                    op.handle.fail(err)
-            return
-        for op in ops_:
-            if op is not None:
-                op.handle.launched(None)
-                self._trace(op, t_launch, None, fused=len(entries))
-
-    @staticmethod
-    def _trace(op: LocalOp, t_launch: float, work: Any, fused: int = 0, inline: bool = False) -> None:
-        """Timeline (diagnostics): ``negotiate`` from submit to launch, ``communicate`` from launch until
-        the c10d work completes (a future callback, so a late synchronize() does not stretch it)."""
-        tl = timeline_mod.active()
-        if tl is None:
-            return
-        r = op.req
-        args: dict[str, Any] = {"kind": r.kind, "dtype": r.dtype, "shape": list(r.shape),
-                                "bytes": fusion.request_nbytes(r)}
-        tl.span(r.name, "negotiate", op.submitted_at, t_launch, **args)
-        if fused:
-            args["fused"] = fused
-        if inline:  # the data travelled in the negotiation round; "communicate" is the local reduction
-            args["inline"] = True
-        if work is None or r.device != "cpu":
-            # done in place already (fused, inline); or a GPU op, whose completion the host does not see in
-            # order (its callback could land after copy_out): the slice is the launch, marked as such
-            if work is not None:
-                args["launch_only"] = True
-            tl.span(r.name, "communicate", t_launch, time.perf_counter(), **args)
-            return
-        try:
-            work.get_future().add_done_callback(
-                lambda _: tl.span(r.name, "communicate", t_launch, time.perf_counter(), **args))
-        except (RuntimeError, AttributeError):  # a backend without futures: no communicate slice
-            pass
 
     def _take_local(self, name: str) -> LocalOp | None:
         with self._lock:
@@ -587,17 +466,6 @@ class Negotiator:
         op = self._take_local(name)
         if op is not None:
             op.handle.fail(error)
-
-    def _group_of(self, entry: Entry) -> Any:
-        for ps in self.rt.process_sets.values():
-            if tuple(ps.ranks) == entry.first.ps:
-                return ps.group
-        raise CollectiveError(f"{entry.name!r}: no process set with ranks {list(entry.first.ps)} on rank {self.rank}")
-
-    @staticmethod
-    def _wait_cuda(op: LocalOp) -> None:
-        if op.event is not None:
-            torch.cuda.current_stream().wait_event(op.event)
 
     # --- stall inspector ----------------------------------------------------------------------------
     def _handle_flags(self, gathered: list[Any], decision: Decision) -> bool:
