@@ -18,6 +18,7 @@ import datetime
 import select
 import socket
 import struct
+import threading
 import time
 from typing import Any
 
@@ -66,10 +67,16 @@ class Mesh:
         self._idle_ep = select.epoll()
         self._idle_ep.register(self._wake_r.fileno(), select.EPOLLIN)
         self._idle_ep.register(self._peers_ep.fileno(), select.EPOLLIN)
+        self._deaf = False
+        self._deaf_lock = threading.Lock()
 
     def quiet(self, on: bool) -> None:
-        """While ``on``, peers' frames do not wake the idle negotiator thread (another thread reads them)."""
-        self._idle_ep.modify(self._peers_ep.fileno(), 0 if on else select.EPOLLIN)
+        """While ``on``, peers' frames do not wake the idle negotiator thread (another thread reads them).
+        In a synchronous loop it stays on from op to op, so only changes cost a system call."""
+        with self._deaf_lock:  # the caller's thread and the listen timer both switch it
+            if on != self._deaf:
+                self._idle_ep.modify(self._peers_ep.fileno(), 0 if on else select.EPOLLIN)
+                self._deaf = on
 
     # --- the bell -----------------------------------------------------------------------------------
     def ring(self, round_no: int) -> None:

@@ -4,8 +4,8 @@ In each *round* every rank contributes the requests it submitted since the last 
 the control plane (:mod:`hora.mesh`, or :class:`hora.control.GlooPlane` for very large jobs); every rank
 adds them to the same :class:`hora.plan.Table` and reaches the same decision (ready / mismatched, and the
 order to run them). Whichever thread runs the round (it holds the round lock) issues hora's data-plane
-collectives (:mod:`hora.dispatch`), in that order, on hora's own groups: the negotiator thread, or a thread about to wait for its
-own synchronous op (``drive``), which saves two thread hand-offs per op.
+collectives (:mod:`hora.dispatch`), in that order, on hora's own groups: the negotiator thread, or a thread
+about to wait for its own synchronous op (``drive``), which saves two thread hand-offs per op.
 
 Rounds are event-driven. Between rounds the negotiator thread blocks on the plane's bell: a local submit
 rings it, and on the mesh so does a peer's frame (a peer started a round). No busy loop, no fixed cycle, no
