@@ -10,7 +10,7 @@ with those two steps; the public functions in :mod:`hora.ops` are thin wrappers 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ _WIRE_CAST = {torch.int16: torch.int32}
 _SUPPORTED = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
                         torch.bfloat16, torch.float32, torch.float64, torch.bool})
 _ARITHMETIC_OPS = frozenset({ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.PRODUCT})
+_NO_WIRE = torch.empty(0)  # a Call's wire until its kind's prepare sets it (never written to)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -52,7 +53,7 @@ class Call:
     splits: tuple[int, ...] | None = None
     compression: Compressor = Compression.none
     inplace: bool = False
-    wire: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    wire: torch.Tensor = _NO_WIRE  # set by prepare
     ctx: Any = None  # compression context
     out: Any = None  # set by launch: the c10d output buffer
     meta: Any = None  # set by launch: rows / splits the finish needs

@@ -29,7 +29,8 @@ _WIRE_OPS = {
 
 def wire_op(op: int) -> Any:
     """The c10d reduce op that carries a hora reduce op on the wire."""
-    return _WIRE_OPS[ReduceOp(op)]
+    wire = _WIRE_OPS.get(op)  # type: ignore[call-overload]  # an IntEnum key matches its int value
+    return wire if wire is not None else _WIRE_OPS[ReduceOp(op)]
 
 
 def to_dtype(name: str) -> torch.dtype:

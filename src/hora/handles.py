@@ -27,13 +27,18 @@ _UNSET = object()
 class Handle:
     """One submitted collective. Thread-safe: launched by the negotiator, finished by the user's thread."""
 
-    __slots__ = ("_drive", "_error", "_finish", "_launched", "_lock", "_on_done", "_result", "_work", "kind", "name")
+    __slots__ = ("_done", "_drive", "_error", "_finish", "_gate", "_lock", "_on_done", "_result", "_work", "kind",
+                 "name")
 
     def __init__(self, name: str, kind: str, finish: Callable[[], Any], on_done: Callable[[Handle], None],
                  drive: Callable[[Handle], None] | None = None) -> None:
         self.name = name
         self.kind = kind
-        self._launched = threading.Event()
+        self._done = False  # launched or failed
+        # held until launched or failed: a waiter blocks on it (a bare lock is a tenth of an Event's cost,
+        # and a handle is made per op)
+        self._gate = threading.Lock()
+        self._gate.acquire()
         self._work: Any = None
         self._error: BaseException | None = None
         self._finish = finish
@@ -46,16 +51,24 @@ class Handle:
     def launched(self, work: Any = None) -> None:
         """The c10d call is issued (``work`` is its Work, or None when the data is already in place)."""
         self._work = work
-        self._launched.set()
+        self._open()
 
     def fail(self, error: BaseException) -> None:
         """The op will never run: ``synchronize`` raises ``error``."""
         self._error = error
-        self._launched.set()
+        self._open()
+
+    def _open(self) -> None:
+        if not self._done:
+            self._done = True
+            try:
+                self._gate.release()
+            except RuntimeError:  # opened twice at once (a failure racing a launch): once is enough
+                pass
 
     # --- called by the user's thread -------------------------------------------------------------------
     def poll(self) -> bool:
-        if not self._launched.is_set():
+        if not self._done:
             return False
         if self._error is not None or self._work is None:
             return True
@@ -81,17 +94,21 @@ class Handle:
                 self._on_done(self)
 
     def _wait_launched(self) -> None:
-        where.set_waiting(where.describe_op(self.kind, self.name))
+        if self._done:
+            return
+        where.set_waiting((self.kind, self.name))
         try:
-            if self._drive is not None and not self._launched.is_set():
+            if self._drive is not None and not self._done:
                 self._drive(self)
-            while not self._launched.wait(timeout=1.0):
-                pass  # a timeout loop keeps Ctrl-C responsive
+            while not self._done:
+                if self._gate.acquire(timeout=1.0):  # a timeout loop keeps Ctrl-C responsive
+                    self._gate.release()
+                    break
         finally:
             where.set_waiting(None)
 
     def __repr__(self) -> str:
-        state = "failed" if self._error else "launched" if self._launched.is_set() else "pending"
+        state = "failed" if self._error else "launched" if self._done else "pending"
         return f"<hora.Handle {self.kind} {self.name!r} {state}>"
 
 

@@ -32,6 +32,8 @@ def resolve_op(op: ReduceOp | int | None, average: bool | None) -> ReduceOp:
         return Average if average else Sum
     if op is None:
         return Average
+    if type(op) is ReduceOp:
+        return op
     try:
         return ReduceOp(int(op))
     except ValueError:

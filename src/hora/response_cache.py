@@ -16,7 +16,12 @@ CAPACITY = 4096  # distinct requests remembered; later ones travel in full
 
 def template(req: Request) -> Request:
     """The cache key of a request: an unnamed op's sequence name changes every call, its template does not."""
-    return req._replace(name="") if req.name.startswith(UNNAMED) else req
+    return Request("", *req[1:]) if req.name.startswith(UNNAMED) else req
+
+
+def named(req: Request, name: str) -> Request:
+    """``req`` under another name (``req._replace(name=name)``, at a third of its cost: once per op)."""
+    return Request(name, *req[1:])
 
 
 class ResponseCache:
@@ -44,7 +49,7 @@ class ResponseCache:
         if isinstance(item, int):
             return self._requests[item][rank]
         if isinstance(item, tuple) and len(item) == 2:
-            return self._requests[item[0]][rank]._replace(name=item[1])
+            return named(self._requests[item[0]][rank], item[1])
         return item  # type: ignore[return-value]
 
     def remember(self, entry: Entry) -> None:

@@ -28,9 +28,10 @@ from types import FrameType
 
 log = logging.getLogger(__name__)
 
-# Thread ident -> what that thread waits in. A dict item assignment is atomic under the GIL, so the setter
+# Thread ident -> what that thread waits in: a description, or (kind, name) described only when read (the
+# per-op cost of a wait is then one dict store). A dict item assignment is atomic under the GIL, so the setter
 # needs no lock; readers take a snapshot with dict.get.
-_waiting: dict[int, str] = {}
+_waiting: dict[int, str | tuple[str, str]] = {}
 _get_ident = threading.get_ident
 UNNAMED_PREFIX = "noname."  # the negotiator's generated names for unnamed collectives
 
@@ -55,13 +56,14 @@ def describe_op(kind: str, name: str) -> str:
     return f"{kind} {name!r}"
 
 
-def set_waiting(desc: str | None) -> None:
+def set_waiting(desc: str | tuple[str, str] | None) -> None:
     """Record (or clear, with None) the hora collective the calling thread is blocked in.
 
     Called by hora's handles around blocking waits; costs one dict store.
 
     Args:
-        desc: e.g. ``"allreduce 'grad.bucket.3'"``; None when the wait is over.
+        desc: e.g. ``"allreduce 'grad.bucket.3'"``, or ``(kind, name)`` to be described by
+            :func:`describe_op` when read; None when the wait is over.
     """
     if desc is None:
         _waiting.pop(_get_ident(), None)
@@ -72,7 +74,11 @@ def set_waiting(desc: str | None) -> None:
 def waiting_in(thread_id: int | None = None) -> str | None:
     """What the given thread (default: the main thread) is waiting in, or None."""
     ident = threading.main_thread().ident if thread_id is None else thread_id
-    return _waiting.get(ident) if ident is not None else None
+    return _described(_waiting.get(ident)) if ident is not None else None
+
+
+def _described(desc: str | tuple[str, str] | None) -> str | None:
+    return describe_op(*desc) if isinstance(desc, tuple) else desc
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -148,7 +154,7 @@ def describe_location(thread_id: int | None = None, limit: int = 4) -> str:
     if frame is None:
         return "main thread has exited"
     frames, lib = user_frames(frame, limit)
-    desc = _waiting.get(ident)
+    desc = _described(_waiting.get(ident))
     if desc is not None:
         return f"waiting in {desc}" + (f" (called from {frames[0]})" if frames else "")
     if not frames:
