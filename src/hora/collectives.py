@@ -20,7 +20,7 @@ from hora import runtime
 from hora.compression import Compression, Compressor
 from hora.diagnostics import timeline
 from hora.dispatch import Launch, LocalOp
-from hora.fusion import wire_op
+from hora.fusion import allreduce_async, wire_op
 from hora.handles import Handle
 from hora.plan import Request
 from hora.process_sets import ProcessSet, global_process_set
@@ -205,7 +205,7 @@ class Allreduce:
     def launch(call: Call, launch: Launch) -> Any:
         if call.wire.numel() == 0:  # the same shape everywhere: every rank skips it
             return None
-        return dist.all_reduce(call.wire, op=wire_op(call.op), group=launch.group, async_op=True)
+        return allreduce_async(call.wire, call.op, launch.group)
 
     @staticmethod
     def finish(call: Call) -> torch.Tensor:

@@ -33,6 +33,23 @@ def wire_op(op: int) -> Any:
     return wire if wire is not None else _WIRE_OPS[ReduceOp(op)]
 
 
+_OPTIONS: dict[int, Any] = {}  # reduce op -> c10d AllreduceOptions, built once: nothing allocated per op
+
+
+def allreduce_async(tensor: torch.Tensor, op: int, group: Any) -> Any:
+    """``dist.all_reduce(tensor, op, group, async_op=True)`` without its per-call Python checks, which cost more
+    than hora's whole round: hora validated the tensor at submit (never complex), and never coalesces on its
+    own groups. Returns the c10d Work."""
+    opts = _OPTIONS.get(op)
+    if opts is None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = wire_op(op)
+        if hasattr(opts, "asyncOp"):
+            opts.asyncOp = True
+        opts = _OPTIONS.setdefault(op, opts)
+    return group.allreduce([tensor], opts)
+
+
 def to_dtype(name: str) -> torch.dtype:
     """``"float32"`` -> ``torch.float32``."""
     dtype = getattr(torch, name, None)
@@ -108,7 +125,7 @@ class FusionBuffers:
             else:
                 flat[offset : offset + n].copy_(wire.reshape(-1))
             offset += n
-        dist.all_reduce(flat, op=wire_op(req.op), group=group, async_op=True).wait()
+        allreduce_async(flat, req.op, group).wait()
         offset = 0
         for wire, n in zip(wires, sizes):
             if wire is not None:

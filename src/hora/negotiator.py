@@ -270,8 +270,7 @@ class Negotiator:
                 if unsent:
                     self._plane.quiet(True)
                     try:
-                        self._plane.receive_ready()
-                        self._round()
+                        self._round()  # its allgather reads what peers sent: no need to look first
                     finally:
                         self._listen_after_round()
             except Exception as e:  # a round cut short leaves the ranks out of step: negotiation is over
