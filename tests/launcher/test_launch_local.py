@@ -207,6 +207,9 @@ if r == 1:
     sys.exit(3)
 while not os.path.exists(marker):
     time.sleep(0.01)
+# a follow-on error comes a moment after its cause (a peer noticing the loss); the agent timestamps lines when
+# it reads them, so without the gap a starved agent could read this rank's line first on a loaded machine
+time.sleep(0.3)
 print("Traceback (most recent call last):", file=sys.stderr)
 print("RuntimeError: connection closed by peer", file=sys.stderr, flush=True)
 sys.exit(1)
