@@ -208,13 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="CI smoke: 3 sizes, 3 samples, short samples")
     p.add_argument("-np", "--nranks", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--repeats", type=int, default=None, help="alternating samples per variant (default 7)")
+    p.add_argument("--repeats", type=int, default=None, help="alternating samples per variant (default 11)")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON, Markdown and PNG")
     p.add_argument("--launcher", choices=["fork", "hora"], default="fork",
                    help="start ranks by fork (default) or with hora.run (hora's own launcher)")
     args = p.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
-    repeats = args.repeats or (3 if args.quick else 7)
+    repeats = args.repeats or (3 if args.quick else 11)
     target_s = 0.02 if args.quick else 0.1
     start = time.monotonic()
     load_start = [round(x, 2) for x in os.getloadavg()]

@@ -24,7 +24,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import alternate, fork_ranks, machine_info, markdown_table, ratio_summary, summarize, write_results
+from common import (
+    RESULTS,
+    alternate,
+    fork_ranks,
+    machine_info,
+    markdown_table,
+    ratio_summary,
+    summarize,
+    write_results,
+)
 
 VARIANTS = ("stall_off", "stall_on", "timeline")
 
@@ -48,7 +57,7 @@ def _rank(rank: int, size: int, repeats: int, steps: int, tmp: str) -> dict[str,
     neg = runtime.state().negotiator
 
     def setup(variant: str) -> None:
-        neg.policy = stall.StallPolicy(enabled=variant != "stall_off")
+        neg._stall.policy = stall.StallPolicy(enabled=variant != "stall_off")  # the inspector reads it each round
         if variant == "timeline":
             timeline.start_timeline(f"{tmp}/t.json", rank=rank, size=size)
         else:
@@ -93,7 +102,7 @@ def _micro(rank: int, size: int, pending: int, calls: int) -> dict[str, float]:
         neg.table.entries[f"p{i}"] = Entry(f"p{i}", {0: Request(f"p{i}", "allreduce", "float32", (1,))}, 0, now)
     t0 = time.perf_counter()
     for _ in range(calls):
-        delay = neg._stall_check_in()
+        delay = neg._stall.check_in()
         neg._watchdog.arm(0, delay if delay is not None else 60.0)
         neg._watchdog.disarm()
     per_call = (time.perf_counter() - t0) / calls
@@ -102,11 +111,13 @@ def _micro(rank: int, size: int, pending: int, calls: int) -> dict[str, float]:
     return {"pending": pending, "us_per_idle_transition": per_call * 1e6}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=31)
     ap.add_argument("--steps", type=int, default=10)
-    args = ap.parse_args()
+    ap.add_argument("--micro-calls", type=int, default=20_000, help="idle transitions timed per pending count")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and Markdown")
+    args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         results = fork_ranks(_rank, 2, args.repeats, args.steps, tmp)
     r0 = results[0]
@@ -121,12 +132,12 @@ def main() -> int:
             q1, q3 = pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]
             rows.append([what, f"{num}/{den}", "", "", f"{r['median']:.3f} (IQR {q1:.3f}-{q3:.3f})"])
     md = markdown_table(["measure", "variant", "median ms", "min-max ms", "pair ratio median (IQR)"], rows)
-    micro = [fork_ranks(_micro, 1, n, 20_000)[0] for n in (1, 8, 64)]
+    micro = [fork_ranks(_micro, 1, n, args.micro_calls)[0] for n in (1, 8, 64)]
     md += "\n" + markdown_table(["pending names", "stall inspector µs per idle transition (no stall)"],
                                 [[m["pending"], f"{m['us_per_idle_transition']:.2f}"] for m in micro])
     sys.stdout.write(md)
     write_results("diagnostics_overhead", {"machine": machine_info(), "args": vars(args), "rank0": r0,
-                                           "micro": micro}, md)
+                                           "micro": micro}, md, out_dir=args.out)
     return 0
 
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from common import (
+    RESULTS,
     alternate,
     fork_ranks,
     machine_info,
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--image", type=int, default=32, help="side: small, so communication is a large share")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--quick", action="store_true", help="2 samples of 1 step: checks that it runs")
+    p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON, Markdown and PNG")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats, args.steps = 2, 1
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         ax.set_title("ResNet-50 step, 2 ranks on loopback: hora vs DDP vs per-tensor allreduce")
 
     data = {"machine": machine_info(), "args": vars(args), "samples_s": results, "markdown": md}
-    for path in write_results("optimizer_bench", data, md, plot):
+    for path in write_results("optimizer_bench", data, md, plot, args.out):
         print(f"wrote {path}")
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import alternate, machine_info, markdown_table, summarize, write_results
+from common import RESULTS, alternate, machine_info, markdown_table, summarize, write_results
 
 from hora.diagnostics import timeline as T
 
@@ -67,10 +67,11 @@ def _on(n: int, names: Callable[[int], str], phases: tuple[str, ...]) -> float:
         return (time.perf_counter() - t0) / n
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and Markdown")
+    args = ap.parse_args(argv)
     cases: dict[str, Callable[[], float]] = {
         "calib": calib,
         "off": off,
@@ -90,7 +91,8 @@ def main() -> int:
     md += ("\ncalib = one sum(range(1000)) in the same run (~9 µs on an idle core here): multiply the "
            "calib-unit column by 9 µs for the idle-machine cost.\n")
     sys.stdout.write(md)
-    write_results("timeline_cost", {"machine": machine_info(), "samples_s": samples, "calls": CALLS}, md)
+    write_results("timeline_cost", {"machine": machine_info(), "samples_s": samples, "calls": CALLS}, md,
+                  out_dir=args.out)
     return 0
 
 
