@@ -278,7 +278,9 @@ class Negotiator:
                 self._break(error)
                 raise error from e
             except BaseException as e:  # Ctrl-C in the middle of a round
-                self._break(CollectiveError(f"rank {self.rank}: a negotiation round was interrupted ({e!r})"))
+                self._break(CollectiveError(
+                    f"rank {self.rank}: a negotiation round was interrupted ({e!r}), so this process is out of step "
+                    "with its peers; to go on, call hvd.shutdown() then hvd.init() on every rank"))
                 raise
             finally:
                 self._round_lock.release()

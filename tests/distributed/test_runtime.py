@@ -199,3 +199,38 @@ def _peer_dies(rank: int, size: int) -> str:
 
 def test_a_dead_peer_surfaces_as_horovod_internal_error() -> None:
     assert run_ranks(_peer_dies, 2, init=False) == ["CollectiveError,CollectiveError", "left"]
+
+
+def _interrupted(rank: int, size: int) -> list[str]:
+    """Ctrl-C (KeyboardInterrupt) lands while a synchronous op runs its round, as in a notebook cell."""
+    from hora import runtime
+
+    hvd.init()
+    plane = runtime.state().negotiator._plane
+    allgather = plane.allgather
+
+    def interrupted(payload: bytes) -> list[bytes]:
+        raise KeyboardInterrupt
+
+    plane.allgather = interrupted
+    seen = []
+    try:
+        hvd.allreduce(torch.ones(100), name="a")
+    except KeyboardInterrupt:
+        seen.append("KeyboardInterrupt")
+    plane.allgather = allgather
+    with pytest.raises(hvd.HorovodInternalError) as error:
+        hvd.allreduce(torch.ones(100), name="b")
+    seen.append(str(error.value))
+    hvd.shutdown()
+    hvd.init()  # starts over: collectives work again
+    seen.append(str(hvd.allreduce(torch.full((100,), 2.0), name="c", op=hvd.Sum)[0].item()))
+    hvd.shutdown()
+    return seen
+
+
+def test_an_interrupted_round_fails_later_ops_until_hora_restarts() -> None:
+    seen = run_ranks(_interrupted, 1, init=False)[0]
+    assert seen[0] == "KeyboardInterrupt"
+    assert "negotiation round was interrupted" in seen[1] and "hvd.shutdown() then hvd.init()" in seen[1]
+    assert seen[2] == "2.0"
