@@ -60,14 +60,6 @@ class Dispatcher:
         """Issue ``ready`` in order: inline reductions first, then fused batches and single ops."""
         if self._joined_works:
             self._joined_works = [w for w in self._joined_works if not w.is_completed()]
-        if len(ready) == 1:  # the steady state of a synchronous loop: what the general path does for one
-            entry = ready[0]
-            if self.rank in entry.first.ps:
-                if entry.inline:
-                    self._finish_inline(entry)
-                else:
-                    self._launch_one(entry, joined)
-            return
         for entry in ready:
             if entry.inline and self.rank in entry.first.ps:
                 self._finish_inline(entry)

@@ -80,6 +80,8 @@ def _key(entry: Entry, threshold: int) -> tuple[object, ...] | None:
 def plan_batches(ready: Sequence[Entry], threshold: int) -> list[list[Entry]]:
     """Group consecutive fusable allreduces (same dtype, wire op, process set, device) up to ``threshold``
     bytes; everything else is a batch of one. Order is kept."""
+    if len(ready) < 2:  # the steady state of a synchronous loop: nothing to fuse
+        return [list(ready)] if ready else []
     batches: list[list[Entry]] = []
     current: list[Entry] = []
     current_key: tuple[object, ...] | None = None

@@ -15,7 +15,7 @@ whose process goes is noticed at once (its mesh connections close, or the death 
 for a dead rank.
 
 A name seen before with identical metadata is sent as a small integer (the response cache), so steady-state
-rounds carry a few bytes, and a round where every rank sent the same one cached op skips the table. The
+rounds carry a few bytes. The
 stall inspector lives here too: the table knows which ranks have not submitted a pending name and since when.
 """
 
@@ -38,7 +38,7 @@ from hora.dispatch import Dispatcher, LocalOp
 from hora.errors import CollectiveError
 from hora.handles import Handle
 from hora.mesh import PeerLost
-from hora.plan import JOIN, SHUTDOWN, Decision, Entry, Request, Table
+from hora.plan import JOIN, SHUTDOWN, Decision, Request, Table
 from hora.response_cache import UNNAMED, ResponseCache
 
 if TYPE_CHECKING:
@@ -401,10 +401,6 @@ class Negotiator:
         if tl is not None and tl.mark_cycles:
             tl.instant("round", t0, row="negotiator", round=round_no)
         now = time.monotonic()
-        steady = self._steady_entry(gathered, round_no, now)
-        if steady is not None:  # the common case, decided without the table (same outcome, less work)
-            self._apply(Decision(ready=[steady]))
-            return False
         decision = Decision()
         for rank, (entries, inline, _flags) in enumerate(gathered):
             for item, data in zip(entries, inline):
@@ -413,31 +409,9 @@ class Negotiator:
                 self.table.add(rank, req, round_no, now, decision, fresh=fresh, data=data)
         self.table.decide(decision)
         self._apply(decision)
-        finished = self._handle_flags(gathered, decision)
-        return finished
-
-    def _steady_entry(self, gathered: list[Any], round_no: int, now: float) -> Entry | None:
-        """The steady state of a training loop: every rank sent the same one cached request (same cache id,
-        same name), nothing else is pending and no rank has joined. The table would find it ready and
-        consistent (a cache id stands for requests that matched before), so build its entry directly.
-        None when anything differs: the table decides."""
-        if self.table.entries or self.table.tombstones:
-            return None
-        first = gathered[0][0]
-        if len(first) != 1 or isinstance(first[0], Request):
-            return None
-        item = first[0]
-        for entries, _inline, flags in gathered:
-            if flags or len(entries) != 1 or entries[0] != item:
-                return None
-        requests = {rank: self._cache.decode(item, rank) for rank in range(self.size)}
-        req = requests[0]
-        if set(req.ps) != set(range(self.size)):
-            return None  # a process set: the table checks who must take part
-        entry = Entry(req.name, requests, round_no, now, arrival=dict.fromkeys(requests, round_no))
-        if gathered[0][1][0] is not None:
-            entry.inline = {rank: g[1][0] for rank, g in enumerate(gathered)}
-        return entry
+        if any(f for _, _, f in gathered):
+            self._handle_flags(gathered)
+        return any(e.first.kind == SHUTDOWN for e in decision.ready)
 
     def _apply(self, decision: Decision) -> None:
         for entry, error in decision.failed:
@@ -469,8 +443,8 @@ class Negotiator:
             op.handle.fail(error)
 
     # --- stall inspector ----------------------------------------------------------------------------
-    def _handle_flags(self, gathered: list[Any], decision: Decision) -> bool:
-        """Stall queries and answers travel as round flags; returns True when the shutdown round ran."""
+    def _handle_flags(self, gathered: list[Any]) -> None:
+        """Stall queries and answers travel as round flags (most rounds carry none)."""
         answer = self._stall.answer_queries([f for _, _, f in gathered])
         if answer is not None:  # every rank says where it is, in the next round
             with self._lock:
@@ -478,7 +452,6 @@ class Negotiator:
         for name, error in self._stall.report({r: f["where"] for r, (_, _, f) in enumerate(gathered) if "where" in f}):
             self._stall_shutdown = True  # the stalled peers will not join a collective shutdown
             self._fail_local(name, error)
-        return any(e.first.kind == SHUTDOWN for e in decision.ready)
 
     def _break(self, error: BaseException) -> None:
         with self._lock:

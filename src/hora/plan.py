@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 from hora.errors import CollectiveError, CollectiveMismatchError
@@ -81,8 +82,9 @@ class Entry:
     fresh: bool = False  # some rank sent its request in full (not as a cache id) this time
     inline: dict[int, bytes] = field(default_factory=dict)  # tiny allreduces: each rank's data, sent inline
 
-    @property
+    @cached_property
     def first(self) -> Request:
+        """The request that arrived first (requests are only ever added, so it never changes)."""
         return next(iter(self.requests.values()))
 
 
@@ -133,11 +135,11 @@ class Table:
         joined = self.joined
         for name, entry in list(self.entries.items()):
             required = self._required(entry, joined)
-            complete = required <= set(entry.requests)
+            complete = required <= entry.requests.keys()
             error = self._check(entry, joined) if complete else self._join_conflict(entry, joined)
             if error is not None:
                 del self.entries[name]
-                owed = required - set(entry.requests)
+                owed = required - entry.requests.keys()
                 if owed:
                     self.tombstones[name] = (error, owed)
                 decision.failed.append((entry, error))
@@ -155,7 +157,8 @@ class Table:
 
     def _check(self, entry: Entry, joined: frozenset[int]) -> CollectiveError | None:
         reqs = entry.requests
-        if len(reqs) > 1:
+        first = entry.first
+        if any(r != first for r in reqs.values()):  # identical requests (the usual case) cannot disagree
             fields = differing_fields(reqs.values())
             if fields:
                 return CollectiveMismatchError(entry.name, {r: describe(q) for r, q in reqs.items()}, fields)
@@ -179,8 +182,10 @@ class Table:
         leaving = self._leaving_conflict(entry)
         if leaving is not None:
             return leaving
+        if not joined:
+            return None
         req = entry.first
-        blocked = joined.intersection(req.ps) - set(entry.requests)
+        blocked = joined.intersection(req.ps) - entry.requests.keys()
         if blocked and req.kind not in JOIN_OK:
             return CollectiveError(
                 f"{req.kind} {entry.name!r} cannot run: rank(s) {sorted(blocked)} already called join(). "
