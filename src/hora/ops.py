@@ -160,16 +160,24 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
 
 
 # --- allgather ---------------------------------------------------------------------------------------------
+def _allgather_call(tensor: torch.Tensor, name: str | None, ps: ProcessSet) -> Call:
+    return Call("allgather", tensor, name or "", ps)
+
+
+def _grouped_allgather_calls(tensors: Sequence[torch.Tensor], name: str | None, ps: ProcessSet) -> list[Call]:
+    return [_allgather_call(t, n, ps) for t, n in zip(tensors, _group_names(name, len(tensors)))]
+
+
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather (concatenation along dim 0; dim 0 may differ per rank)."""
-    return submit(Call("allgather", tensor, name or "", process_set))
+    return submit(_allgather_call(tensor, name, process_set))
 
 
 class _AllgatherFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, ps: ProcessSet) -> torch.Tensor:  # type: ignore[override]
-        call = Call("allgather", tensor, name or "", ps)
+        call = _allgather_call(tensor, name, ps)
         out = submit(call, waiting=True).wait()
         ctx.rows, ctx.index, ctx.ps = call.meta, ps.rank(), ps
         return out
@@ -185,41 +193,45 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every member's ``tensor`` along dim 0. Differentiable."""
     if not _needs_grad(tensor):
-        return submit(Call("allgather", tensor, name or "", process_set), waiting=True).wait()
+        return submit(_allgather_call(tensor, name, process_set), waiting=True).wait()
     return _AllgatherFn.apply(tensor, name, process_set)
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Start allgathers of a list of tensors as one group."""
-    return _grouped([Call("allgather", t, n, process_set) for t, n in zip(tensors, _group_names(name, len(tensors)))])
+    return _grouped(_grouped_allgather_calls(tensors, name, process_set))
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather a list of tensors as one group."""
-    return _grouped([Call("allgather", t, n, process_set) for t, n in zip(tensors, _group_names(name, len(tensors)))],
-                    waiting=True).wait()
+    return _grouped(_grouped_allgather_calls(tensors, name, process_set), waiting=True).wait()
 
 
 # --- broadcast ---------------------------------------------------------------------------------------------
+def _broadcast_call(tensor: torch.Tensor, root_rank: int, name: str | None, ps: ProcessSet,
+                    inplace: bool = False) -> Call:
+    return Call("broadcast", tensor, name or "", ps, root=int(root_rank), inplace=inplace)
+
+
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start a broadcast from the global rank ``root_rank``; the result is a new tensor."""
-    return submit(Call("broadcast", tensor, name or "", process_set, root=int(root_rank)))
+    return submit(_broadcast_call(tensor, root_rank, name, process_set))
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place broadcast."""
-    return submit(Call("broadcast", tensor, name or "", process_set, root=int(root_rank), inplace=True))
+    return submit(_broadcast_call(tensor, root_rank, name, process_set, inplace=True))
 
 
 class _BroadcastFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root: int, name: str | None, ps: ProcessSet) -> torch.Tensor:  # type: ignore[override]
         ctx.root, ctx.ps = root, ps
-        return submit(Call("broadcast", tensor, name or "", ps, root=int(root)), waiting=True).wait()
+        return submit(_broadcast_call(tensor, root, name, ps), waiting=True).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
@@ -233,15 +245,14 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return ``root_rank``'s tensor on every member. Differentiable."""
     if not _needs_grad(tensor):
-        return submit(Call("broadcast", tensor, name or "", process_set, root=int(root_rank)), waiting=True).wait()
+        return submit(_broadcast_call(tensor, root_rank, name, process_set), waiting=True).wait()
     return _BroadcastFn.apply(tensor, int(root_rank), name, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place broadcast: ``tensor`` holds root's value afterwards."""
-    return submit(Call("broadcast", tensor, name or "", process_set, root=int(root_rank), inplace=True),
-                  waiting=True).wait()
+    return submit(_broadcast_call(tensor, root_rank, name, process_set, inplace=True), waiting=True).wait()
 
 
 # --- alltoall ----------------------------------------------------------------------------------------------
