@@ -266,7 +266,24 @@ class ControlPlane(Protocol):
     def close(self) -> None: ...
 
 
-class GlooPlane:
+class _UnreadPlane:
+    """A plane whose peers' frames exist only inside its allgather: nothing to look at, read or silence
+    between rounds, so every woken rank answers at once."""
+
+    def peek(self) -> dict[int, bytes]:
+        return {}
+
+    def receive_ready(self) -> None:
+        pass
+
+    def has_input(self) -> bool:
+        return False
+
+    def quiet(self, on: bool) -> None:
+        pass
+
+
+class GlooPlane(_UnreadPlane):
     """The allgather on the control Gloo group, and a bell in the store (or in memory for one process)."""
 
     watches_peers = False  # a dead peer is noticed by a DeathWatch, not by this plane
@@ -289,24 +306,11 @@ class GlooPlane:
     def allgather(self, payload: bytes) -> list[bytes]:
         return self._exchange.allgather(payload)
 
-    def peek(self) -> dict[int, bytes]:
-        """Peers' payloads are unknown until the allgather: every woken rank answers at once."""
-        return {}
-
-    def receive_ready(self) -> None:
-        pass
-
-    def has_input(self) -> bool:
-        return False
-
-    def quiet(self, on: bool) -> None:
-        pass
-
     def close(self) -> None:
         self._bell.close()
 
 
-class LocalPlane:
+class LocalPlane(_UnreadPlane):
     """The control plane of a single-process job: a round is local, so it runs on whichever thread needs it
     (no peers to read, no Gloo call, no store)."""
 
@@ -330,18 +334,6 @@ class LocalPlane:
 
     def allgather(self, payload: bytes) -> list[bytes]:
         return [payload]
-
-    def peek(self) -> dict[int, bytes]:
-        return {}
-
-    def has_input(self) -> bool:
-        return False
-
-    def receive_ready(self) -> None:
-        pass
-
-    def quiet(self, on: bool) -> None:
-        pass
 
     def clear(self, round_no: int) -> None:
         pass
