@@ -4,13 +4,17 @@ For each message size (4 KB to 256 MB, powers of 4) every rank times, alternatin
   raw       ``dist.all_reduce(t)`` on the default group (SUM, in place)
   hora      ``hvd.allreduce_(t, op=hvd.Sum)`` (in place, unnamed: the negotiated path a script takes)
   hora_oop  ``hvd.allreduce(t, op=hvd.Sum)`` (out of place: allocates its output)
+  raw_b     ``dist.all_reduce`` again, on a tensor of its own: an A/A control
 and reports bus bandwidth (busbw = bytes / time * 2(n-1)/n), the per-pair ratio hora/raw as a median with
-its spread, and the latency of a 1-element op (raw, hora unnamed, hora with a reused name).
+its spread, the microseconds hora adds per op (per-pair median of hora - raw time), the A/A ratio raw/raw_b
+(how far two identical variants drift apart on this machine: a hora/raw ratio inside that band is noise,
+not hora), and the latency of a 1-element op (raw, hora unnamed, hora with a reused name).
 Goal (issue 2): >= 0.95 of raw for >= 1 MB, tiny-op latency <= 2x raw.
 
     python benchmarks/allreduce_bench.py            # full run, < 5 minutes on 2 cores
     python benchmarks/allreduce_bench.py --quick    # CI smoke: 3 sizes, few samples
     python benchmarks/allreduce_bench.py --launcher hora   # ranks started by hora.run instead of fork
+    python benchmarks/allreduce_bench.py --sizes 1MB --repeats 61  # one size, finer: allreduce_bench_1MB.md
 
 Writes benchmarks/results/allreduce_bench.{json,md,png} (``--out`` to change the directory).
 """
@@ -39,7 +43,7 @@ from common import (
 
 FULL_SIZES = [4 * 1024 * 4**i for i in range(9)]  # 4 KB .. 256 MB
 QUICK_SIZES = [4 * 1024, 1024 * 1024, 16 * 1024 * 1024]
-VARIANTS = ("raw", "hora", "hora_oop")
+VARIANTS = ("raw", "hora", "hora_oop", "raw_b")
 TINY_VARIANTS = ("raw", "hora", "hora_named")
 
 
@@ -74,18 +78,19 @@ def _timer(call: Any, iters: int) -> Any:
 
 
 def _measure(nbytes: int, repeats: int, target_s: float) -> tuple[int, dict[str, list[float]]]:
-    """Alternating samples of the three variants on fresh float32 tensors of ``nbytes``."""
+    """Alternating samples of the four variants on fresh float32 tensors of ``nbytes``."""
     import torch
     import torch.distributed as dist
 
     import hora as hvd
 
     n = nbytes // 4
-    raw_t, hora_t, oop_t = torch.zeros(n), torch.zeros(n), torch.zeros(n)  # zeros: sums never overflow
+    raw_t, hora_t, oop_t, raw_b_t = (torch.zeros(n) for _ in VARIANTS)  # zeros: sums never overflow
     calls = {
         "raw": lambda: dist.all_reduce(raw_t),
         "hora": lambda: hvd.allreduce_(hora_t, op=hvd.Sum),
         "hora_oop": lambda: hvd.allreduce(oop_t, op=hvd.Sum),
+        "raw_b": lambda: dist.all_reduce(raw_b_t),
     }
     iters = _iterations(calls["raw"], target_s, 2000)
     return iters, alternate({k: _timer(c, iters) for k, c in calls.items()}, repeats)
@@ -138,6 +143,8 @@ def analyse(raw: dict[str, Any], nranks: int) -> dict[str, Any]:
             **{f"{k}_busbw": busbw(nbytes, s[k]["median"], nranks) for k in VARIANTS},
             "ratio": ratio_summary(samples["raw"], samples["hora"]),  # busbw hora / busbw raw
             "ratio_oop": ratio_summary(samples["raw"], samples["hora_oop"]),
+            "added_us": summarize([(h - r) * 1e6 for h, r in zip(samples["hora"], samples["raw"])]),
+            "ratio_aa": ratio_summary(samples["raw"], samples["raw_b"]),  # A/A: what noise alone gives
         })
     tiny = {k: summarize(v) for k, v in raw["tiny"].items()}
     return {
@@ -157,9 +164,10 @@ def _pct(r: dict[str, float]) -> str:
 def to_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
     rows = [[human_bytes(r["bytes"]), f"{r['raw_busbw']:.3f}", f"{r['hora_busbw']:.3f}", _pct(r["ratio"]),
              _goal(r["ratio"]["median"] >= 0.95) if r["bytes"] >= 2**20 else "",
+             f"{r['added_us']['median']:+.0f}", _pct(r["ratio_aa"]),
              f"{r['hora_oop_busbw']:.3f}", _pct(r["ratio_oop"]), r["iters"]] for r in result["rows"]]
-    table = markdown_table(["size", "raw busbw GB/s", "hora busbw GB/s", "hora/raw", ">= 0.95?",
-                            "hora out-of-place GB/s", "oop/raw", "iters/sample"], rows)
+    table = markdown_table(["size", "raw busbw GB/s", "hora busbw GB/s", "hora/raw", ">= 0.95?", "hora adds µs/op",
+                            "A/A raw/raw", "hora out-of-place GB/s", "oop/raw", "iters/sample"], rows)
     t = result["tiny"]
     tiny = markdown_table(["1-element allreduce", "raw µs", "hora µs", "hora/raw time", "hora named µs",
                            "named/raw time"],
@@ -170,8 +178,10 @@ def to_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
     load = f"load average {meta['load_start'][0]} at start, {m['load_avg_1_5_15'][0]} at end (2 cores)"
     return (f"# hora allreduce vs torch.distributed.all_reduce ({meta['nranks']} ranks, Gloo, CPU)\n\n"
             f"{m['utc']}, {m['cpu']} x{m['cpus']}, torch {m['torch']}, hora {m['hora']} ({m['git_commit']}); "
-            f"median of {meta['repeats']} alternating samples; ratio = per-pair raw time / hora time "
-            f"(= busbw ratio), ± half the min-max spread; {load}. "
+            f"median of {meta['repeats']} alternating samples (order rotated each cycle); ratio = per-pair raw "
+            f"time / hora time (= busbw ratio), ± half the min-max spread; A/A = the same ratio between two identical "
+            f"raw variants "
+            f"(the noise band of this machine); {load}. "
             f"Goal: >= 0.95 for >= 1 MB; tiny latency <= 2x.\n\n"
             f"{table}\n{tiny}")
 
@@ -194,6 +204,9 @@ def plot(result: dict[str, Any]) -> Any:
         lo = [r["ratio"]["median"] - r["ratio"]["min"] for r in result["rows"]]
         hi = [r["ratio"]["max"] - r["ratio"]["median"] for r in result["rows"]]
         ax2.errorbar(sizes, med, yerr=[lo, hi], marker="o", capsize=3, label="hora / raw (min-max)")
+        ax2.fill_between(sizes, [r["ratio_aa"]["min"] for r in result["rows"]],
+                         [r["ratio_aa"]["max"] for r in result["rows"]], color="grey", alpha=0.25,
+                         label="raw / raw A/A (noise band)")
         ax2.axhline(0.95, color="red", linestyle="--", label="goal 0.95")
         ax2.set_xscale("log", base=2)
         ax2.set_xlabel("message size (bytes)")
@@ -204,16 +217,34 @@ def plot(result: dict[str, Any]) -> Any:
     return draw
 
 
+def _sizes(text: str) -> list[int]:
+    """``"4KB,1MB"`` -> ``[4096, 1048576]`` (B, KB, MB, GB; powers of 1024; a multiple of 4 bytes)."""
+    units = {"GB": 1 << 30, "MB": 1 << 20, "KB": 1 << 10, "B": 1}
+    sizes = []
+    for part in text.replace(" ", "").upper().split(","):
+        unit = next((u for u in units if part.endswith(u)), "B")
+        try:
+            n = int(float(part.removesuffix(unit) or "x") * units[unit])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a size like 4KB or 1MB") from None
+        if n < 4 or n % 4:
+            raise argparse.ArgumentTypeError(f"{part!r}: sizes are whole float32 tensors (>= 4 bytes, a multiple of 4)")
+        sizes.append(n)
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="CI smoke: 3 sizes, 3 samples, short samples")
     p.add_argument("-np", "--nranks", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--repeats", type=int, default=None, help="alternating samples per variant (default 11)")
+    p.add_argument("--sizes", type=_sizes, default=None, metavar="LIST",
+                   help="message sizes to measure, e.g. 1MB,4MB (default 4 KB to 256 MB in powers of 4)")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON, Markdown and PNG")
     p.add_argument("--launcher", choices=["fork", "hora"], default="fork",
                    help="start ranks by fork (default) or with hora.run (hora's own launcher)")
     args = p.parse_args(argv)
-    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
     repeats = args.repeats or (3 if args.quick else 11)
     target_s = 0.02 if args.quick else 0.1
     start = time.monotonic()
@@ -230,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             "load_start": load_start,
             "target_sample_s": target_s, "machine": machine_info(), "wall_s": round(time.monotonic() - start, 1)}
     name = "allreduce_bench_quick" if args.quick else "allreduce_bench"
+    if args.sizes:  # a focused run is reported beside the full one, not over it
+        name += "_" + "_".join(human_bytes(n).replace(" ", "") for n in sizes)
     md = to_markdown(result, meta)
     paths = write_results(name, {"meta": meta, "samples": raw, "result": result}, md, plot(result), args.out)
     print(md)
