@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     RESULTS,
     alternate,
+    difference_summary,
     fork_ranks,
     human_bytes,
     machine_info,
@@ -143,7 +144,7 @@ def analyse(raw: dict[str, Any], nranks: int) -> dict[str, Any]:
             **{f"{k}_busbw": busbw(nbytes, s[k]["median"], nranks) for k in VARIANTS},
             "ratio": ratio_summary(samples["raw"], samples["hora"]),  # busbw hora / busbw raw
             "ratio_oop": ratio_summary(samples["raw"], samples["hora_oop"]),
-            "added_us": summarize([(h - r) * 1e6 for h, r in zip(samples["hora"], samples["raw"])]),
+            "added_us": difference_summary(samples["hora"], samples["raw"]),  # µs per op
             "ratio_aa": ratio_summary(samples["raw"], samples["raw_b"]),  # A/A: what noise alone gives
         })
     tiny = {k: summarize(v) for k, v in raw["tiny"].items()}
@@ -179,9 +180,8 @@ def to_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
     return (f"# hora allreduce vs torch.distributed.all_reduce ({meta['nranks']} ranks, Gloo, CPU)\n\n"
             f"{m['utc']}, {m['cpu']} x{m['cpus']}, torch {m['torch']}, hora {m['hora']} ({m['git_commit']}); "
             f"median of {meta['repeats']} alternating samples (order rotated each cycle); ratio = per-pair raw "
-            f"time / hora time (= busbw ratio), ± half the min-max spread; A/A = the same ratio between two identical "
-            f"raw variants "
-            f"(the noise band of this machine); {load}. "
+            f"time / hora time (= busbw ratio), ± half the min-max spread; A/A = the same ratio between two "
+            f"identical raw variants (the noise band of this machine); {load}. "
             f"Goal: >= 0.95 for >= 1 MB; tiny latency <= 2x.\n\n"
             f"{table}\n{tiny}")
 

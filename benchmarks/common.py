@@ -111,6 +111,11 @@ def ratio_summary(numer: Sequence[float], denom: Sequence[float]) -> dict[str, f
     return summarize([a / b for a, b in zip(numer, denom) if b])
 
 
+def difference_summary(a: Sequence[float], b: Sequence[float], scale: float = 1e6) -> dict[str, float]:
+    """Summary of the per-pair differences (a[i] - b[i]) * scale: by default seconds -> microseconds."""
+    return summarize([(x - y) * scale for x, y in zip(a, b)])
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub-flavoured Markdown table."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]

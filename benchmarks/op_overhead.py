@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, alternate, fork_ranks, machine_info, markdown_table, summarize, write_results
+from common import RESULTS, alternate, difference_summary, fork_ranks, machine_info, markdown_table, write_results
 
 VARIANTS = ("raw", "hora", "hora_named")
 NBYTES = 1024  # above the 64 bytes that travel inside the round: the op takes the data-plane path
@@ -62,11 +62,6 @@ def _rank(rank: int, size: int, repeats: int, calls: int) -> dict[str, list[floa
     return samples
 
 
-def _extra_us(samples: dict[str, list[float]], variant: str) -> dict[str, float]:
-    """Per-pair extra time of ``variant`` over raw, in microseconds."""
-    return summarize([(h - r) * 1e6 for h, r in zip(samples[variant], samples["raw"])])
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=15, help="alternating samples per variant")
@@ -76,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     samples = fork_ranks(_rank, 1, args.repeats, args.calls)[0]
     per_call = {v: statistics.median(samples[v]) * 1e6 for v in VARIANTS}
-    extra = {v: _extra_us(samples, v) for v in VARIANTS[1:]}
+    extra = {v: difference_summary(samples[v], samples["raw"]) for v in VARIANTS[1:]}
     rows = [[v, f"{per_call[v]:.1f}",
              "" if v == "raw" else f"{extra[v]['median']:.1f} ({extra[v]['min']:.1f} to {extra[v]['max']:.1f})"]
             for v in VARIANTS]

@@ -15,8 +15,8 @@ whose process goes is noticed at once (its mesh connections close, or the death 
 for a dead rank.
 
 A name seen before with identical metadata is sent as a small integer (the response cache), so steady-state
-rounds carry a few bytes. The
-stall inspector lives here too: the table knows which ranks have not submitted a pending name and since when.
+rounds carry a few bytes. The stall inspector lives here too: the table knows which ranks have not submitted
+a pending name and since when.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ CAPACITY = 4096  # distinct requests remembered; later ones travel in full
 
 def template(req: Request) -> Request:
     """The cache key of a request: an unnamed op's sequence name changes every call, its template does not."""
-    return Request("", *req[1:]) if req.name.startswith(UNNAMED) else req
+    return named(req, "") if req.name.startswith(UNNAMED) else req
 
 
 def named(req: Request, name: str) -> Request:
