@@ -23,8 +23,11 @@ from hora.errors import (  # noqa: F401
     HoraError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
+    InvalidCallError,
     LaunchError,
     NotInitializedError,
+    UnsupportedCallError,
+    UnsupportedDtypeError,
 )
 
 # --- compression --------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from hora import ops
+from hora.errors import UnsupportedCallError
 from hora.handles import synchronize
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def adasum_tree(rows: torch.Tensor) -> torch.Tensor:
     """Adasum of the rows of ``rows`` (shape ``(2^k, n)``), paired as a binary tree."""
     count = rows.shape[0]
     if count & (count - 1):
-        raise ValueError(f"Adasum needs a power-of-two number of ranks, got {count}")
+        raise UnsupportedCallError(f"Adasum needs a power-of-two number of ranks, got {count}")
     level = list(rows)
     while len(level) > 1:
         level = [adasum_pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
@@ -74,7 +75,7 @@ def adasum_allreduce_async_(tensor: torch.Tensor, name: str | None, process_set:
     """Start an in-place Adasum allreduce of ``tensor`` over ``process_set`` (a power-of-two number of ranks)."""
     size = process_set.size()
     if size & (size - 1):
-        raise ValueError(
+        raise UnsupportedCallError(  # Horovod: NotImplementedError
             f"op=hvd.Adasum needs a power-of-two number of ranks, got {size}: run with 2, 4, 8... ranks or use "
             "op=hvd.Average"
         )

@@ -20,6 +20,7 @@ from hora import runtime
 from hora.compression import Compression, Compressor
 from hora.diagnostics import timeline
 from hora.dispatch import Launch, LocalOp
+from hora.errors import InvalidCallError, UnsupportedDtypeError
 from hora.fusion import allreduce_async, wire_op
 from hora.handles import Handle
 from hora.plan import Request
@@ -64,40 +65,47 @@ class Call:
 
 
 def _validate(call: Call, rank: int) -> None:
+    """Refuse a call that cannot work, on this rank, before anything is submitted.
+
+    Every refusal is an :class:`InvalidCallError` (a ``ValueError`` and a ``RuntimeError``, so a Horovod
+    script's ``except`` catches it whichever of the two Horovod raised); a bad dtype is also a ``TypeError``.
+    """
     t = call.tensor
     where = f"{call.kind} {call.name or '(unnamed)'!r} on rank {rank}"
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _SUPPORTED:
-        raise TypeError(f"{where}: dtype {t.dtype} is not supported; use one of "
-                        f"{sorted(dtype_name(d) for d in _SUPPORTED)}")
+        raise UnsupportedDtypeError(f"{where}: dtype {t.dtype} is not supported; use one of "
+                                    f"{sorted(dtype_name(d) for d in _SUPPORTED)}")
     if not t.is_contiguous():
-        raise ValueError(f"{where}: the tensor is not contiguous; call .contiguous() on it first")
+        raise InvalidCallError(f"{where}: the tensor is not contiguous; call .contiguous() on it first")
     if t.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{where}: tensors on {t.device} are not supported (CPU and CUDA are)")
+        raise InvalidCallError(f"{where}: tensors on {t.device} are not supported (CPU and CUDA are)")
     if t.is_cuda and runtime.state().device is None:
-        raise ValueError(f"{where}: a CUDA tensor, but hora was initialised without NCCL/CUDA")
+        raise InvalidCallError(f"{where}: a CUDA tensor, but hora was initialised without NCCL/CUDA")
     if call.ps.process_set_id is None:
-        raise ValueError(f"{where}: {call.ps!r} is not registered; use hvd.add_process_set() first")
+        raise InvalidCallError(f"{where}: {call.ps!r} is not registered; use hvd.add_process_set() first")
     if not call.ps.included():
-        raise ValueError(f"{where}: rank {rank} is not a member of {call.ps!r}")
+        raise InvalidCallError(f"{where}: rank {rank} is not a member of {call.ps!r}")
     if call.kind in ("allreduce", "reducescatter"):
         _validate_reduction(call, where)
     if call.kind == "broadcast" and call.root not in call.ps.ranks:
-        raise ValueError(f"{where}: root rank {call.root} is not in {call.ps.ranks} "
-                         f"(world size {runtime.size()}); root_rank is a global rank")
+        raise InvalidCallError(f"{where}: root rank {call.root} is not in {call.ps.ranks} "
+                               f"(world size {runtime.size()}); root_rank is a global rank")
     if call.kind in ("allgather", "alltoall", "reducescatter") and t.dim() == 0:
-        raise ValueError(f"{where}: needs a tensor with at least one dimension (dim 0 is split or gathered)")
+        raise InvalidCallError(f"{where}: needs a tensor with at least one dimension (dim 0 is split or gathered)")
 
 
 def _validate_reduction(call: Call, where: str) -> None:
     t = call.tensor
     if call.op == ReduceOp.ADASUM:
-        raise ValueError(f"{where}: Adasum goes through hora.adasum, not the plain allreduce core")
+        fix = "use op=hvd.Sum or hvd.Average" if call.kind == "reducescatter" else "this is a bug in hora"
+        raise InvalidCallError(f"{where}: op=hvd.Adasum is defined for allreduce only; {fix}")
     if t.dtype == torch.bool and call.op in _ARITHMETIC_OPS:
-        raise TypeError(f"{where}: {call.op.name.capitalize()} of bool tensors is not defined; use Min or Max")
-    if (call.prescale != 1.0 or call.postscale != 1.0) and not t.is_floating_point():
-        raise TypeError(f"{where}: prescale/postscale factors need a floating-point tensor, got {t.dtype}")
+        raise UnsupportedDtypeError(f"{where}: {call.op.name.capitalize()} of bool tensors is not defined; "
+                                    "use Min or Max")
+    if (call.prescale != 1.0 or call.postscale != 1.0) and t.dtype == torch.bool:
+        raise UnsupportedDtypeError(f"{where}: prescale/postscale factors cannot scale a bool tensor")
 
 
 def _request(call: Call) -> Request:
@@ -164,15 +172,23 @@ def _from_wire(call: Call, result: torch.Tensor) -> torch.Tensor:
     return result.to(dtype) if result.dtype != dtype and dtype in _WIRE_CAST else result
 
 
+def scale_integers(t: torch.Tensor, factor: float) -> None:
+    """Scale an integer tensor in place as Horovod does: multiply in float64, truncate toward zero."""
+    t.copy_(t.double().mul_(factor).trunc_())
+
+
 def _scale_after(call: Call, result: torch.Tensor) -> None:
     """Average (over the set's full size, joined ranks included) and postscale, in place."""
     n = call.ps.size()
+    if not result.is_floating_point():
+        if call.postscale != 1.0:  # Horovod: one float64 factor, postscale / size for Average, truncated
+            scale_integers(result, call.postscale / n if call.op == ReduceOp.AVERAGE else call.postscale)
+        elif call.op == ReduceOp.AVERAGE:
+            result.div_(n, rounding_mode="trunc")
+        return
     if call.op == ReduceOp.AVERAGE:
-        if result.is_floating_point():
-            result.mul_(call.postscale / n)
-            return
-        result.div_(n, rounding_mode="trunc")
-    if call.postscale != 1.0:
+        result.mul_(call.postscale / n)
+    elif call.postscale != 1.0:
         result.mul_(call.postscale)
 
 
@@ -183,7 +199,10 @@ def _prepare_reduction(call: Call) -> None:
     copy = shared and not call.inplace and (call.kind == "allreduce" or call.prescale != 1.0)
     call.wire = _to_wire(compressed, copy=copy)
     if call.prescale != 1.0:
-        call.wire.mul_(call.prescale)
+        if call.wire.is_floating_point():
+            call.wire.mul_(call.prescale)
+        else:
+            scale_integers(call.wire, call.prescale)
 
 
 def _finish_reduction(call: Call, result: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,25 @@ class CollectiveMismatchError(CollectiveError, ValueError):
         )
 
 
+class InvalidCallError(HoraError, ValueError, RuntimeError):
+    """A collective called in a way that cannot work: a bad op for the kind, a tensor with no dimension to
+    split, uneven rows for an alltoall without ``splits``, a root outside the process set...
+
+    Raised at once on the calling rank, before anything is submitted, so the job goes on. It is a
+    ``ValueError`` (what hora and Horovod raise for checks made before submitting) and a ``RuntimeError``
+    (Horovod reports several of these from its background thread, and Horovod scripts catch them so).
+    It is not a ``HorovodInternalError``: elastic training does not restart on a programming error.
+    """
+
+
+class UnsupportedDtypeError(InvalidCallError, TypeError):
+    """A dtype the collective cannot take (complex, bool for arithmetic ops). Also a ``TypeError``."""
+
+
+class UnsupportedCallError(InvalidCallError, NotImplementedError):
+    """A call Horovod answers with ``NotImplementedError`` (e.g. Adasum on a non-power-of-two number of ranks)."""
+
+
 class CollectiveTimeoutError(CollectiveError):
     """A collective waited longer than the stall shutdown time."""
 
@@ -84,6 +103,9 @@ __all__ = [
     "HoraError",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
+    "InvalidCallError",
     "LaunchError",
     "NotInitializedError",
+    "UnsupportedCallError",
+    "UnsupportedDtypeError",
 ]

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from hora import runtime
-from hora.collectives import Call, even_splits, submit
+from hora.collectives import Call, submit
 from hora.compression import Compression, Compressor
+from hora.errors import InvalidCallError
 from hora.handles import GroupHandle, Handle
 from hora.process_sets import ProcessSet, global_process_set
 from hora.reduce_ops import ReduceOp, resolve_op
@@ -28,6 +29,12 @@ from hora.reduce_ops import ReduceOp, resolve_op
 def _needs_grad(tensor: torch.Tensor) -> bool:
     """Only tensors that record autograd history pay for an autograd Function."""
     return torch.is_grad_enabled() and isinstance(tensor, torch.Tensor) and tensor.requires_grad
+
+
+def _wanted(ctx: Any, grads: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """A grouped op's input gradients, None for the inputs that need none (e.g. an integer tensor in the
+    group). The backward's collective still carries every tensor, so all ranks submit the same group."""
+    return [g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:])]
 
 
 def _allreduce_call(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
@@ -50,7 +57,10 @@ def _adasum(call: Call) -> torch.Tensor:
         from hora.adasum import adasum_allreduce
     except ImportError:
         raise NotImplementedError("op=hvd.Adasum needs hora.adasum, which this build lacks") from None
-    out = adasum_allreduce(call.tensor, name=call.name or None, process_set=call.ps)
+    tensor = call.tensor if call.prescale == 1.0 else call.tensor * call.prescale
+    out = adasum_allreduce(tensor, name=call.name or None, process_set=call.ps)
+    if call.postscale != 1.0:
+        out.mul_(call.postscale)
     if call.inplace:
         call.tensor.copy_(out)
         return call.tensor
@@ -139,16 +149,40 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                                    _inplace=True)
 
 
+def _run_grouped_allreduce(calls: list[Call]) -> list[torch.Tensor]:
+    if calls and calls[0].op == ReduceOp.ADASUM:
+        return [_adasum(c) for c in calls]
+    return _grouped(calls, waiting=True).wait()
+
+
+class _GroupedAllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, calls: list[Call], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        first = calls[0]
+        ctx.op, ctx.pre, ctx.post, ctx.ps = first.op, first.prescale, first.postscale, first.ps
+        return tuple(_run_grouped_allreduce(calls))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        reduced = grouped_allreduce([g.contiguous() for g in grads], op=ctx.op, prescale_factor=ctx.pre,
+                                    postscale_factor=ctx.post, process_set=ctx.ps)
+        return (None, *_wanted(ctx, reduced))
+
+
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression: Compressor = Compression.none, op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Allreduce a list of tensors as one group; returns the list of results."""
+    """Allreduce a list of tensors as one group; returns the list of results.
+
+    Differentiable like :func:`allreduce`: each gradient is the grouped allreduce of the gradients with the
+    same op and factors (Horovod's definition).
+    """
     calls = [_allreduce_call(t, average, n, op, prescale_factor, postscale_factor, process_set, compression)
              for t, n in zip(tensors, _group_names(name, len(tensors)))]
-    if calls and calls[0].op == ReduceOp.ADASUM:
-        return [_adasum(c) for c in calls]
-    return _grouped(calls, waiting=True).wait()
+    if not any(_needs_grad(t) for t in tensors):
+        return _run_grouped_allreduce(calls)
+    return list(_GroupedAllreduceFn.apply(calls, *tensors))
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -203,10 +237,28 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     return _grouped(_grouped_allgather_calls(tensors, name, process_set))
 
 
+class _GroupedAllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, calls: list[Call], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        outs = _grouped(calls, waiting=True).wait()
+        ps = calls[0].ps
+        ctx.rows, ctx.index, ctx.ps = [c.meta for c in calls], ps.rank(), ps
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        reduced = grouped_allreduce([g.contiguous() for g in grads], op=ReduceOp.AVERAGE, process_set=ctx.ps)
+        mine = [r.narrow(0, sum(rows[: ctx.index]), rows[ctx.index]) for r, rows in zip(reduced, ctx.rows)]
+        return (None, *_wanted(ctx, mine))
+
+
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Allgather a list of tensors as one group."""
-    return _grouped(_grouped_allgather_calls(tensors, name, process_set), waiting=True).wait()
+    """Allgather a list of tensors as one group. Differentiable like :func:`allgather`."""
+    calls = _grouped_allgather_calls(tensors, name, process_set)
+    if not any(_needs_grad(t) for t in tensors):
+        return _grouped(calls, waiting=True).wait()
+    return list(_GroupedAllgatherFn.apply(calls, *tensors))
 
 
 # --- broadcast ---------------------------------------------------------------------------------------------
@@ -256,31 +308,49 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 
 # --- alltoall ----------------------------------------------------------------------------------------------
-def _alltoall_call(tensor: torch.Tensor, splits: Any, name: str | None, ps: ProcessSet) -> Call:
+def _alltoall_parts(tensor: torch.Tensor, splits: Any, name: str | None,
+                    ps: ProcessSet) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Rows to send to each member, as Horovod checks them: without ``splits`` dim 0 must divide evenly;
+    with them, they may sum to less than dim 0 (the rows after their sum are not sent)."""
     n = ps.size() if ps.process_set_id is not None else runtime.size()
-    if tensor.dim() == 0:
-        raise ValueError("alltoall needs a tensor with at least one dimension")
+    where = f"alltoall {name or '(unnamed)'!r} on rank {runtime.rank()}"
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+        raise InvalidCallError(f"{where}: needs a tensor with at least one dimension (dim 0 is split)")
+    rows = tensor.shape[0]
     if splits is None:
-        parts = even_splits(tensor.shape[0], n)
-    else:
-        parts = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-        if len(parts) != n or any(s < 0 for s in parts) or sum(parts) != tensor.shape[0]:
-            raise ValueError(f"alltoall splits {parts} must be {n} non-negative row counts summing to dim 0 "
-                             f"({tensor.shape[0]})")
-    return Call("alltoall", tensor, name or "", ps, splits=tuple(parts))
+        if rows % n:
+            raise InvalidCallError(f"{where}: without splits, dim 0 ({rows}) must be a multiple of the process "
+                                   f"set's size ({n}); pass splits= (rows for each member) to send uneven parts")
+        return tensor, (rows // n,) * n
+    if isinstance(splits, torch.Tensor):
+        if splits.is_floating_point() or splits.is_complex() or splits.dim() > 1:
+            raise InvalidCallError(f"{where}: splits must be a 1-D tensor or list of integers, got {splits!r}")
+        splits = splits.tolist()
+    parts = tuple(int(s) for s in splits)
+    if len(parts) != n or any(s < 0 for s in parts) or sum(parts) > rows:
+        raise InvalidCallError(f"{where}: splits {list(parts)} must be {n} non-negative row counts (one per "
+                               f"member) summing to at most dim 0 ({rows})")
+    if sum(parts) < rows:
+        tensor = tensor.narrow(0, 0, sum(parts))
+    return tensor, parts
+
+
+def _alltoall_call(tensor: torch.Tensor, parts: tuple[int, ...], name: str | None, ps: ProcessSet) -> Call:
+    return Call("alltoall", tensor, name or "", ps, splits=parts)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
-    return submit(_alltoall_call(tensor, splits, name, process_set))
+    tensor, parts = _alltoall_parts(tensor, splits, name, process_set)
+    return submit(_alltoall_call(tensor, parts, name, process_set))
 
 
 class _AlltoallFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None, ps: ProcessSet) -> Any:  # type: ignore[override]
-        out, received = submit(_alltoall_call(tensor, splits, name, ps), waiting=True).wait()
-        ctx.received, ctx.ps = received, ps
+    def forward(ctx: Any, tensor: torch.Tensor, parts: tuple[int, ...], name: str | None, ps: ProcessSet) -> Any:  # type: ignore[override]
+        out, received = submit(_alltoall_call(tensor, parts, name, ps), waiting=True).wait()
+        ctx.received, ctx.ps = tuple(int(r) for r in received), ps
         ctx.mark_non_differentiable(received)
         return out, received
 
@@ -293,8 +363,10 @@ class _AlltoallFn(torch.autograd.Function):
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[i]`` rows to member i and receive theirs. Returns ``(output, received_splits)`` when
-    ``splits`` is given, else the output (dim 0 divided evenly). Differentiable."""
-    out, received = _AlltoallFn.apply(tensor, splits, name, process_set)
+    ``splits`` is given, else the output (dim 0 must then divide evenly by the set's size). Differentiable:
+    the gradient is the alltoall of the gradient with the received splits."""
+    tensor, parts = _alltoall_parts(tensor, splits, name, process_set)
+    out, received = _AlltoallFn.apply(tensor, parts, name, process_set)
     return (out, received) if splits is not None else out
 
 
@@ -312,28 +384,43 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compressi
     return submit(_reducescatter_call(tensor, name, compression, op, process_set, prescale_factor, postscale_factor))
 
 
+def _reducescatter_grad_scale(op: ReduceOp, pre: float, post: float, size: int) -> float:
+    """Horovod's backward of reducescatter: the allgather of the gradient times the set's size for Sum
+    (1 for Average and the other ops), times both scale factors."""
+    return pre * post * (size if op == ReduceOp.SUM else 1)
+
+
 class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, call: Call) -> torch.Tensor:  # type: ignore[override]
-        ctx.call = call
+        ctx.scale = _reducescatter_grad_scale(call.op, call.prescale, call.postscale, call.ps.size())
+        ctx.ps = call.ps
         return submit(call, waiting=True).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        c = ctx.call
-        full = allgather(grad.contiguous(), process_set=c.ps)
-        scale = c.prescale * c.postscale / (c.ps.size() if c.op == ReduceOp.AVERAGE else 1)
-        return (full * scale if scale != 1.0 else full), None
+        grad = grad.contiguous() if ctx.scale == 1.0 else grad * ctx.scale
+        return allgather(grad, process_set=ctx.ps), None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Compressor = Compression.none,
                   op: Any = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduce over the set, then give each member its slice of dim 0. Differentiable."""
+    """Reduce over the set, then give each member its slice of dim 0.
+
+    Differentiable with Horovod's definition: the gradient is the allgather of the upstream gradients,
+    times the set's size for Sum, times the scale factors.
+    """
     call = _reducescatter_call(tensor, name, compression, op, process_set, prescale_factor, postscale_factor)
     if not _needs_grad(tensor):
         return submit(call, waiting=True).wait()
     return _ReducescatterFn.apply(tensor, call)
+
+
+def _grouped_reducescatter_calls(tensors: Sequence[torch.Tensor], name: str | None, compression: Compressor,
+                                 op: Any, ps: ProcessSet, pre: float, post: float) -> list[Call]:
+    return [_reducescatter_call(t, n, compression, op, ps, pre, post)
+            for t, n in zip(tensors, _group_names(name, len(tensors)))]
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -341,17 +428,34 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> GroupHandle:
     """Start reduce-scatters of a list of tensors as one group."""
-    return _grouped([_reducescatter_call(t, n, compression, op, process_set, prescale_factor, postscale_factor)
-                     for t, n in zip(tensors, _group_names(name, len(tensors)))])
+    return _grouped(_grouped_reducescatter_calls(tensors, name, compression, op, process_set, prescale_factor,
+                                                 postscale_factor))
+
+
+class _GroupedReducescatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, calls: list[Call], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        first = calls[0]
+        ctx.scale = _reducescatter_grad_scale(first.op, first.prescale, first.postscale, first.ps.size())
+        ctx.ps = first.ps
+        return tuple(_grouped(calls, waiting=True).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        scaled = [g.contiguous() if ctx.scale == 1.0 else g * ctx.scale for g in grads]
+        return (None, *_wanted(ctx, grouped_allgather(scaled, process_set=ctx.ps)))
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
                           compression: Compressor = Compression.none, op: Any = ReduceOp.AVERAGE,
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
-    """Reduce-scatter a list of tensors as one group."""
-    return grouped_reducescatter_async(tensors, name, compression, op, process_set, prescale_factor,
-                                       postscale_factor).wait()
+    """Reduce-scatter a list of tensors as one group. Differentiable like :func:`reducescatter`."""
+    calls = _grouped_reducescatter_calls(tensors, name, compression, op, process_set, prescale_factor,
+                                         postscale_factor)
+    if not any(_needs_grad(t) for t in tensors):
+        return _grouped(calls, waiting=True).wait()
+    return list(_GroupedReducescatterFn.apply(calls, *tensors))
 
 
 # --- sparse, barrier, join ---------------------------------------------------------------------------------
@@ -361,7 +465,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
     coalesced sparse tensor. Average divides the values by the set's size."""
     op = resolve_op(op, None)
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"sparse allreduce supports Average and Sum, not {op.name.capitalize()}")
+        raise InvalidCallError(f"sparse allreduce supports Average and Sum, not {op.name.capitalize()}")
     t = tensor.coalesce()
     base = name or runtime.state("hvd.sparse_allreduce_async()").negotiator.unnamed(process_set.process_set_id)
     handles = _grouped([Call("allgather", t.indices().t().contiguous(), f"{base}.indices", process_set),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+from hora.errors import InvalidCallError
+
 
 class ReduceOp(enum.IntEnum):
     """How an allreduce or reducescatter combines tensors. Values match Horovod's."""
@@ -27,7 +29,7 @@ Product = ReduceOp.PRODUCT
 def resolve_op(op: ReduceOp | int | None, average: bool | None) -> ReduceOp:
     """Combine Horovod's ``op=`` and its deprecated ``average=`` into one op (None means Average)."""
     if op is not None and average is not None:
-        raise ValueError("pass either op= or the deprecated average=, not both")
+        raise InvalidCallError("pass either op= or the deprecated average=, not both")
     if average is not None:
         return Average if average else Sum
     if op is None:
@@ -37,4 +39,4 @@ def resolve_op(op: ReduceOp | int | None, average: bool | None) -> ReduceOp:
     try:
         return ReduceOp(int(op))
     except ValueError:
-        raise ValueError(f"unknown reduce op {op!r}; use hvd.Average, Sum, Adasum, Min, Max or Product") from None
+        raise InvalidCallError(f"unknown reduce op {op!r}; use hvd.Average, Sum, Adasum, Min, Max or Product") from None

@@ -120,7 +120,8 @@ def test_async_inplace_and_grouped_variants(nprocs: int) -> None:
 
 def _grads(rank: int, size: int) -> None:
     # Conventions follow Horovod 0.28: allgather's and broadcast's backward average the upstream gradients
-    # over ranks; alltoall's routes them back; reducescatter's allgathers them (scaled as the forward was).
+    # over ranks; alltoall's routes them back; reducescatter's allgathers them, times the size for Sum and
+    # times the scale factors (so Sum on 2 ranks gives 2, Average 1, for ones upstream).
     parts, whole = _gathered(size, torch.float64)
     x = parts[rank].clone().requires_grad_()
     upstream = [rank_input(r, tuple(whole.shape), torch.float64, salt=7) for r in range(size)]
@@ -151,7 +152,7 @@ def _grads(rank: int, size: int) -> None:
         out = hvd.reducescatter(x, op=op, prescale_factor=pre, postscale_factor=post)
         up = [rank_input(r, (counts[r], 2), torch.float64, salt=4) for r in range(size)]
         out.backward(up[rank])
-        scale = pre * post / (size if op == hvd.Average else 1)
+        scale = pre * post * (size if op == hvd.Sum else 1)
         close(x.grad, torch.cat(up) * scale, f"reducescatter grad {op.name} {pre} {post}")
 
 

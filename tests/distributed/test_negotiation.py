@@ -56,7 +56,7 @@ def _local_errors(rank: int, size: int) -> None:
             with pytest.raises(ValueError, match=r"(?i)root"):
                 hvd.broadcast(torch.ones(3), root_rank=root)
         with pytest.raises(ValueError, match=r"(?i)split"):
-            hvd.alltoall(torch.ones(5), splits=[1] * size)  # splits do not add up to dim 0
+            hvd.alltoall(torch.ones(1), splits=[1] * size)  # splits add up to more than dim 0
         with pytest.raises(ValueError, match=r"(?i)op|reduce"):
             hvd.allreduce(torch.ones(3), op=99)
         # a name still in flight on this rank
