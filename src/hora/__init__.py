@@ -12,6 +12,9 @@ This module only gathers the public names; the logic lives in the modules named 
 
 from __future__ import annotations
 
+import importlib as _importlib
+from typing import Any as _Any
+
 __version__ = "0.1.0"
 
 # --- errors -------------------------------------------------------------------------------------------
@@ -106,3 +109,11 @@ from hora.diagnostics import start_timeline, stop_timeline  # noqa: F401
 
 # --- launching from Python (launch/) -------------------------------------------------------------------
 from hora.launch.pyrun import run  # noqa: F401
+
+
+def __getattr__(name: str) -> _Any:
+    """``hvd.elastic`` as in Horovod. hora has no elastic training yet, so importing it (only on first use)
+    raises an ImportError that says what to do instead of a bare AttributeError."""
+    if name == "elastic":
+        return _importlib.import_module("hora.elastic")
+    raise AttributeError(f"module 'hora' has no attribute {name!r}")

@@ -19,9 +19,21 @@ def gloo_enabled() -> bool:
     return gloo_built()
 
 
-def nccl_built() -> bool:
-    """True when this torch ships NCCL (CUDA collectives)."""
-    return bool(dist.is_available() and dist.is_nccl_available())
+def nccl_built() -> int:
+    """The NCCL version this torch ships, coded as Horovod's ``NCCL_VERSION_CODE`` (2.18.3 -> 21803), or 0.
+
+    Horovod answers with the version too, and scripts compare it (``hvd.nccl_built() >= 2700``).
+    """
+    if not (dist.is_available() and dist.is_nccl_available()):
+        return 0
+    try:
+        version = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):  # a torch without CUDA answers is_nccl_available() falsely
+        return 0
+    major, minor, patch = (tuple(version) + (0, 0, 0))[:3] if isinstance(version, tuple) else (0, 0, int(version))
+    if (major, minor) >= (2, 9):
+        return major * 10000 + minor * 100 + patch
+    return major * 1000 + minor * 100 + patch
 
 
 def cuda_built() -> bool:

@@ -377,10 +377,12 @@ def _reducescatter_call(tensor: torch.Tensor, name: str | None, compression: Com
                 postscale=postscale_factor, compression=compression)
 
 
-def reducescatter_async(tensor: torch.Tensor, name: str | None = None, compression: Compressor = Compression.none,
-                        op: Any = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-    """Start a reduce-scatter along dim 0 (the first ``dim0 % size`` members get one extra row)."""
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = ReduceOp.AVERAGE,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0, compression: Compressor = Compression.none) -> Handle:
+    """Start a reduce-scatter along dim 0 (the first ``dim0 % size`` members get one extra row).
+
+    Arguments in Horovod's order (its ``_async`` form has no ``compression``; hora takes it last)."""
     return submit(_reducescatter_call(tensor, name, compression, op, process_set, prescale_factor, postscale_factor))
 
 
@@ -424,10 +426,10 @@ def _grouped_reducescatter_calls(tensors: Sequence[torch.Tensor], name: str | No
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                                compression: Compressor = Compression.none, op: Any = ReduceOp.AVERAGE,
-                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> GroupHandle:
-    """Start reduce-scatters of a list of tensors as one group."""
+                                op: Any = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                                compression: Compressor = Compression.none) -> GroupHandle:
+    """Start reduce-scatters of a list of tensors as one group (Horovod's argument order, ``compression`` last)."""
     return _grouped(_grouped_reducescatter_calls(tensors, name, compression, op, process_set, prescale_factor,
                                                  postscale_factor))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import warnings
 
 from hora.errors import InvalidCallError
 
@@ -31,6 +32,8 @@ def resolve_op(op: ReduceOp | int | None, average: bool | None) -> ReduceOp:
     if op is not None and average is not None:
         raise InvalidCallError("pass either op= or the deprecated average=, not both")
     if average is not None:
+        warnings.warn("average= is deprecated (as in Horovod since 0.19): pass op=hvd.Average or op=hvd.Sum",
+                      DeprecationWarning, stacklevel=4)
         return Average if average else Sum
     if op is None:
         return Average

@@ -169,6 +169,10 @@ def _integer_scaling(rank: int, size: int) -> None:
     want = _trunc(_trunc(rows, 0.5) * size, 1.7)[2 * rank:2 * rank + 2]
     close(hvd.reducescatter(rows, op=hvd.Sum, prescale_factor=0.5, postscale_factor=1.7), want,
           "reducescatter int32 with both factors")
+    # Adasum takes the factors too (Adasum scales linearly, so the result halves)
+    v = torch.tensor([1.0, 2.0, -1.0]) * (rank + 1) + torch.tensor([0.0, 0.0, 3.0]) * rank
+    close(hvd.allreduce(v, op=hvd.Adasum, prescale_factor=2.0, postscale_factor=0.25),
+          hvd.allreduce(v, op=hvd.Adasum) * 0.5, "Adasum with prescale and postscale")
     out = hvd.grouped_reducescatter([rows, rows.long()], op=hvd.Average, postscale_factor=2.0)
     close(out[0], _trunc(rows * size, 2.0 / size)[2 * rank:2 * rank + 2], "grouped_reducescatter Average post")
     close(out[1], out[0].long(), "grouped_reducescatter int64")

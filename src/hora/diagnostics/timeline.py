@@ -215,12 +215,13 @@ def active() -> Timeline | None:
     return _active
 
 
-def start_timeline(path: str, mark_cycles: bool = False, *, rank: int | None = None,
+def start_timeline(file_path: str, mark_cycles: bool = False, *, rank: int | None = None,
                    size: int | None = None) -> Timeline:
     """Start writing this rank's timeline (Horovod's ``hvd.start_timeline``).
 
     Args:
-        path: the job's timeline file. With more than one rank this rank writes ``rank_path(path, rank)``.
+        file_path: the job's timeline file (Horovod's argument name). With more than one rank this rank
+            writes ``rank_path(file_path, rank)``.
         mark_cycles: also mark each negotiation round.
         rank: this process's rank; default hora's rank (or 0 before ``init()``).
         size: the world size; default hora's size (or 1).
@@ -229,6 +230,7 @@ def start_timeline(path: str, mark_cycles: bool = False, *, rank: int | None = N
         The running :class:`Timeline` (a second call restarts it on the new path).
     """
     global _active
+    path = file_path
     if rank is None or size is None:
         rank, size = _topology(rank, size)
     target = rank_path(path, rank) if size > 1 else path

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from hora.errors import HoraError, LaunchError
+from hora.errors import ConfigError, HoraError, LaunchError
 from hora.launch import shipping
 from hora.launch.config import RunConfig
 from hora.launch.driver import Driver
@@ -32,6 +32,20 @@ class RemoteTraceback(Exception):
         return str(self.args[0])
 
 
+def _refuse_unsupported(**given: Any) -> None:
+    """Horovod's run() arguments that hora cannot honour fail with the reason, never silently."""
+    elastic = [name for name in ("min_np", "max_np", "slots", "reset_limit", "cooldown_range")
+               if given[name] is not None]
+    if elastic:
+        raise ConfigError(f"hora.run({elastic[0]}=...): elastic jobs are not supported by hora yet; run with a "
+                          "fixed np=")
+    if given["use_mpi"] or given["mpi_args"] is not None:
+        raise ConfigError("hora.run(use_mpi/mpi_args): hora has no MPI controller (it runs on torch.distributed "
+                          "with Gloo/NCCL); drop the argument")
+    if given["use_gloo"] is False:
+        raise ConfigError("hora.run(use_gloo=False): Gloo is hora's only controller; drop the argument")
+
+
 def _hosts(np: int, hosts: str | None, hostfile: str | None) -> tuple[HostSpec, ...]:
     if hosts and hostfile:
         raise HoraError("hora.run: give hosts= or hostfile=, not both")
@@ -42,22 +56,32 @@ def _hosts(np: int, hosts: str | None, hostfile: str | None) -> tuple[HostSpec, 
     return (HostSpec("localhost", np),)
 
 
-def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, np: int = 1,
-        hosts: str | None = None, hostfile: str | None = None, *, ssh_port: int | None = None,
-        ssh_identity_file: str | None = None, ssh_options: Sequence[str] = (),
-        network_interface: str | None = None, env: Mapping[str, str] | None = None,
-        start_timeout: float = 30.0, prefix_output_with_timestamp: bool = False,
-        output_filename: str | None = None) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the per-rank results in rank order.
+def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, np: int = 1,
+        min_np: int | None = None, max_np: int | None = None, slots: int | None = None,
+        reset_limit: int | None = None, cooldown_range: Any = None, hosts: str | None = None,
+        hostfile: str | None = None, start_timeout: float | None = None, ssh_port: int | None = None,
+        ssh_identity_file: str | None = None, disable_cache: bool | None = None, output_filename: str | None = None,
+        verbose: int | None = None, use_gloo: bool | None = None, use_mpi: bool | None = None,
+        mpi_args: str | None = None, network_interface: str | None = None, executable: str | None = None, *,
+        ssh_options: Sequence[str] = (), env: Mapping[str, str] | None = None,
+        prefix_output_with_timestamp: bool = False) -> list[Any]:
+    """Run ``func(*args, **kwargs)`` on ``np`` ranks and return the per-rank results in rank order.
 
-    Each rank is a fresh process started like ``hora run`` starts workers (with the same environment
-    variables), so ``fn`` calls ``hora.init()`` itself. Lambdas and closures work (see
-    :mod:`hora.launch.shipping`). Output lines carry their rank, as with ``hora run``.
+    Horovod's ``horovod.run`` / ``horovod.runner.run``, with its arguments in its order. Each rank is a fresh
+    process started like ``hora run`` starts workers (with the same environment variables), so ``func`` calls
+    ``hora.init()`` itself. Lambdas and closures work (see :mod:`hora.launch.shipping`). Output lines carry
+    their rank, as with ``hora run``.
 
     Args:
-        fn: the function; its arguments and return value must be picklable.
+        func: the function; its arguments and return value must be picklable.
         np: number of ranks. hosts / hostfile: as ``-H`` / ``--hostfile`` (default ``localhost:np``).
+        start_timeout: seconds to wait for every rank to start (default 30).
         ssh_port, ssh_identity_file, ssh_options, network_interface: as the ``hora run`` flags.
+        executable: the Python the ranks run (default: this one).
+        disable_cache, verbose: accepted for Horovod's sake; hora keeps no host cache and logs through ``logging``.
+        use_gloo: accepted (Gloo is hora's only controller); ``use_gloo=False`` fails.
+        min_np, max_np, slots, reset_limit, cooldown_range (elastic), use_mpi, mpi_args: fail with a
+            :class:`~hora.errors.ConfigError` saying why (hora has no elastic mode and no MPI controller).
         env: extra variables for every worker (like ``-x NAME=VALUE``).
 
     Returns:
@@ -67,12 +91,15 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
         The exception a rank raised (the first to fail), chained to a :class:`RemoteTraceback` with that
         rank's traceback; :class:`~hora.errors.LaunchError` if a rank died without raising (a signal).
     """
-    payload = shipping.dumps((fn, tuple(args), dict(kwargs or {})))
+    _refuse_unsupported(min_np=min_np, max_np=max_np, slots=slots, reset_limit=reset_limit,
+                        cooldown_range=cooldown_range, use_gloo=use_gloo, use_mpi=use_mpi, mpi_args=mpi_args)
+    payload = shipping.dumps((func, tuple(args), dict(kwargs or {})))
     cfg = RunConfig(
-        command=(sys.executable, "-m", "hora.launch.pyworker"), np=np, hosts=_hosts(np, hosts, hostfile),
-        ssh_port=ssh_port, ssh_identity_file=ssh_identity_file, ssh_options=tuple(ssh_options),
-        network_interfaces=(network_interface,) if network_interface else (), start_timeout=start_timeout,
-        env=dict(env or {}), prefix_timestamp=prefix_output_with_timestamp, output_filename=output_filename,
+        command=(executable or sys.executable, "-m", "hora.launch.pyworker"), np=np,
+        hosts=_hosts(np, hosts, hostfile), ssh_port=ssh_port, ssh_identity_file=ssh_identity_file,
+        ssh_options=tuple(ssh_options), network_interfaces=(network_interface,) if network_interface else (),
+        start_timeout=30.0 if start_timeout is None else float(start_timeout), env=dict(env or {}),
+        prefix_timestamp=prefix_output_with_timestamp, output_filename=output_filename,
     )
     driver = Driver(cfg, store_ready=lambda store: store.set(FN_KEY, payload))
     code = driver.run()

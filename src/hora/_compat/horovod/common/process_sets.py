@@ -1,0 +1,5 @@
+"""``horovod.common.process_sets`` under ``hora run``."""
+
+from __future__ import annotations
+
+from hora.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set  # noqa: F401

@@ -1,0 +1,5 @@
+"""``horovod.torch.optimizer`` under ``hora run``."""
+
+from __future__ import annotations
+
+from hora.optimizer import DistributedOptimizer  # noqa: F401
