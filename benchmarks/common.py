@@ -18,7 +18,6 @@ import multiprocessing
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -26,6 +25,11 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from hora.bench.timing import alternate, difference_summary, ratio_summary, summarize
+
+__all__ = ["RESULTS", "alternate", "difference_summary", "fork_ranks", "human_bytes", "machine_info",
+           "markdown_table", "ratio_summary", "summarize", "write_results"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -76,44 +80,6 @@ def _git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def alternate(variants: Mapping[str, Callable[[], float]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Call each variant in turn, ``repeats`` times after ``warmup`` untimed rounds, rotating which goes first:
-    A B C, B C A, C A B, A B C ... Rotation cancels position effects (on a 2-core VM the variant that runs
-    first in a cycle, right after the previous cycle's last one, measured ~5% faster than an identical copy of
-    it placed later); every rank rotates the same way.
-
-    Each callable returns one sample (seconds, or any measure); the result maps name -> samples in order,
-    so the i-th samples of two variants come from the same cycle (``ratio_summary`` pairs them).
-    """
-    names = list(variants)
-    for _ in range(warmup):
-        for fn in variants.values():
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(repeats):
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
-            samples[name].append(variants[name]())
-    return samples
-
-
-def summarize(samples: Sequence[float]) -> dict[str, float]:
-    """Median, min, max and spread ((max - min) / median) of the samples."""
-    med = statistics.median(samples)
-    return {"median": med, "min": min(samples), "max": max(samples),
-            "spread": (max(samples) - min(samples)) / med if med else 0.0, "n": len(samples)}
-
-
-def ratio_summary(numer: Sequence[float], denom: Sequence[float]) -> dict[str, float]:
-    """Summary of the per-pair ratios numer[i] / denom[i] (pairs measured back to back)."""
-    return summarize([a / b for a, b in zip(numer, denom) if b])
-
-
-def difference_summary(a: Sequence[float], b: Sequence[float], scale: float = 1e6) -> dict[str, float]:
-    """Summary of the per-pair differences (a[i] - b[i]) * scale: by default seconds -> microseconds."""
-    return summarize([(x - y) * scale for x, y in zip(a, b)])
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -396,8 +396,7 @@ def launch_joined(launch: Launch) -> Any:
     if req.kind in ("allreduce", "broadcast") and torch.Size(req.shape).numel() == 0:
         return None  # the members skip empty tensors too
     if req.kind == "allreduce":
-        return dist.all_reduce(torch.zeros(req.shape, dtype=dtype, device=device), op=wire_op(req.op),
-                               group=group, async_op=True)
+        return allreduce_async(torch.zeros(req.shape, dtype=dtype, device=device), req.op, group)
     if req.kind == "allgather":
         empty = torch.zeros((0, *req.shape[1:]), dtype=dtype, device=device)
         return gather_rows(empty, member_rows(launch), group)[1]

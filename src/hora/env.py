@@ -293,6 +293,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HORA_CONTROL_PLANE", None, str, "auto",
          "How negotiators talk: tcp (a direct connection between every pair of ranks), gloo (an allgather on a "
          "Gloo group, woken through the store), or auto (tcp up to 256 ranks, gloo beyond)."),
+    Knob("HORA_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE", bool, False,
+         "Allreduce on the global set in three steps: reduce within each host, allreduce across hosts among "
+         "one rank per host, broadcast within the host. Pays off with several ranks per host on a slow network."),
     Knob("HORA_BUCKET_CAP_MB", None, float, 25.0, "DistributedOptimizer bucket size in MB (DDP's default)."),
     Knob("HORA_FIRST_BUCKET_MB", None, float, 1.0,
          "Size of the first gradient bucket in MB, small so communication starts early in backward."),
@@ -316,6 +319,7 @@ class Knobs:
     control_plane: str = "auto"
     bucket_cap_mb: float = 25.0
     first_bucket_mb: float = 1.0
+    hierarchical_allreduce: bool = False
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Knobs:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hora import hierarchical
 from hora.plan import Entry, Request
 from hora.reduce_ops import ReduceOp
 
@@ -39,7 +40,14 @@ _OPTIONS: dict[int, Any] = {}  # reduce op -> c10d AllreduceOptions, built once:
 def allreduce_async(tensor: torch.Tensor, op: int, group: Any) -> Any:
     """``dist.all_reduce(tensor, op, group, async_op=True)`` without its per-call Python checks, which cost more
     than hora's whole round: hora validated the tensor at submit (never complex), and never coalesces on its
-    own groups. Returns the c10d Work."""
+    own groups. Returns the c10d Work. On the global group with hierarchical allreduce on, the three steps of
+    :mod:`hora.hierarchical` instead (the only place either path is chosen)."""
+    if hierarchical._active is not None and group is hierarchical._active.flat_group:
+        return hierarchical.allreduce_async(tensor, wire_op(op), group, lambda t: _flat(t, op, group))
+    return _flat(tensor, op, group)
+
+
+def _flat(tensor: torch.Tensor, op: int, group: Any) -> Any:
     opts = _OPTIONS.get(op)
     if opts is None:
         opts = dist.AllreduceOptions()

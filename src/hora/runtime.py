@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hora import hierarchical
 from hora.env import Knobs, WorkerEnv
 from hora.errors import ConfigError, NotInitializedError
 from hora.process_sets import ProcessSet, global_process_set
@@ -154,6 +155,8 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
     topo = _topology(env, ctrl)
     global_process_set.ranks = list(range(env.size))
     global_process_set._bind(0, dist.new_group(backend=backend), env.rank)
+    if knobs.hierarchical_allreduce and env.size > 1:
+        hierarchical.build(topo.hosts, env.rank, global_process_set.group, backend)
     rt = Runtime(env=env, knobs=knobs, store=base, topo=topo, backend=backend, owns_default_group=owns,
                  ctrl_group=ctrl, device=device, connect_store=connect)
     rt.process_sets[0] = global_process_set
@@ -217,7 +220,7 @@ def _topology(env: WorkerEnv, ctrl: Any) -> Topology:
         # hora's launcher assigns slots explicitly; trust it (it knows hosts that share a hostname apart).
         topo = Topology(rank=env.rank, size=env.size, local_rank=env.local_rank, local_size=env.local_size,
                         cross_rank=env.cross_rank, cross_size=env.cross_size or 1,
-                        hostnames=topo.hostnames, homogeneous=topo.homogeneous)
+                        hostnames=topo.hostnames, homogeneous=topo.homogeneous, hosts=topo.hosts)
     return topo
 
 
@@ -271,6 +274,8 @@ def _teardown_groups(s: Runtime) -> None:
         timeline.stop_timeline()
     except ImportError:
         pass
+    hierarchy = hierarchical.active()
+    hierarchical.clear()
     for ps in list(s.process_sets.values()):
         if ps is not global_process_set:
             ps._bind(None, None, -1)  # type: ignore[arg-type]
@@ -278,7 +283,8 @@ def _teardown_groups(s: Runtime) -> None:
     if s.owns_default_group and dist.is_initialized():
         dist.destroy_process_group()
     elif dist.is_initialized():
-        for g in [s.ctrl_group, global_process_set.group]:
+        extra = [hierarchy.local_group, hierarchy.cross_group] if hierarchy is not None else []
+        for g in [s.ctrl_group, global_process_set.group, *extra]:
             if g is not None:
                 dist.destroy_process_group(g)
 

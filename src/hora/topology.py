@@ -17,6 +17,7 @@ class Topology:
     cross_size: int
     hostnames: tuple[str, ...]  # hostnames[r] = host name of rank r, for messages
     homogeneous: bool  # every host runs the same number of ranks
+    hosts: tuple[tuple[int, ...], ...] = ()  # the ranks on each host, hosts in order of first appearance
 
 
 def derive_topology(host_keys: list[str], hostnames: list[str], rank: int) -> Topology:
@@ -46,4 +47,5 @@ def derive_topology(host_keys: list[str], hostnames: list[str], rank: int) -> To
         cross_size=len(peers),
         hostnames=tuple(hostnames),
         homogeneous=len(counts) == 1,
+        hosts=tuple(tuple(ranks_on[h]) for h in hosts_in_order),
     )

@@ -8,6 +8,10 @@ the filesystem (like an NFS home), so the same venv and code are visible on ever
 Names carry the pid of the process that built them (``hora<pid>x<token>h3``), so a later run can tell a
 stale set (its builder is dead) from one in use by a concurrent run, and delete only the stale ones.
 
+:meth:`Cluster.shape` limits every host's cable to a rate with tc's token bucket filter (tbf), so the wire,
+not the CPU, is the limit (the benchmarks in benchmarks/shaped_links.py use it; :func:`shaping_missing`
+says when the kernel cannot).
+
 Needs root, ``iproute2``, ``openssh-server`` and ``util-linux`` (``unshare``, ``nsenter``); see
 :func:`missing_requirements`. See TESTING.md, "Several hosts on one machine".
 
@@ -36,7 +40,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["Cluster", "Host", "Proc", "clean_stale", "delete_namespace", "missing_requirements"]
+__all__ = ["Cluster", "Host", "Proc", "clean_stale", "delete_namespace", "missing_requirements", "shaping_missing"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,26 @@ def missing_requirements() -> str | None:
     if missing:
         return f"cluster tests need {', '.join(missing)}: apt-get update && apt-get install -y openssh-server iproute2"
     return None
+
+
+def shaping_missing() -> str | None:
+    """Say why links cannot be shaped here (no ``tc``, or a kernel without the tbf qdisc), or None."""
+    reason = missing_requirements()
+    if reason is not None:
+        return reason
+    if shutil.which("tc") is None:
+        return "shaped links need tc (iproute2): apt-get install -y iproute2"
+    probe = f"hora{os.getpid()}x{secrets.token_hex(2)}probe"
+    try:
+        _sh(["ip", "netns", "add", probe])
+        _sh(["ip", "-n", probe, "link", "add", "d0", "type", "veth", "peer", "name", "d1"])
+        out = _sh(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "d0", "root", "tbf", "rate", "1mbit",
+                   "burst", "32kb", "latency", "50ms"], check=False)
+        if out.returncode != 0:
+            return f"the kernel has no tbf qdisc (tc said: {out.stderr.strip()}); links cannot be shaped here"
+        return None
+    finally:
+        _sh(["ip", "netns", "del", probe], check=False)
 
 
 def _sh(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -210,6 +234,16 @@ class Host:
         """Plug the cable back in."""
         _sh(["ip", "-n", self.hub, "link", "set", f"v{self.index}", "up"])
 
+    def shape(self, rate_mbit: float, latency_ms: float = 100.0) -> None:
+        """Limit this host's cable to ``rate_mbit`` Mbit/s each way: a tc token bucket (tbf) on both ends of
+        its veth (the host's egress and, on the bridge side, its ingress). Traffic between ranks on the same
+        host (loopback) stays unshaped, as on a real machine."""
+        rate = f"{rate_mbit:g}mbit"
+        burst = max(32 * 1024, int(rate_mbit * 1e6 / 8 / 250))  # 4 ms of line rate: smooth, yet enough for GSO
+        tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", f"{latency_ms:g}ms"]
+        _sh(["ip", "netns", "exec", self.ns, "tc", "qdisc", "replace", "dev", "eth0", "root", *tbf])
+        _sh(["ip", "netns", "exec", self.hub, "tc", "qdisc", "replace", "dev", f"v{self.index}", "root", *tbf])
+
     def kill_all(self) -> None:
         """SIGKILL every process on this host except its sshd."""
         for proc in self.ps():
@@ -271,6 +305,11 @@ class Cluster:
             if h.index == index:
                 return h
         raise KeyError(f"no host {index} in {[h.index for h in self.hosts]}")
+
+    def shape(self, rate_mbit: float) -> None:
+        """Limit every host's cable to ``rate_mbit`` Mbit/s each way (see :meth:`Host.shape`)."""
+        for h in self.hosts:
+            h.shape(rate_mbit)
 
     def ps(self) -> dict[str, list[Proc]]:
         """Every host's processes (besides sshd), by hostname."""

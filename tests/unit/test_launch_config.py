@@ -17,7 +17,7 @@ from hora.launch.transport import SshTransport
 
 FLAGS = [
     "--blacklist-cooldown-range", "--check-build", "--config-file", "--cycle-time-ms", "--disable-cache",
-    "--elastic-timeout", "--fusion-threshold-mb", "--gloo", "--heartbeat-timeout", "--help",
+    "--elastic-timeout", "--fusion-threshold-mb", "--gloo", "--heartbeat-timeout", "--help", "--hierarchical-allreduce",
     "--host-discovery-script", "--hostfile",
     "--hosts", "--jsrun", "--log-level", "--max-np", "--min-np", "--mpi", "--mpi-args", "--network-interface",
     "--network-interfaces", "--no-stall-check", "--num-proc", "--output-filename", "--prefix-output-with-timestamp",
@@ -41,13 +41,14 @@ def test_horovodrun_tuning_flags_become_worker_knobs(tmp_path: Path, monkeypatch
     cfg = _cfg(["-np", "2", "--timeline-filename", "t.json", "--timeline-mark-cycles", "--no-stall-check",
                 "--stall-check-warning-time-seconds", "5", "--stall-check-shutdown-time-seconds", "30",
                 "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5", "--disable-cache", "--log-level", "debug",
-                "--start-timeout", "45", "--gloo", sys.executable, "-V"])
+                "--start-timeout", "45", "--gloo", "--hierarchical-allreduce", sys.executable, "-V"])
     knobs = Knobs.from_environ(cfg.env)
     assert (knobs.timeline, knobs.timeline_mark_cycles) == (str(tmp_path / "t.json"), True)
     assert (knobs.stall_check_disable, knobs.stall_check_time_seconds, knobs.stall_shutdown_time_seconds) == (
         True, 5.0, 30.0)
     assert (knobs.fusion_threshold, knobs.cycle_time, knobs.disable_cache) == (32 * 1024 * 1024, 2.5, True)
     assert (knobs.log_level, knobs.start_timeout, cfg.start_timeout) == ("DEBUG", 45.0, 45.0)
+    assert knobs.hierarchical_allreduce
     assert cfg.command == (sys.executable, "-V") and cfg.np == 2
 
 

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 SUBCOMMANDS: dict[str, str] = {
     "run": "hora.launch.cli:run_main",
     "check": "hora.diagnostics.check:main",
+    "bench": "hora.bench.cli:main",
 }
 USAGE_EXIT = 2
 
@@ -74,6 +75,8 @@ def _add_horovod_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mpi-args", help="not supported (fails with a reason)")
     p.add_argument("--jsrun", action="store_true", default=None, help="not supported (fails with a reason)")
     p.add_argument("--disable-cache", action="store_true", default=None, help="turn off the response cache")
+    p.add_argument("--hierarchical-allreduce", action="store_true", default=None,
+                   help="reduce within each host, allreduce across hosts, broadcast within the host")
     p.add_argument("--fusion-threshold-mb", type=float, help="fusion buffer size in MB")
     p.add_argument("--cycle-time-ms", type=float, help="accepted; hora negotiates on demand")
     p.add_argument("--timeline-filename", help="write a Chrome-trace timeline of every rank")

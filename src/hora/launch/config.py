@@ -28,6 +28,7 @@ FLAG_KNOBS: tuple[tuple[str, str, object], ...] = (
     ("fusion_threshold_mb", "HORA_FUSION_THRESHOLD", lambda v: str(int(float(v) * 1024 * 1024))),
     ("cycle_time_ms", "HORA_CYCLE_TIME", str),
     ("disable_cache", "HORA_DISABLE_CACHE", lambda v: "1" if v else None),
+    ("hierarchical_allreduce", "HORA_HIERARCHICAL_ALLREDUCE", lambda v: "1" if v else None),
     ("log_level", "HORA_LOG_LEVEL", str),
     ("start_timeout", "HORA_START_TIMEOUT", str),
 )

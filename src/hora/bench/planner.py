@@ -1,0 +1,190 @@
+"""``hora bench plan``: an alpha-beta model per link type, fitted to an allreduce sweep, that predicts
+allreduce time, step time and scaling efficiency for other sizes, host counts and layouts.
+
+The model (Hockney's): sending m bytes over a link costs ``alpha + m * beta``. A ring allreduce of S bytes
+on n ranks takes 2(n-1) steps of S/n bytes each, so ``T = 2(n-1) * alpha + 2(n-1)/n * S * beta``, and the
+slowest link on the ring sets alpha and beta. Per link type:
+
+* ``intra``: between ranks on one host (loopback, shared memory);
+* ``inter``: between hosts (the network).
+
+Predictions:
+
+* flat ring on h hosts x p ranks: every step crosses the network when h > 1 (inter), else intra;
+* hierarchical: an intra allreduce of S on p ranks (reduce + broadcast) plus an inter allreduce on h;
+* parameter server with N workers, the server one of them: the server's link carries (N-1) S in and out;
+  with the data sent in K chunks, receiving and sending overlap except for one chunk:
+  ``T = (N-1) * S * beta * (1 + 1/K) + 2 * alpha * K``;
+* a training step: compute (measured on one rank) plus gradient sync of the model's bytes in buckets, with
+  ``overlap`` the fraction of the sync hidden behind backward (0 = none, the conservative default).
+
+Scaling efficiency = compute / step time.
+
+Example:
+    >>> fit = LinkFit.fit([(1e6, 2, 0.0105), (4e6, 2, 0.0405), (16e6, 2, 0.1605)])
+    >>> round(fit.beta * 1e9, 2), round(fit.alpha * 1e6)
+    (10.0, 250)
+    >>> round(fit.ring(8e6, 4) * 1e3, 1)
+    121.5
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hora.bench.report import human_bytes, markdown_table
+from hora.errors import ConfigError
+
+__all__ = ["LinkFit", "Plan", "fit_sweep", "markdown"]
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """alpha (s per message) and beta (s per byte) of one link type, with the fit's relative error."""
+
+    alpha: float
+    beta: float
+    points: int = 0
+    max_rel_err: float = 0.0
+
+    @classmethod
+    def fit(cls, rows: Sequence[tuple[float, int, float]]) -> LinkFit:
+        """Least squares of relative error over (bytes S, ranks n, seconds T) of ring allreduces."""
+        xs = [(2 * (n - 1) / n * s, 2 * (n - 1), t) for s, n, t in rows if n > 1 and t > 0]
+        if len(xs) < 2:
+            raise ConfigError("the planner needs a sweep with at least two sizes on two or more ranks "
+                              "(hora run -np 2 ... hora bench allreduce --json sweep.json)")
+        # minimise sum(((a*k + b*x) - t) / t)^2 over a (alpha) and b (beta): 2x2 normal equations
+        saa = sum((k / t) ** 2 for x, k, t in xs)
+        sbb = sum((x / t) ** 2 for x, k, t in xs)
+        sab = sum(k * x / t**2 for x, k, t in xs)
+        sa = sum(k / t for x, k, t in xs)
+        sb = sum(x / t for x, k, t in xs)
+        det = saa * sbb - sab * sab
+        if abs(det) < 1e-300:
+            raise ConfigError("the sweep's sizes are too alike to fit a latency and a bandwidth: sweep a range")
+        alpha = (sa * sbb - sb * sab) / det
+        beta = (sb * saa - sa * sab) / det
+        alpha, beta = max(alpha, 0.0), max(beta, 1e-15)
+        errs = [abs((alpha * k + beta * x) - t) / t for x, k, t in xs]
+        return cls(alpha=alpha, beta=beta, points=len(xs), max_rel_err=max(errs))
+
+    def ring(self, nbytes: float, n: int) -> float:
+        """Seconds for a ring allreduce of ``nbytes`` on ``n`` ranks over this link."""
+        if n < 2:
+            return 0.0
+        return 2 * (n - 1) * self.alpha + 2 * (n - 1) / n * nbytes * self.beta
+
+    @property
+    def gbps(self) -> float:
+        """The fitted bandwidth in Gbit/s."""
+        return 8 / self.beta / 1e9
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Fitted links; predictions for any layout."""
+
+    inter: LinkFit | None
+    intra: LinkFit | None
+
+    def _link(self, kind: str) -> LinkFit:
+        link = self.inter if kind == "inter" else self.intra
+        if link is None:
+            other = self.intra if kind == "inter" else self.inter
+            if other is None:
+                raise ConfigError("no link fitted")
+            return other  # the best estimate we have (a one-host sweep has no inter link)
+        return link
+
+    def allreduce(self, nbytes: float, hosts: int, per_host: int = 1, hierarchical: bool = False) -> float:
+        """Seconds for one allreduce of ``nbytes`` on ``hosts`` x ``per_host`` ranks."""
+        if hosts == 1:
+            return self._link("intra").ring(nbytes, per_host)
+        if hierarchical and per_host > 1:
+            return self._link("intra").ring(nbytes, per_host) + self._link("inter").ring(nbytes, hosts)
+        return self._link("inter").ring(nbytes, hosts * per_host)
+
+    def parameter_server(self, nbytes: float, workers: int, chunks: int = 1) -> float:
+        """Seconds for one gradient exchange through a server that is one of ``workers`` single-rank hosts."""
+        link = self._link("inter")
+        if workers < 2:
+            return 0.0
+        return (workers - 1) * nbytes * link.beta * (1 + 1 / chunks) + 2 * link.alpha * chunks
+
+    def step(self, compute_s: float, grad_bytes: float, hosts: int, per_host: int = 1, bucket_bytes: float = 25e6,
+             overlap: float = 0.0, hierarchical: bool = False) -> dict[str, float]:
+        """Predicted step time and scaling efficiency of data-parallel training."""
+        if hosts * per_host < 2:
+            return {"step_s": compute_s, "sync_s": 0.0, "efficiency": 1.0}
+        buckets = max(1, math.ceil(grad_bytes / bucket_bytes))
+        sync = sum(self.allreduce(grad_bytes / buckets, hosts, per_host, hierarchical) for _ in range(buckets))
+        step = compute_s + max(0.0, sync - overlap * compute_s) if overlap else compute_s + sync
+        return {"step_s": step, "sync_s": sync, "efficiency": compute_s / step if step else 1.0}
+
+
+def _rows(records: Sequence[dict[str, Any]]) -> list[tuple[float, int, float]]:
+    return [(r["size"], r["ranks"], r["time_s"]) for r in records if "time_s" in r]
+
+
+def fit_sweep(sweep: dict[str, Any], min_bytes: int = 0) -> Plan:
+    """Fit the links of a ``hora bench allreduce --json`` record (sizes below ``min_bytes`` left out)."""
+    if sweep.get("kind") != "allreduce":
+        raise ConfigError("hora bench plan needs the JSON of `hora bench allreduce --json PATH`")
+    world = [{"size": r["size"], "ranks": r["ranks"], "time_s": r["raw"]["time_s"]} for r in sweep["rows"]]
+    links = sweep.get("links", {})
+
+    def keep(rows: list[tuple[float, int, float]]) -> list[tuple[float, int, float]]:
+        return [r for r in rows if r[0] >= min_bytes]
+
+    per_host = sweep.get("ranks_per_host") or [sweep["ranks"]]
+    inter = intra = None
+    if "inter" in links:
+        inter = LinkFit.fit(keep(_rows(links["inter"])))
+    elif sweep.get("hosts", 1) > 1 and max(per_host) == 1:
+        inter = LinkFit.fit(keep(_rows(world)))  # one rank per host: the world ring is the network
+    if "intra" in links:
+        intra = LinkFit.fit(keep(_rows(links["intra"])))
+    elif sweep.get("hosts", 1) == 1:
+        intra = LinkFit.fit(keep(_rows(world)))
+    return Plan(inter=inter, intra=intra)
+
+
+def predictions(plan: Plan, grad_bytes: float, hosts: Sequence[int], per_host: int, compute_s: float | None,
+                overlap: float) -> list[dict[str, Any]]:
+    out = []
+    for h in hosts:
+        row: dict[str, Any] = {"hosts": h, "ranks_per_host": per_host,
+                               "allreduce_s": plan.allreduce(grad_bytes, h, per_host),
+                               "ps_s": plan.parameter_server(grad_bytes, h, chunks=8) if per_host == 1 else None}
+        if per_host > 1 and h > 1:
+            row["hierarchical_s"] = plan.allreduce(grad_bytes, h, per_host, hierarchical=True)
+        if compute_s is not None:
+            row.update(plan.step(compute_s, grad_bytes, h, per_host, overlap=overlap))
+        out.append(row)
+    return out
+
+
+def markdown(plan: Plan, rows: Sequence[dict[str, Any]], grad_bytes: float) -> str:
+    text = "fitted links (alpha-beta, relative least squares)\n\n"
+    fits = [[name, f"{fit.alpha * 1e6:.1f} µs", f"{fit.gbps:.3f} Gbit/s", fit.points, f"{fit.max_rel_err:.0%}"]
+            for name, fit in (("inter-host", plan.inter), ("intra-host", plan.intra)) if fit is not None]
+    text += markdown_table(["link", "alpha", "bandwidth (1/beta)", "points", "worst fit error"], fits)
+    text += f"\npredictions for {human_bytes(grad_bytes)} of gradients\n\n"
+    headers = ["hosts", "ranks/host", "ring allreduce", "hierarchical", "parameter server (8 chunks)",
+               "step time", "scaling efficiency"]
+    table = []
+    for r in rows:
+        table.append([r["hosts"], r["ranks_per_host"], f"{r['allreduce_s'] * 1e3:.1f} ms",
+                      f"{r['hierarchical_s'] * 1e3:.1f} ms" if r.get("hierarchical_s") is not None else "-",
+                      f"{r['ps_s'] * 1e3:.1f} ms" if r.get("ps_s") is not None else "-",
+                      f"{r['step_s'] * 1e3:.1f} ms" if "step_s" in r else "-",
+                      f"{r['efficiency']:.2f}" if "efficiency" in r else "-"])
+    return text + markdown_table(headers, table)
+
+
+def as_dict(plan: Plan) -> dict[str, Any]:
+    return {"inter": asdict(plan.inter) if plan.inter else None, "intra": asdict(plan.intra) if plan.intra else None}

@@ -1,0 +1,156 @@
+"""Hierarchical allreduce (Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``): reduce within each host, allreduce
+across hosts among one rank per host (the host's *leader*, its lowest rank), then broadcast within the host.
+
+With several ranks per host, the flat ring sends ``2(n-1)/n`` of the data over every host's network link for
+``n`` ranks; the hierarchy sends ``2(h-1)/h`` for ``h`` hosts, and the intra-host steps stay on the host
+(loopback, shared memory, NVLink). That is a win only where the network is the limit and several ranks share
+a host; with one rank per host it is the flat ring (hora then skips the hierarchy altogether).
+
+Only collectives on the global process set take this path (as in Horovod): ``hvd.allreduce`` and the
+DistributedOptimizer's gradient buckets, fused or not. The groups are built once at ``init()`` when the knob
+is on, by every rank in the same order (``dist.new_group`` is collective).
+
+Example:
+    HOROVOD_HIERARCHICAL_ALLREDUCE=1 hora run -np 6 -H a:2,b:2,c:2 python train.py
+    hora run --hierarchical-allreduce -np 6 -H a:2,b:2,c:2 python train.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Hierarchy", "active", "allreduce_async", "build", "clear", "flat"]
+
+
+@dataclass(eq=False)
+class Hierarchy:
+    """This rank's groups for the three steps, and which global group they stand in for."""
+
+    flat_group: Any  # the global process set's group: only its allreduces go hierarchical
+    local_group: Any  # the ranks on this rank's host (None when this host runs one rank)
+    cross_group: Any  # the hosts' leaders (None on a rank that is not its host's leader)
+    leader: int  # global rank of this host's leader
+    rank: int
+    hosts: tuple[tuple[int, ...], ...]
+    calls: int = 0  # allreduces that took the three steps (diagnostics, tests)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+
+class _ChainWork:
+    """The Work of the last step; the earlier steps ran to completion before it was issued."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._work is not None:
+            self._work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or bool(self._work.is_completed())
+
+    def get_future(self) -> Any:
+        if self._work is None:
+            fut: torch.futures.Future[Any] = torch.futures.Future()
+            fut.set_result(None)
+            return fut
+        return self._work.get_future()
+
+
+_active: Hierarchy | None = None
+
+
+def active() -> Hierarchy | None:
+    """The hierarchy in use, or None (knob off, one host, or one rank per host)."""
+    return _active
+
+
+def hosts_of(host_keys: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """Ranks on each host, hosts in order of first appearance.
+
+    >>> hosts_of(["a", "a", "b", "b", "c", "c"])
+    ((0, 1), (2, 3), (4, 5))
+    """
+    order: dict[str, list[int]] = {}
+    for rank, key in enumerate(host_keys):
+        order.setdefault(key, []).append(rank)
+    return tuple(tuple(r) for r in order.values())
+
+
+def worthwhile(hosts: Sequence[Sequence[int]]) -> bool:
+    """True when the hierarchy can save network traffic: several hosts and some host with several ranks."""
+    return len(hosts) > 1 and any(len(h) > 1 for h in hosts)
+
+
+def build(hosts: tuple[tuple[int, ...], ...], rank: int, flat_group: Any, backend: str) -> Hierarchy | None:
+    """Create the groups (every rank calls this with the same ``hosts``) and make the hierarchy active.
+
+    Returns None, leaving allreduce flat, when the layout gains nothing (one host, or one rank per host).
+    """
+    global _active
+    if not worthwhile(hosts):
+        log.info("hierarchical allreduce requested, but the layout %s gains nothing: allreduce stays flat",
+                 [len(h) for h in hosts])
+        _active = None
+        return None
+    local_group = None
+    for members in hosts:  # every rank creates every group, in the same order
+        group = dist.new_group(ranks=list(members), backend=backend) if len(members) > 1 else None
+        if rank in members:
+            local_group = group
+    leaders = [h[0] for h in hosts]
+    cross = dist.new_group(ranks=leaders, backend=backend)
+    mine = next(h for h in hosts if rank in h)
+    _active = Hierarchy(flat_group=flat_group, local_group=local_group,
+                        cross_group=cross if rank in leaders else None, leader=mine[0], rank=rank, hosts=hosts)
+    log.info("hierarchical allreduce on: %d hosts, ranks per host %s", len(hosts), [len(h) for h in hosts])
+    return _active
+
+
+def clear() -> None:
+    """Forget the hierarchy (shutdown destroys its groups with the rest)."""
+    global _active
+    _active = None
+
+
+@contextlib.contextmanager
+def flat() -> Iterator[None]:
+    """Allreduce flat inside the block even with the hierarchy on, so a benchmark can time both paths in one
+    run. Every rank must enter and leave it at the same point of its sequence of collectives."""
+    global _active
+    saved, _active = _active, None
+    try:
+        yield
+    finally:
+        _active = saved
+
+
+def allreduce_async(tensor: torch.Tensor, wire_op: Any, group: Any, flat: Any) -> Any:
+    """Allreduce ``tensor`` in place on ``group``: hierarchically when that is the global group and the
+    hierarchy is on, else with ``flat(tensor)`` (the plain c10d call). Returns a Work."""
+    h = _active
+    if h is None or group is not h.flat_group:
+        return flat(tensor)
+    h.calls += 1
+    if h.local_group is not None:
+        dist.reduce(tensor, dst=h.leader, op=wire_op, group=h.local_group)
+    if h.cross_group is not None:
+        dist.all_reduce(tensor, op=wire_op, group=h.cross_group)
+    if h.local_group is None:
+        return _ChainWork(None)
+    return _ChainWork(dist.broadcast(tensor, src=h.leader, group=h.local_group, async_op=True))

@@ -1,0 +1,102 @@
+"""Hierarchical allreduce gives the flat ring's results: plain and fused allreduces, every reduce op, a joined
+rank's zeros, and the DistributedOptimizer's buckets, on fork-started ranks that claim to live on several
+hosts (``HORA_HOST_KEY``), so the runtime builds the per-host and cross-host groups for real."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import hora as hvd
+from hora import hierarchical
+from tests.distributed.expect import close, rank_input, reduce
+from tests.distributed.harness import run_ranks
+
+
+def _as_host(rank: int, per_host: list[int], knob: str) -> None:
+    """Set the launcher's variables as hora run would for a layout of ``per_host`` ranks per host."""
+    host, first = 0, 0
+    while rank >= first + per_host[host]:
+        first += per_host[host]
+        host += 1
+    os.environ.update({"HORA_HOST_KEY": f"host{host}", "HORA_LOCAL_RANK": str(rank - first),
+                       "HORA_LOCAL_SIZE": str(per_host[host]), "HORA_CROSS_RANK": str(host),
+                       "HORA_CROSS_SIZE": str(len(per_host)), "HOROVOD_HIERARCHICAL_ALLREDUCE": knob})
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(40, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+
+
+def _train_steps(rank: int) -> list[list[float]]:
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for step in range(3):
+        torch.manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 40), torch.randint(0, 3, (8,))
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]  # plain lists cross the pipe
+
+
+def _hierarchical_job(rank: int, size: int, per_host: list[int], knob: str, train: bool) -> dict[str, object]:
+    _as_host(rank, per_host, knob)
+    hvd.init()
+    try:
+        h = hierarchical.active()
+        checked = 0
+        for dtype in (torch.float32, torch.int64):
+            inputs = [rank_input(r, (7, 5), dtype) for r in range(size)]
+            ops = [hvd.Sum, hvd.Min, hvd.Max] + ([hvd.Average] if dtype.is_floating_point else [])
+            for op in ops:
+                out = hvd.allreduce(inputs[rank].clone(), op=op)
+                close(out, reduce(inputs, op), f"hierarchical allreduce {dtype} {op}")
+                checked += 1
+        big = torch.arange(300_000, dtype=torch.float32) * (rank + 1)  # above the fusion size limit
+        close(hvd.allreduce(big, op=hvd.Sum), torch.arange(300_000, dtype=torch.float32) * (size * (size + 1) / 2),
+              "a large allreduce")
+        # several small ones ready together: fused into one buffer, then hierarchical
+        parts = [torch.full((10 + i,), float(rank + i)) for i in range(5)]
+        outs = hvd.grouped_allreduce(parts, op=hvd.Sum)
+        for i, out in enumerate(outs):
+            close(out, torch.full((10 + i,), float(sum(r + i for r in range(size)))), f"fused part {i}")
+        # a joined rank contributes zeros through the same three steps
+        if rank != size - 1:
+            close(hvd.allreduce(torch.ones(1000), op=hvd.Sum), torch.full((1000,), float(size - 1)),
+                  "allreduce with the last rank joined")
+        hvd.join()
+        result: dict[str, object] = {"active": h is not None, "leader": h.leader if h else -1, "checked": checked}
+        if train:
+            result["hierarchical"] = _train_steps(rank)
+            with hierarchical.flat():  # the flat ring in the same job: the reference
+                result["flat"] = _train_steps(rank)
+        result["calls"] = h.calls if h else 0
+        return result
+    finally:
+        hvd.shutdown()
+
+
+def test_three_hosts_of_two_match_flat() -> None:
+    out = run_ranks(_hierarchical_job, 6, [2, 2, 2], "1", True, init=False, timeout=120)
+    assert [r["active"] for r in out] == [True] * 6
+    assert [r["leader"] for r in out] == [0, 0, 2, 2, 4, 4]
+    assert all(r["checked"] == 7 for r in out)
+    assert all(int(r["calls"]) >= 10 for r in out)  # type: ignore[call-overload]  # the three steps ran
+    for r in out:  # the same training as the flat ring, to rounding
+        for p_h, p_f in zip(r["hierarchical"], r["flat"]):  # type: ignore[call-overload]
+            torch.testing.assert_close(torch.tensor(p_h), torch.tensor(p_f), rtol=1e-5, atol=1e-6)
+
+
+def test_uneven_hosts() -> None:
+    out = run_ranks(_hierarchical_job, 3, [2, 1], "1", False, init=False, timeout=60)
+    assert [r["leader"] for r in out] == [0, 0, 2]
+    assert all(int(r["calls"]) > 0 for r in out)  # type: ignore[call-overload]
+
+
+def test_one_rank_per_host_stays_flat() -> None:
+    out = run_ranks(_hierarchical_job, 2, [1, 1], "1", False, init=False, timeout=60)
+    assert [r["active"] for r in out] == [False, False]
