@@ -48,6 +48,7 @@ class WorkerEnv:
     host_key: str = ""  # identifies the host for local/cross grouping; never hostname alone
     source: str = "single"  # which launcher's variables we read
     job_id: str = ""  # distinguishes concurrent jobs and elastic generations in the store
+    store_addr_origin: str = ""  # where store_addr came from, for error messages ("MASTER_ADDR", ...)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -87,6 +88,10 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
 
 def _hostname(env: Mapping[str, str]) -> str:
     return env.get("HORA_HOSTNAME") or socket.gethostname()
+
+
+def _addr_origin(env: Mapping[str, str]) -> str:
+    return "HORA_STORE_ADDR" if env.get("HORA_STORE_ADDR") else "MASTER_ADDR" if env.get("MASTER_ADDR") else ""
 
 
 def _master(env: Mapping[str, str], source: str, size: int) -> tuple[str, int]:
@@ -136,6 +141,7 @@ def _from_horovod(env: Mapping[str, str]) -> WorkerEnv | None:
         cross_size=_int(env, "HOROVOD_CROSS_SIZE", 1) if "HOROVOD_CROSS_SIZE" in env else None,
         store_addr=addr,
         store_port=port,
+        store_addr_origin=_addr_origin(env),
         hostname=host,
         host_key=host,
         source="horovod",
@@ -162,6 +168,7 @@ def _from_torchrun(env: Mapping[str, str]) -> WorkerEnv | None:
         cross_rank=_int(env, "GROUP_RANK") if "GROUP_RANK" in env and "LOCAL_WORLD_SIZE" in env else None,
         store_addr=addr,
         store_port=port,
+        store_addr_origin=_addr_origin(env),
         store_is_server=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true",
         hostname=host,
         host_key=host,
@@ -189,6 +196,7 @@ def _from_mpi(env: Mapping[str, str]) -> WorkerEnv | None:
         local_size=_int(env, local_size, 1),
         store_addr=addr,
         store_port=port,
+        store_addr_origin=_addr_origin(env),
         hostname=host,
         host_key=host,
         source=source,
@@ -202,6 +210,7 @@ def _from_slurm(env: Mapping[str, str]) -> WorkerEnv | None:
     nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
     job = _int(env, "SLURM_JOB_ID", 0)
     addr = env.get("HORA_STORE_ADDR") or env.get("MASTER_ADDR") or (nodes[0] if nodes else "127.0.0.1")
+    origin = _addr_origin(env) or ("the first node of SLURM_JOB_NODELIST" if nodes else "")
     port = _int(env, "HORA_STORE_PORT", 0) or _int(env, "MASTER_PORT", 0) or DEFAULT_PORT + job % 1000
     tasks_on_node = parse_tasks_per_node(env.get("SLURM_TASKS_PER_NODE", ""))
     node_id = _int(env, "SLURM_NODEID", 0)
@@ -214,6 +223,7 @@ def _from_slurm(env: Mapping[str, str]) -> WorkerEnv | None:
         local_size=local_size,
         store_addr=addr,
         store_port=port,
+        store_addr_origin=origin,
         hostname=host,
         host_key=host,
         source="Slurm",

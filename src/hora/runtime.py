@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import logging
+import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ from hora.topology import Topology, derive_topology
 log = logging.getLogger(__name__)
 
 _CONTROL_TIMEOUT = datetime.timedelta(seconds=120)
+_RESOLVE_TIMEOUT = 10.0  # seconds; a rendezvous host name that takes longer to resolve is treated as unresolvable
 _lock = threading.RLock()
 _state: Runtime | None = None
 _generation = 0
@@ -176,6 +178,7 @@ def _store(env: WorkerEnv, timeout: datetime.timedelta) -> dist.Store:
         return dist.HashStore()
     key = (env.store_addr, env.store_port)
     if key not in _stores:
+        _check_resolvable(env)
         server = env.store_is_server and env.rank == 0
         try:
             _stores[key] = dist.TCPStore(env.store_addr, env.store_port, world_size=None, is_master=server,
@@ -186,6 +189,35 @@ def _store(env: WorkerEnv, timeout: datetime.timedelta) -> dist.Store:
                 f"({e}); check that the address is reachable from this host and the port is open"
             ) from e
     return _stores[key]
+
+
+def _check_resolvable(env: WorkerEnv) -> None:
+    """Fail in seconds, naming the host, when the rendezvous address does not resolve.
+
+    Without this check every rank retries the store connection until the start timeout (minutes), e.g. under
+    Slurm when the first node's name is unknown to the nodes' resolver.
+    """
+    result: list[BaseException | None] = []
+
+    def resolve() -> None:
+        try:
+            socket.getaddrinfo(env.store_addr, env.store_port, type=socket.SOCK_STREAM)
+            result.append(None)
+        except (OSError, UnicodeError) as e:
+            result.append(e)
+
+    thread = threading.Thread(target=resolve, name="hora-resolve", daemon=True)
+    thread.start()
+    thread.join(_RESOLVE_TIMEOUT)
+    if result and result[0] is None:
+        return
+    why = f"{result[0]}" if result else f"no answer from the resolver within {_RESOLVE_TIMEOUT:.0f} s"
+    origin = f" (from {env.store_addr_origin})" if env.store_addr_origin else ""
+    raise ConfigError(
+        f"rank {env.rank} on {env.hostname or socket.gethostname()}: the rendezvous host {env.store_addr!r}{origin} "
+        f"does not resolve ({why}); set MASTER_ADDR to an address of that host every rank can reach "
+        f"(e.g. its IP address) and MASTER_PORT if needed, then start the job again"
+    )
 
 
 def _connector(store: dist.Store, prefix: str,
