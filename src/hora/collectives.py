@@ -58,6 +58,7 @@ class Call:
     ctx: Any = None  # compression context
     out: Any = None  # set by launch: the c10d output buffer
     meta: Any = None  # set by launch: rows / splits the finish needs
+    members: int = 0  # the process set's size when the call was submitted (Average divides by it)
 
     @property
     def index(self) -> int:
@@ -138,6 +139,7 @@ def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
 
 def _local_op(call: Call, neg: Any) -> LocalOp:
     kind = KINDS[call.kind]
+    call.members = len(call.ps.ranks)
     tl = timeline.active()
     t0 = time.perf_counter() if tl is not None else 0.0
     kind.prepare(call)
@@ -179,7 +181,7 @@ def scale_integers(t: torch.Tensor, factor: float) -> None:
 
 def _scale_after(call: Call, result: torch.Tensor) -> None:
     """Average (over the set's full size, joined ranks included) and postscale, in place."""
-    n = call.ps.size()
+    n = call.members  # not call.ps.size(): a handle may be finished after shutdown() unbound the set
     if not result.is_floating_point():
         if call.postscale != 1.0:  # Horovod: one float64 factor, postscale / size for Average, truncated
             scale_integers(result, call.postscale / n if call.op == ReduceOp.AVERAGE else call.postscale)
@@ -306,9 +308,7 @@ class Alltoall:
 
     @staticmethod
     def launch(call: Call, launch: Launch) -> Any:
-        me = call.index
-        reqs = launch.entry.requests
-        recv = [reqs[r].splits[me] for r in launch.entry.first.ps]  # type: ignore[index]
+        recv = received_rows(launch, call.index)
         rest = tuple(call.wire.shape[1:])
         call.out = torch.empty((sum(recv), *rest), dtype=call.wire.dtype, device=call.wire.device)
         call.meta = recv
@@ -318,6 +318,12 @@ class Alltoall:
     @staticmethod
     def finish(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
         return _from_wire(call, call.out), torch.tensor(call.meta, dtype=torch.int32)
+
+
+def received_rows(launch: Launch, index: int) -> list[int]:
+    """Rows member ``index`` of an alltoall receives from each member (a joined rank sends none)."""
+    reqs = launch.entry.requests
+    return [reqs[r].splits[index] if r in reqs else 0 for r in launch.entry.first.ps]  # type: ignore[index]
 
 
 class Reducescatter:
@@ -407,6 +413,14 @@ def launch_joined(launch: Launch) -> Any:
         index = list(req.ps).index(launch.rank)
         zeros = torch.zeros(req.shape, dtype=dtype, device=device)
         return scatter_rows(zeros, len(req.ps), index, req.op, group)[1]
+    if req.kind == "alltoall":  # sends no rows, receives (and drops) the rows the members send it
+        index = list(req.ps).index(launch.rank)
+        rest = tuple(req.shape[1:])
+        recv = received_rows(launch, index)
+        out = torch.empty((sum(recv), *rest), dtype=dtype, device=device)
+        return dist.all_to_all_single(out, torch.empty((0, *rest), dtype=dtype, device=device),
+                                      output_split_sizes=recv, input_split_sizes=[0] * len(req.ps), group=group,
+                                      async_op=True)
     if req.kind == "barrier":
         return dist.barrier(group=group, async_op=True)
     return None

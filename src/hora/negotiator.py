@@ -151,11 +151,9 @@ class Negotiator:
         With ``timeout`` 0 (a crashing process) nothing is negotiated: the thread, a daemon blocked on the
         bell, ends with the process, and the peers learn of it when its connections close.
         """
-        if not self._thread.is_alive():
-            return
         with self._lock:
             self._closing = True
-        if timeout > 0 and self._broken is None and not self._stall_shutdown:
+        if timeout > 0 and self._broken is None and not self._stall_shutdown and self._thread.is_alive():
             h = Handle("__shutdown__", SHUTDOWN, lambda: None, self.done)
             req = Request("__shutdown__", SHUTDOWN, "", (), ps=tuple(range(self.size)))
             try:
@@ -175,6 +173,20 @@ class Negotiator:
         if self._death_watch is not None:
             self._death_watch.close()
         self._plane.close()
+        self._abandon()
+
+    def _abandon(self) -> None:
+        """After shutdown nothing this rank submitted can complete: fail what is still pending, so a
+        ``synchronize()`` of its handle (now or after a new ``init()``) raises instead of waiting forever."""
+        with self._lock:
+            pending = list(self._mine.values()) + [op for op in self._outbox if op.req.name not in self._mine]
+            self._mine.clear()
+            self._outbox = []
+        for op in pending:
+            op.handle.fail(CollectiveError(
+                f"{op.req.kind} {op.req.name!r} did not complete on rank {self.rank} before hvd.shutdown(): "
+                "every member of its process set must submit it before any of them shuts down (synchronize "
+                "async handles before hvd.shutdown())"))
 
     def _ring_if_idle(self) -> None:  # caller holds self._lock
         if self._idle_round is not None and not self._rung:
@@ -414,12 +426,14 @@ class Negotiator:
         return any(e.first.kind == SHUTDOWN for e in decision.ready)
 
     def _apply(self, decision: Decision) -> None:
+        joined = self.table.joined
         for entry, error in decision.failed:
             self._fail_local(entry.name, error)
+            if self.rank in joined and entry.name.startswith(_UNNAMED):
+                self._advance_sequence(entry.name)
         for rank, name, error in decision.late_failures:
             if rank == self.rank:
                 self._fail_local(name, error)
-        joined = self.table.joined
         self._dispatch.run(decision.ready, joined)
         for entry in decision.ready:
             self._cache.remember(entry)

@@ -17,8 +17,10 @@ from hora.errors import CollectiveError, CollectiveMismatchError
 
 JOIN = "join"
 SHUTDOWN = "shutdown"
-# kinds a joined rank can take part in (it contributes zeros, or nothing)
-JOIN_OK = frozenset({"allreduce", "allgather", "broadcast", "barrier", "reducescatter", JOIN, SHUTDOWN})
+# kinds a joined rank takes part in: it contributes zeros to reductions, no rows to allgathers and alltoalls,
+# and receives broadcasts (every kind hora has, as in Horovod)
+JOIN_OK = frozenset({"allreduce", "allgather", "broadcast", "barrier", "reducescatter", "alltoall", JOIN,
+                     SHUTDOWN})
 
 
 class Request(NamedTuple):
@@ -103,6 +105,7 @@ class Table:
         self.entries: dict[str, Entry] = {}
         # names that failed before every member submitted: the latecomers get the same error
         self.tombstones: dict[str, tuple[CollectiveError, set[int]]] = {}
+        self._leaving: frozenset[int] = frozenset()  # ranks that called shutdown(), as of this round
 
     @property
     def joined(self) -> frozenset[int]:
@@ -133,6 +136,10 @@ class Table:
         Metadata is compared once every member has submitted, so a mismatch error names what each rank sent.
         """
         joined = self.joined
+        # the ranks leaving, as they stand when the round's requests are in: the shutdown entry itself may
+        # complete (and leave the table) before the ops that wait for a leaving rank are looked at
+        bye = self.entries.get("__shutdown__")
+        self._leaving = frozenset(bye.requests) if bye is not None else frozenset()
         for name, entry in list(self.entries.items()):
             required = self._required(entry, joined)
             complete = required <= entry.requests.keys()
@@ -166,10 +173,9 @@ class Table:
 
     def _leaving_conflict(self, entry: Entry) -> CollectiveError | None:
         """A rank that called shutdown() will never submit anything else: fail what waits for it."""
-        bye = self.entries.get("__shutdown__")
-        if bye is None or entry is bye:
+        if not self._leaving or entry.first.kind == SHUTDOWN:
             return None
-        gone = sorted(set(bye.requests).intersection(entry.first.ps) - set(entry.requests))
+        gone = sorted(self._leaving.intersection(entry.first.ps) - set(entry.requests))
         if not gone:
             return None
         return CollectiveError(
@@ -189,7 +195,7 @@ class Table:
         if blocked and req.kind not in JOIN_OK:
             return CollectiveError(
                 f"{req.kind} {entry.name!r} cannot run: rank(s) {sorted(blocked)} already called join(). "
-                "Only allreduce, allgather, broadcast, reducescatter and barrier work while ranks have joined."
+                f"Only {', '.join(sorted(JOIN_OK - {JOIN, SHUTDOWN}))} work while ranks have joined."
             )
         if blocked and req.kind == "broadcast" and req.root in blocked:
             return CollectiveError(

@@ -99,12 +99,17 @@ def state(what: str = "this call") -> Runtime:
     return s
 
 
-def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
     """Start hora in this process. Calling it again while initialised does nothing.
 
     Args:
         comm: Horovod's MPI communicator argument; only None (all ranks) is supported.
-        process_sets: ProcessSet objects to register now (every rank must pass the same list).
+        process_sets: ProcessSet objects to register now (every rank must pass the same list), or
+            ``"dynamic"`` (accepted for Horovod compatibility: hora always allows ``add_process_set()``).
+
+    Raises:
+        ValueError: a process set names ranks the job does not have. A failed ``init()`` leaves nothing
+            behind: ``is_initialized()`` stays False and ``init()`` may be called again.
     """
     global _state, _generation
     if comm is not None:
@@ -115,16 +120,50 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
         env = WorkerEnv.from_environ()
         knobs = Knobs.from_environ()
         logging.getLogger("hora").setLevel(knobs.log_level.upper())
+        # Horovod's process_sets="dynamic" enables add/remove_process_set(); hora always allows them
+        sets: list[Any] = [] if process_sets == "dynamic" else list(process_sets or ())
+        _check_process_sets(sets, env.size)
         _generation += 1
-        _state = _build(env, knobs, _generation)
-        for ps in process_sets or ():
-            _state.register_process_set(ps)
-        from hora.negotiator import Negotiator
+        rt = _build(env, knobs, _generation)
+        try:  # a failed init leaves nothing behind: is_initialized() stays False and init() can be retried
+            for ps in sets:
+                rt.register_process_set(ps)
+            from hora.negotiator import Negotiator
 
-        _state.negotiator = Negotiator(_state)
-        _state.negotiator.start()
-        _start_timeline(knobs)
-        log.info("hora initialised: rank %d of %d on %s (%s)", env.rank, env.size, env.hostname, _state.backend)
+            rt.negotiator = Negotiator(rt)
+            rt.negotiator.start()
+            _start_timeline(knobs)
+        except BaseException:
+            _discard(rt)
+            raise
+        _state = rt
+        log.info("hora initialised: rank %d of %d on %s (%s)", env.rank, env.size, env.hostname, rt.backend)
+
+
+def _check_process_sets(sets: list[Any], size: int) -> None:
+    """Refuse bad ``init(process_sets=...)`` before anything is built (every rank passes the same list)."""
+    seen: list[list[int]] = []
+    for ps in sets:
+        if not isinstance(ps, ProcessSet):
+            raise TypeError(f"hvd.init(process_sets=...) takes hvd.ProcessSet objects, got {ps!r}")
+        bad = [r for r in ps.ranks if not 0 <= r < size]
+        if bad or not ps.ranks:
+            raise ValueError(f"hvd.init(process_sets=...): {ps!r} must hold a non-empty subset of the ranks "
+                             f"0..{size - 1} (this job has {size}); ranks {bad} do not exist")
+        if ps.ranks in seen:
+            raise ValueError(f"hvd.init(process_sets=...): ranks {ps.ranks} are listed twice")
+        seen.append(ps.ranks)
+
+
+def _discard(rt: Runtime) -> None:
+    """Undo a partly built runtime (``init()`` failed after ``_build``)."""
+    try:
+        if rt.negotiator is not None:
+            rt.negotiator.stop(timeout=0.0)
+    finally:
+        _teardown_groups(rt)
+        global_process_set.ranks = []
+        global_process_set._bind(None, None, -1)  # type: ignore[arg-type]
 
 
 def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
@@ -153,12 +192,20 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
         base = dist.PrefixStore(prefix, _default_store())
         connect = _connector(_default_store(), prefix, timeout)
         backend = dist.get_backend()
-    ctrl = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-    topo = _topology(env, ctrl)
-    global_process_set.ranks = list(range(env.size))
-    global_process_set._bind(0, dist.new_group(backend=backend), env.rank)
-    if knobs.hierarchical_allreduce and env.size > 1:
-        hierarchical.build(topo.hosts, env.rank, global_process_set.group, backend)
+    try:
+        ctrl = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+        topo = _topology(env, ctrl)
+        global_process_set.ranks = list(range(env.size))
+        global_process_set._bind(0, dist.new_group(backend=backend), env.rank)
+        if knobs.hierarchical_allreduce and env.size > 1:
+            hierarchical.build(topo.hosts, env.rank, global_process_set.group, backend)
+    except BaseException:  # leave nothing half-built behind (init() may be retried)
+        hierarchical.clear()
+        global_process_set.ranks = []
+        global_process_set._bind(None, None, -1)  # type: ignore[arg-type]
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()
+        raise
     rt = Runtime(env=env, knobs=knobs, store=base, topo=topo, backend=backend, owns_default_group=owns,
                  ctrl_group=ctrl, device=device, connect_store=connect)
     rt.process_sets[0] = global_process_set
