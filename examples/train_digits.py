@@ -6,6 +6,7 @@ scikit-learn, so this runs offline, in a few seconds on two CPU processes:
     hora run -np 2 python examples/train_digits.py
     hora run -np 2 python examples/train_digits.py --fp16-allreduce --epochs 20
     hora run -np 2 python examples/train_digits.py --ddp     # the article's DDP + DistributedOptimizer variant
+    hora run -np 2 python examples/train_digits.py --checkpoint-dir /checkpoints/digits   # resumes if stopped
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 import hora as hvd
+from hora import checkpoint
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -32,6 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16 on the wire")
     p.add_argument("--ddp", action="store_true", help="also wrap the model in DistributedDataParallel")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--checkpoint-dir", default="",
+                   help="shared directory: rank 0 saves every epoch, a new run resumes from the latest (empty: none)")
     return p.parse_args(argv)
 
 
@@ -83,6 +87,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = torch.nn.parallel.DistributedDataParallel(model)
     # linear scaling rule: the global batch grows with the number of ranks, so does the learning rate
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
+    start = 0
+    state = checkpoint.restore(args.checkpoint_dir) if args.checkpoint_dir else None
+    if state is not None:  # every rank loads the same checkpoint, chosen by rank 0
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["epoch"] + 1
+        if hvd.rank() == 0:
+            print(f"resumed from the checkpoint of epoch {start}", flush=True)
     # (4) every rank starts from rank 0's weights and optimizer state
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -92,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                          compression=compression)
 
     loss = torch.tensor(0.0)
-    for epoch in range(args.epochs):
+    for epoch in range(start, args.epochs):
         model.train()
         sampler.set_epoch(epoch)
         batches = tqdm(train_loader, desc=f"epoch {epoch + 1}/{args.epochs}", disable=hvd.rank() != 0, leave=False)
@@ -102,12 +114,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             loss.backward()
             optimizer.step()
             batches.set_postfix(loss=f"{loss.item():.3f}")
+        if args.checkpoint_dir:  # rank 0 writes it, atomically
+            checkpoint.save(args.checkpoint_dir, epoch, {"epoch": epoch, "model": model.state_dict(),
+                                                         "optimizer": optimizer.state_dict()})
     accuracy = evaluate(model, test_loader, device)
     final_loss = float(hvd.allreduce(loss.detach().cpu(), name="final_loss"))
     if hvd.rank() == 0:
         print(f"ranks: {hvd.size()}  epochs: {args.epochs}  final train loss: {final_loss:.4f}  "
               f"test accuracy (averaged over ranks): {accuracy:.4f}")
-    return {"accuracy": accuracy, "loss": final_loss, "size": hvd.size()}
+    return {"accuracy": accuracy, "loss": final_loss, "size": hvd.size(), "start": start}
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 The seed article's medical case in miniature: each sample is a noisy volume holding a few bright blobs;
 the target is the blob mask. Normalisation is ``hvd.SyncBatchNorm`` (statistics over the global batch,
-as small 3D batches need). Rank 0 writes ``<checkpoint-dir>/checkpoint.pt`` every ``--checkpoint-every``
-steps (atomically: write, then rename); a restarted job resumes from it, on any number of ranks:
+as small 3D batches need). Rank 0 writes ``<checkpoint-dir>/ckpt-<step>.pt`` with hora.checkpoint every
+``--checkpoint-every`` steps (atomically: write, then rename); a restarted job resumes from the latest, on any
+number of ranks:
 
     hora run -np 2 python examples/unet3d.py --steps 40 --checkpoint-dir /data/ckpt
     hora run -np 2 python examples/unet3d.py --steps 80 --checkpoint-dir /data/ckpt    # resumes at step 40
@@ -12,7 +13,6 @@ steps (atomically: write, then rename); a restarted job resumes from it, on any 
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 import hora as hvd
+from hora import checkpoint
 
 
 class Blobs(Dataset):
@@ -93,23 +94,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def save_checkpoint(path: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    tmp = f"{path}.tmp"
-    torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
-    os.replace(tmp, path)  # a crash mid-write never leaves a torn checkpoint
-
-
-def restore(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Rank 0 loads the checkpoint if there is one; every rank gets its weights, state and step."""
-    step = 0
-    if hvd.rank() == 0 and path and os.path.exists(path):
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        step = ckpt["step"]
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    return int(hvd.broadcast_object(step, root_rank=0, name="resume_step"))
+def restore(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Every rank loads the newest complete checkpoint (rank 0 chooses it); returns the step to start from."""
+    state = checkpoint.restore(directory) if directory else None
+    if state is None:
+        return 0
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -122,10 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     model = UNet3D().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr * hvd.size())
-    path = os.path.join(args.checkpoint_dir, "checkpoint.pt") if args.checkpoint_dir else ""
-    if path and hvd.rank() == 0:
-        os.makedirs(args.checkpoint_dir, exist_ok=True)
-    start = restore(path, model, optimizer)
+    start = restore(args.checkpoint_dir, model, optimizer)
     optimizer = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(),
         compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none)
@@ -150,8 +139,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             optimizer.step()
             step += 1
             score = hvd.allreduce(dice(logits.detach(), y).cpu(), name="dice")
-            if path and step % args.checkpoint_every == 0 and hvd.rank() == 0:
-                save_checkpoint(path, step, model, optimizer)
+            if args.checkpoint_dir and step % args.checkpoint_every == 0:  # rank 0 writes, atomically
+                checkpoint.save(args.checkpoint_dir, step, {"step": step, "model": model.state_dict(),
+                                                            "optimizer": optimizer.state_dict()})
             if hvd.rank() == 0 and (step % 10 == 0 or step == args.steps):
                 print(f"step {step}: loss {loss.item():.4f}  dice (averaged over ranks) {float(score):.3f}",
                       flush=True)

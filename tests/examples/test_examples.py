@@ -48,7 +48,7 @@ def test_unet3d_checkpoints_and_resumes(tmp_path: Path) -> None:
               "--num-samples", "8", "--batch-size", "2"]
     first = run_ranks(_run_example, 2, "unet3d.py", ["--steps", "4", *common], init=False, timeout=120)
     assert [r["start"] for r in first] == [0, 0] and [r["step"] for r in first] == [4, 4]
-    assert (tmp_path / "checkpoint.pt").exists()
+    assert (tmp_path / "ckpt-000000003.pt").exists()  # hora.checkpoint names
     second = run_ranks(_run_example, 2, "unet3d.py", ["--steps", "6", *common], init=False, timeout=120)
     assert [r["start"] for r in second] == [3, 3]  # the last checkpoint was at step 3
     assert [r["step"] for r in second] == [6, 6]
