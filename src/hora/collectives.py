@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora import runtime
+from hora import callsite, runtime
+from hora.callsite import Site
 from hora.compression import Compression, Compressor
 from hora.diagnostics import timeline
 from hora.dispatch import Launch, LocalOp
@@ -29,6 +30,10 @@ from hora.reduce_ops import ReduceOp
 
 # dtypes the backends lack travel as a wider type and are cast back when the op finishes
 _WIRE_CAST = {torch.int16: torch.int32}
+# an integer Average is summed in a type its sum cannot overflow (200 + 100 in uint8 would wrap to 44), then
+# divided (truncating) and cast back; int64 has nothing wider: its sum overflows as a Sum would
+_AVERAGE_WIRE = {torch.uint8: torch.int32, torch.int8: torch.int32, torch.int16: torch.int32,
+                 torch.int32: torch.int64}
 _SUPPORTED = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
                         torch.bfloat16, torch.float32, torch.float64, torch.bool})
 _ARITHMETIC_OPS = frozenset({ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.PRODUCT})
@@ -59,6 +64,8 @@ class Call:
     out: Any = None  # set by launch: the c10d output buffer
     meta: Any = None  # set by launch: rows / splits the finish needs
     members: int = 0  # the process set's size when the call was submitted (Average divides by it)
+    site: Site = callsite.UNKNOWN  # where the user called it (unnamed ops, when the check is on)
+    rejected: Exception | None = None  # found invalid while the call was built (raised at submit)
 
     @property
     def index(self) -> int:
@@ -112,7 +119,8 @@ def _validate_reduction(call: Call, where: str) -> None:
 def _request(call: Call) -> Request:
     t = call.wire
     return Request(call.name, call.kind, dtype_name(t.dtype), tuple(call.tensor.shape), int(call.op), call.root,
-                   float(call.prescale), float(call.postscale), tuple(call.ps.ranks), t.device.type, call.splits)
+                   float(call.prescale), float(call.postscale), tuple(call.ps.ranks), t.device.type, call.splits,
+                   call.site.fingerprint, call.site.where)
 
 
 def submit(call: Call, waiting: bool = False) -> Handle:
@@ -122,19 +130,74 @@ def submit(call: Call, waiting: bool = False) -> Handle:
 
 
 def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
-    """Submit several calls in one negotiation round; nothing is submitted if any call is invalid."""
+    """Submit several calls in one negotiation round; nothing is submitted if any call is invalid.
+
+    An invalid call raises here, on this rank, but still takes its place: an unnamed call its sequence
+    number, and every call is announced to the peers (``Negotiator.reject``), whose matching ops fail with
+    the reason instead of pairing with this rank's next op, or waiting for it."""
     if not calls:
         return []
     rt = runtime.state(f"hvd.{calls[0].kind}()")
     neg = rt.negotiator
+    if neg.site_check and not calls[0].name and calls[0].site is callsite.UNKNOWN:
+        site = callsite.current()
+        for call in calls:
+            call.site = site
+    try:
+        for call in calls:
+            if call.rejected is not None:
+                raise call.rejected
+            if call.name and not isinstance(call.name, str):
+                raise TypeError(f"collective names are strings, got {call.name!r}")
+            _validate(call, rt.topo.rank)
+        for call in calls:
+            if not call.name:
+                call.name = neg.unnamed(call.ps.process_set_id)
+        ops = [_local_op(call, neg) for call in calls]
+    except Exception as e:
+        _announce(calls, rt, e)
+        raise
+    return neg.submit_many(ops, waiting)
+
+
+def _announce(calls: list[Call], rt: Any, error: Exception) -> None:
+    """Tell the peers that this rank rejected ``calls`` (see ``submit_many``). Not for a process set this
+    rank is not a member of (no sequence of it to keep), a name that is not a string, or a name still in
+    flight on this rank (its pending op is not the rejected one)."""
+    neg = rt.negotiator
+    ranks = _member_ranks(calls[0].ps, rt)
+    if ranks is None or any(c.name and (not isinstance(c.name, str) or neg.in_flight(c.name)) for c in calls):
+        return
+    reason = f"{type(error).__name__}: {error}"
+    site = calls[0].site if calls[0].site is not callsite.UNKNOWN else callsite.current()  # for the message
+    reqs = []
     for call in calls:
-        if call.name and not isinstance(call.name, str):
-            raise TypeError(f"collective names are strings, got {call.name!r}")
-        _validate(call, rt.topo.rank)
-    for call in calls:  # only a valid call takes a sequence number, so a rejected one can't desync ranks
         if not call.name:
-            call.name = neg.unnamed(call.ps.process_set_id)
-    return neg.submit_many([_local_op(call, neg) for call in calls], waiting)
+            call.name = neg.unnamed(_sequence_id(call.ps, rt))
+        reqs.append(Request(call.name, call.kind, "", (), ps=ranks, site=site.fingerprint, where=site.where,
+                            error=reason))
+    neg.reject(reqs)
+
+
+def _sequence_id(ps: Any, rt: Any) -> int:
+    """The registered process set whose sequence ``ps`` uses: itself, or (not registered: a ProcessSet
+    made but never added, on every rank alike) the registered set with the same ranks."""
+    sid = getattr(ps, "process_set_id", None)
+    if sid is not None and rt.process_sets.get(sid) is ps:
+        return int(sid)
+    ranks = list(getattr(ps, "ranks", None) or ())
+    return next(i for i, other in rt.process_sets.items() if other.ranks == ranks)
+
+
+def _member_ranks(ps: Any, rt: Any) -> tuple[int, ...] | None:
+    """The ranks of ``ps`` if a call on it can be announced: it (or a set with its ranks) is registered and
+    this rank is a member."""
+    try:
+        sid = _sequence_id(ps, rt)
+    except StopIteration:
+        return None
+    ranks = tuple(rt.process_sets[sid].ranks)
+    return ranks if rt.topo.rank in ranks else None
 
 
 def _local_op(call: Call, neg: Any) -> LocalOp:
@@ -171,7 +234,10 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _from_wire(call: Call, result: torch.Tensor) -> torch.Tensor:
     dtype = call.tensor.dtype
-    return result.to(dtype) if result.dtype != dtype and dtype in _WIRE_CAST else result
+    if result.dtype == dtype:
+        return result
+    widened = dtype in _WIRE_CAST or (call.op == ReduceOp.AVERAGE and dtype in _AVERAGE_WIRE)
+    return result.to(dtype) if widened else result
 
 
 def scale_integers(t: torch.Tensor, factor: float) -> None:
@@ -197,9 +263,13 @@ def _scale_after(call: Call, result: torch.Tensor) -> None:
 def _prepare_reduction(call: Call) -> None:
     compressed, call.ctx = call.compression.compress(call.tensor.detach())
     # never write into the caller's tensor unless asked to (in-place)
-    shared = compressed.data_ptr() == call.tensor.data_ptr()
-    copy = shared and not call.inplace and (call.kind == "allreduce" or call.prescale != 1.0)
-    call.wire = _to_wire(compressed, copy=copy)
+    wide = _AVERAGE_WIRE.get(compressed.dtype) if call.op == ReduceOp.AVERAGE else None
+    if wide is not None:
+        call.wire = compressed.detach().to(wide)
+    else:
+        shared = compressed.data_ptr() == call.tensor.data_ptr()
+        copy = shared and not call.inplace and (call.kind == "allreduce" or call.prescale != 1.0)
+        call.wire = _to_wire(compressed, copy=copy)
     if call.prescale != 1.0:
         if call.wire.is_floating_point():
             call.wire.mul_(call.prescale)
@@ -208,9 +278,9 @@ def _prepare_reduction(call: Call) -> None:
 
 
 def _finish_reduction(call: Call, result: torch.Tensor) -> torch.Tensor:
+    _scale_after(call, result)  # in the wire's type: an integer Average divides its wide sum
     if result.dtype != call.tensor.dtype and call.ctx is None:
         result = _from_wire(call, result)
-    _scale_after(call, result)
     result = call.compression.decompress(result, call.ctx)
     if call.inplace:
         if not _same_memory(result, call.tensor):  # the wire was a copy (cast, compression)

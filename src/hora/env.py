@@ -306,6 +306,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HORA_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE", bool, False,
          "Allreduce on the global set in three steps: reduce within each host, allreduce across hosts among "
          "one rank per host, broadcast within the host. Pays off with several ranks per host on a slow network."),
+    Knob("HORA_CALL_SITE_CHECK", None, bool, True,
+         "Check that ranks reach each unnamed collective from the same line of code (a rank that skipped or "
+         "added a collective is reported, not paired with the wrong op); 0 turns it off for code that calls "
+         "one collective from different lines on purpose. Named collectives are never checked."),
     Knob("HORA_BUCKET_CAP_MB", None, float, 25.0, "DistributedOptimizer bucket size in MB (DDP's default)."),
     Knob("HORA_FIRST_BUCKET_MB", None, float, 1.0,
          "Size of the first gradient bucket in MB, small so communication starts early in backward."),
@@ -327,6 +331,7 @@ class Knobs:
     cycle_time: float = 0.0
     disable_cache: bool = False
     control_plane: str = "auto"
+    call_site_check: bool = True
     bucket_cap_mb: float = 25.0
     first_bucket_mb: float = 1.0
     hierarchical_allreduce: bool = False

@@ -37,15 +37,16 @@ class CollectiveMismatchError(CollectiveError, ValueError):
     The message lists what each rank sent. The job goes on: later collectives work.
     """
 
-    def __init__(self, name: str, per_rank: Mapping[int, str], fields: list[str]) -> None:
+    def __init__(self, name: str, per_rank: Mapping[int, str], fields: list[str], label: str = "",
+                 hint: str = "") -> None:
         self.name = name
         self.per_rank = dict(per_rank)
         self.fields = fields
         lines = "\n".join(f"  rank {r}: {desc}" for r, desc in sorted(per_rank.items()))
         super().__init__(
-            f"collective {name!r}: ranks disagree on {', '.join(fields)}.\n{lines}\n"
-            "Every rank must submit a name with the same kind, dtype, shape, op, root, scale factors and "
-            "process set; give different collectives different names."
+            f"collective {label or repr(name)}: ranks disagree on {', '.join(fields)}.\n{lines}\n"
+            + (hint or "Every rank must submit a name with the same kind, dtype, shape, op, root, scale factors "
+               "and process set; give different collectives different names.")
         )
 
 

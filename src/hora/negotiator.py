@@ -63,6 +63,7 @@ class Negotiator:
                                      rt.topo.hostnames)
         self._lock = threading.RLock()  # _break() may run while a submitter holds it
         self._outbox: list[LocalOp] = []
+        self._rejected: list[Request] = []  # calls rejected on this rank, announced in the next round
         self._mine: dict[str, LocalOp] = {}  # submitted, not yet launched or failed
         self._in_flight: set[str] = set()  # names whose handle has not been synchronized
         self._flags: dict[str, Any] = {}
@@ -75,6 +76,7 @@ class Negotiator:
         self._woken = False  # the gloo plane's bell rang: join that round
         self._defer_until: float | None = None
         self._seq: dict[int, int] = {}
+        self.site_check = rt.knobs.call_site_check  # unnamed ops carry their call site's fingerprint
         self._cache = ResponseCache(self.rank, enabled=not rt.knobs.disable_cache)
         self._dispatch = Dispatcher(self.rank, rt.process_sets, self._take_local, rt.knobs.fusion_threshold)
         self._stopped = threading.Event()
@@ -110,6 +112,23 @@ class Negotiator:
             n = self._seq.get(ps_id, 0)
             self._seq[ps_id] = n + 1
         return f"{_UNNAMED}ps{ps_id}.{n}"
+
+    def in_flight(self, name: str) -> bool:
+        with self._lock:
+            return name in self._in_flight
+
+    def reject(self, reqs: list[Request]) -> None:
+        """Announce calls this rank rejected before sending them (requests with ``error`` set): each took its
+        place (a sequence number, a name), so the peers' matching ops fail with the reason instead of
+        pairing with this rank's next op or waiting for it."""
+        reqs = [r for r in reqs if any(m != self.rank for m in r.ps)]  # a set of one: nobody to tell
+        if not reqs:
+            return
+        with self._lock:
+            if self._broken is not None:
+                return
+            self._rejected.extend(reqs)
+            self._ring_if_idle()
 
     def submit(self, op: LocalOp) -> Handle:
         return self.submit_many([op])[0]
@@ -234,7 +253,7 @@ class Negotiator:
         with self._lock:
             self._idle_round = round_no
             self._rung = False
-            if self._outbox or self._flags:
+            if self._outbox or self._flags or self._rejected:
                 # more to send (the gloo plane: ring the next round at once, so busy ranks run back to back;
                 # the mesh: a submitter that meant to run the round itself found this thread busy)
                 self._ring_if_idle()
@@ -257,7 +276,7 @@ class Negotiator:
         while True:
             self._plane.receive_ready()
             with self._lock:
-                local = bool(self._outbox or self._flags)
+                local = bool(self._outbox or self._flags or self._rejected)
             if not local:
                 if not self._plane.has_input():
                     return False
@@ -301,7 +320,7 @@ class Negotiator:
             # the stall watchdog for them), or if a peer's next frame arrived during this round: it was read
             # off the socket, so nothing else would wake that thread to answer it
             inline_left = self._inline_ok and (bool(self.table.entries) or self._plane.has_input())
-            if self._outbox or self._flags or inline_left:
+            if self._outbox or self._flags or self._rejected or inline_left:
                 self._ring_if_idle()
 
     def _listen_after_round(self) -> None:
@@ -326,7 +345,7 @@ class Negotiator:
         table (identical everywhere) are read, and an answer changes only when a round ends, not what it
         decides, so every rank still reaches the same decisions."""
         with self._lock:
-            if self._outbox or self._flags or self._exit_requested or self._closing:
+            if self._outbox or self._flags or self._rejected or self._exit_requested or self._closing:
                 return False
         frames = self._plane.peek()
         table = self.table
@@ -338,7 +357,8 @@ class Negotiator:
                 return False
             for item in entries:
                 req = self._cache.decode(item, rank)
-                if req.kind in (JOIN, SHUTDOWN) or req.name in table.tombstones or self.rank not in req.ps:
+                if (req.kind in (JOIN, SHUTDOWN) or req.error or req.name in table.tombstones
+                        or self.rank not in req.ps):
                     return False
                 entry = table.entries.get(req.name)
                 if entry is not None and self.rank in entry.requests:
@@ -405,8 +425,13 @@ class Negotiator:
         with self._lock:
             outgoing, self._outbox = self._outbox, []
             flags, self._flags = self._flags, {}
+            rejected, self._rejected = self._rejected, []
         inline = [fusion.inline_bytes(op.req, op.wire) for op in outgoing]
-        payload = pickle.dumps(([self._cache.encode(op.req) for op in outgoing], inline, flags), protocol=5)
+        sent: list[Any] = [self._cache.encode(op.req) for op in outgoing]
+        if rejected:  # never cached: they travel in full, once
+            sent += rejected
+            inline += [None] * len(rejected)
+        payload = pickle.dumps((sent, inline, flags), protocol=5)
         t0 = time.perf_counter()
         gathered = [pickle.loads(b) for b in self._plane.allgather(payload)]
         tl = timeline_mod.active()
@@ -441,8 +466,9 @@ class Negotiator:
                 self._advance_sequence(entry.name)
 
     def _advance_sequence(self, name: str) -> None:
-        """A joined rank took part in an unnamed op it never submitted: keep its sequence in step."""
-        ps_part, _, n = name[len(_UNNAMED):].partition(".")
+        """A joined rank took part in (or saw fail) an unnamed op it never submitted: keep its sequence in
+        step. ``name`` is ``noname.ps<id>.<n>``, or ``noname.ps<id>.<n>.<part>`` (a sparse allreduce)."""
+        ps_part, n, *_ = name[len(_UNNAMED):].split(".")
         ps_id = int(ps_part.removeprefix("ps"))
         with self._lock:
             self._seq[ps_id] = max(self._seq.get(ps_id, 0), int(n) + 1)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hora import runtime
+from hora import callsite, runtime
 from hora.collectives import Call, submit
 from hora.compression import Compression, Compressor
 from hora.errors import InvalidCallError
@@ -37,11 +37,21 @@ def _wanted(ctx: Any, grads: Sequence[torch.Tensor]) -> list[torch.Tensor | None
     return [g if need else None for g, need in zip(grads, ctx.needs_input_grad[1:])]
 
 
+def _resolved(op: Any, average: bool | None) -> tuple[ReduceOp, Exception | None]:
+    """The reduce op, or the error that rejects the call (raised at submit, where the call still takes its
+    place in the sequence: see ``collectives.submit_many``)."""
+    try:
+        return resolve_op(op, average), None
+    except (TypeError, ValueError) as e:
+        return ReduceOp.SUM, e
+
+
 def _allreduce_call(tensor: torch.Tensor, average: bool | None, name: str | None, op: Any,
                     prescale_factor: float, postscale_factor: float, process_set: ProcessSet,
                     compression: Compressor = Compression.none, inplace: bool = False) -> Call:
-    return Call("allreduce", tensor, name or "", process_set, op=resolve_op(op, average),
-                prescale=prescale_factor, postscale=postscale_factor, compression=compression, inplace=inplace)
+    rop, rejected = _resolved(op, average)
+    return Call("allreduce", tensor, name or "", process_set, op=rop, prescale=prescale_factor,
+                postscale=postscale_factor, compression=compression, inplace=inplace, rejected=rejected)
 
 
 def _allreduce_submit(call: Call, waiting: bool = False) -> Any:
@@ -335,15 +345,25 @@ def _alltoall_parts(tensor: torch.Tensor, splits: Any, name: str | None,
     return tensor, parts
 
 
-def _alltoall_call(tensor: torch.Tensor, parts: tuple[int, ...], name: str | None, ps: ProcessSet) -> Call:
-    return Call("alltoall", tensor, name or "", ps, splits=parts)
+def _alltoall_checked(tensor: torch.Tensor, splits: Any, name: str | None,
+                      ps: ProcessSet) -> tuple[torch.Tensor, tuple[int, ...], Exception | None]:
+    """``_alltoall_parts``, with its error returned: raised at submit, where the call still takes its place."""
+    try:
+        return (*_alltoall_parts(tensor, splits, name, ps), None)
+    except (TypeError, ValueError) as e:
+        return tensor, (), e
+
+
+def _alltoall_call(tensor: torch.Tensor, parts: tuple[int, ...], name: str | None, ps: ProcessSet,
+                   rejected: Exception | None = None) -> Call:
+    return Call("alltoall", tensor, name or "", ps, splits=parts, rejected=rejected)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
-    tensor, parts = _alltoall_parts(tensor, splits, name, process_set)
-    return submit(_alltoall_call(tensor, parts, name, process_set))
+    tensor, parts, rejected = _alltoall_checked(tensor, splits, name, process_set)
+    return submit(_alltoall_call(tensor, parts, name, process_set, rejected))
 
 
 class _AlltoallFn(torch.autograd.Function):
@@ -365,7 +385,9 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     """Send ``splits[i]`` rows to member i and receive theirs. Returns ``(output, received_splits)`` when
     ``splits`` is given, else the output (dim 0 must then divide evenly by the set's size). Differentiable:
     the gradient is the alltoall of the gradient with the received splits."""
-    tensor, parts = _alltoall_parts(tensor, splits, name, process_set)
+    tensor, parts, rejected = _alltoall_checked(tensor, splits, name, process_set)
+    if rejected is not None:
+        submit(_alltoall_call(tensor, parts, name, process_set, rejected))  # raises it, once announced
     out, received = _AlltoallFn.apply(tensor, parts, name, process_set)
     return (out, received) if splits is not None else out
 
@@ -373,8 +395,9 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 # --- reducescatter -----------------------------------------------------------------------------------------
 def _reducescatter_call(tensor: torch.Tensor, name: str | None, compression: Compressor, op: Any,
                         ps: ProcessSet, prescale_factor: float, postscale_factor: float) -> Call:
-    return Call("reducescatter", tensor, name or "", ps, op=resolve_op(op, None), prescale=prescale_factor,
-                postscale=postscale_factor, compression=compression)
+    rop, rejected = _resolved(op, None)
+    return Call("reducescatter", tensor, name or "", ps, op=rop, prescale=prescale_factor,
+                postscale=postscale_factor, compression=compression, rejected=rejected)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = ReduceOp.AVERAGE,
@@ -465,20 +488,30 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
                            process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Allreduce a sparse COO tensor by allgathering its indices and values; ``synchronize`` returns a
     coalesced sparse tensor. Average divides the values by the set's size."""
-    op = resolve_op(op, None)
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise InvalidCallError(f"sparse allreduce supports Average and Sum, not {op.name.capitalize()}")
-    t = tensor.coalesce()
-    base = name or runtime.state("hvd.sparse_allreduce_async()").negotiator.unnamed(process_set.process_set_id)
-    handles = _grouped([Call("allgather", t.indices().t().contiguous(), f"{base}.indices", process_set),
-                        Call("allgather", t.values().contiguous(), f"{base}.values", process_set)]).handles
-    n = process_set.size()
+    neg = runtime.state("hvd.sparse_allreduce_async()").negotiator
+    site = callsite.current() if neg.site_check and not name else callsite.UNKNOWN
+    rop, rejected = _resolved(op, None)
+    if rejected is None and rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        rejected = InvalidCallError(f"sparse allreduce supports Average and Sum, not {rop.name.capitalize()}")
+    indices = values = torch.empty(0)
+    try:
+        t = tensor.coalesce()
+        indices, values = t.indices().t().contiguous(), t.values().contiguous()
+    except (AttributeError, RuntimeError, TypeError) as e:
+        rejected = rejected or TypeError(f"sparse_allreduce_async needs a sparse COO tensor: {e}")
+    # both allgathers are named after one sequence number, which a rejected call takes too (submit_many)
+    member = process_set.process_set_id is not None and process_set.included()
+    base = name or (neg.unnamed(process_set.process_set_id) if member else "")
+    calls = [Call("allgather", part, f"{base}.{what}" if base else "", process_set, site=site, rejected=rejected)
+             for part, what in ((indices, "indices"), (values, "values"))]
+    handles = _grouped(calls).handles
+    n, shape = process_set.size(), tensor.shape
 
     def combine(results: list[torch.Tensor]) -> torch.Tensor:
         indices, values = results
-        if op == ReduceOp.AVERAGE:
+        if rop == ReduceOp.AVERAGE:
             values = values / n
-        return torch.sparse_coo_tensor(indices.t(), values, t.shape).coalesce()
+        return torch.sparse_coo_tensor(indices.t(), values, shape).coalesce()
 
     return GroupHandle(handles, combine)
 

@@ -17,6 +17,7 @@ from hora.errors import CollectiveError, CollectiveMismatchError
 
 JOIN = "join"
 SHUTDOWN = "shutdown"
+UNNAMED = "noname."  # prefix of the sequence names of unnamed ops: noname.ps<set id>.<n>
 # kinds a joined rank takes part in: it contributes zeros to reductions, no rows to allgathers and alltoalls,
 # and receives broadcasts (every kind hora has, as in Horovod)
 JOIN_OK = frozenset({"allreduce", "allgather", "broadcast", "barrier", "reducescatter", "alltoall", JOIN,
@@ -24,8 +25,12 @@ JOIN_OK = frozenset({"allreduce", "allgather", "broadcast", "barrier", "reducesc
 
 
 class Request(NamedTuple):
-    """What a rank says about one op it submitted. Every field but ``splits`` must agree across ranks
-    (for allgather/alltoall only the trailing dimensions of ``shape`` must agree)."""
+    """What a rank says about one op it submitted. Every field up to ``device`` must agree across ranks
+    (for allgather/alltoall only the trailing dimensions of ``shape`` must agree), and so must ``site``
+    where every rank sent one (unnamed ops; 0 = not checked).
+
+    A request with ``error`` set announces a call this rank rejected before sending anything (a
+    non-contiguous tensor, a bad root...): it still takes its place, and the op fails on every member."""
 
     name: str
     kind: str
@@ -38,9 +43,13 @@ class Request(NamedTuple):
     ps: tuple[int, ...] = ()  # member ranks of the process set
     device: str = "cpu"
     splits: tuple[int, ...] | None = None
+    site: int = 0  # call-site fingerprint of an unnamed op (hora.callsite); 0: not checked
+    where: str = ""  # that call site as file:line, for messages
+    error: str = ""  # set: this rank rejected the call (the reason)
 
 
 _FIELDS = ("kind", "dtype", "shape", "op", "root", "prescale", "postscale", "process_set", "device")
+CALL_SITE = "call site"
 _ROWS_MAY_DIFFER = frozenset({"allgather", "alltoall"})
 
 
@@ -63,12 +72,29 @@ def describe(req: Request) -> str:
         parts.append(f"root={req.root}")
     parts.append(f"process_set={list(req.ps)}")
     parts.append(f"device={req.device}")
+    if req.where:
+        parts.append(f"at {req.where}")
     return " ".join(parts)
 
 
+def label(name: str) -> str:
+    """A collective's name as a user reads it: an unnamed op says which one it is."""
+    if not name.startswith(UNNAMED):
+        return repr(name)
+    ps, _, n = name[len(UNNAMED):].partition(".")
+    number, _, part = n.partition(".")
+    which = f"unnamed collective #{number} of process set {ps.removeprefix('ps')}"
+    return f"{name!r} ({which}{', ' + part if part else ''})"
+
+
 def differing_fields(reqs: Iterable[Request]) -> list[str]:
+    reqs = list(reqs)
     sigs = [signature(r) for r in reqs]
-    return [f for i, f in enumerate(_FIELDS) if len({s[i] for s in sigs}) > 1]
+    fields = [f for i, f in enumerate(_FIELDS) if len({s[i] for s in sigs}) > 1]
+    sites = {r.site for r in reqs}
+    if len(sites) > 1 and 0 not in sites:  # a rank that does not check (site 0) opts the op out
+        fields.append(CALL_SITE)
+    return fields
 
 
 @dataclass(eq=False)
@@ -82,6 +108,7 @@ class Entry:
     arrival: dict[int, int] = field(default_factory=dict)  # rank -> round its request arrived
     reported: bool = False
     fresh: bool = False  # some rank sent its request in full (not as a cache id) this time
+    rejected: bool = False  # some rank rejected its call (a request with ``error``): the op fails at once
     inline: dict[int, bytes] = field(default_factory=dict)  # tiny allreduces: each rank's data, sent inline
 
     @cached_property
@@ -127,6 +154,7 @@ class Table:
         entry.requests[rank] = req
         entry.arrival[rank] = round_no
         entry.fresh = entry.fresh or fresh
+        entry.rejected = entry.rejected or bool(req.error)
         if data is not None:
             entry.inline[rank] = data
 
@@ -143,7 +171,10 @@ class Table:
         for name, entry in list(self.entries.items()):
             required = self._required(entry, joined)
             complete = required <= entry.requests.keys()
-            error = self._check(entry, joined) if complete else self._join_conflict(entry, joined)
+            if entry.rejected:
+                error: CollectiveError | None = _rejection(entry)
+            else:
+                error = self._check(entry, joined) if complete else self._join_conflict(entry, joined)
             if error is not None:
                 del self.entries[name]
                 owed = required - entry.requests.keys()
@@ -168,7 +199,8 @@ class Table:
         if any(r != first for r in reqs.values()):  # identical requests (the usual case) cannot disagree
             fields = differing_fields(reqs.values())
             if fields:
-                return CollectiveMismatchError(entry.name, {r: describe(q) for r, q in reqs.items()}, fields)
+                return CollectiveMismatchError(entry.name, {r: describe(q) for r, q in reqs.items()}, fields,
+                                               label(entry.name), _SITE_HINT if CALL_SITE in fields else "")
         return self._join_conflict(entry, joined)
 
     def _leaving_conflict(self, entry: Entry) -> CollectiveError | None:
@@ -202,6 +234,28 @@ class Table:
                 f"broadcast {entry.name!r} cannot run: its root rank {req.root} already called join()"
             )
         return None
+
+
+_SITE_HINT = (
+    "Unnamed collectives are paired by their order on each rank, and these ranks reached this one from "
+    "different lines of code: if a rank skipped or added a collective (a rank-dependent branch, an exception "
+    "caught around a call), its later unnamed collectives pair with the wrong ones too, so make every rank "
+    "run the same collectives in the same order. If the ranks call it from different lines on purpose, pass "
+    "the same name= on every rank (named collectives are matched by name), or set HORA_CALL_SITE_CHECK=0 to "
+    "turn this check off."
+)
+
+
+def _rejection(entry: Entry) -> CollectiveError:
+    """The error of an op some rank rejected locally: it names those ranks, where they called it, and why."""
+    bad = {r: q for r, q in entry.requests.items() if q.error}
+    first = next(iter(bad.values()))
+    why = "; ".join(f"rank {r} rejected its call{f' at {q.where}' if q.where else ''}: {q.error}"
+                    for r, q in sorted(bad.items()))
+    return CollectiveError(
+        f"{first.kind} {label(entry.name)} cannot run on process set {list(first.ps)}: {why}. Nothing was "
+        "sent for it on any rank; fix that rank's call (later collectives pair as before)."
+    )
 
 
 def last_joined(entry: Entry) -> int:

@@ -8,9 +8,8 @@ steady state a round of the optimizer's bucket allreduces carries a few bytes pe
 
 from __future__ import annotations
 
-from hora.plan import JOIN, SHUTDOWN, Entry, Request
+from hora.plan import JOIN, SHUTDOWN, UNNAMED, Entry, Request
 
-UNNAMED = "noname."  # prefix of the sequence names of unnamed ops
 CAPACITY = 4096  # distinct requests remembered; later ones travel in full
 
 

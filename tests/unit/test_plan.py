@@ -117,3 +117,30 @@ def test_inline_reduction_is_the_same_arithmetic_on_every_rank() -> None:
     assert reduce_inline(entry).tolist() == [6.0, -3.0]
     big = Request("y", "allreduce", "float32", (1024,), ps=(0, 1))
     assert inline_bytes(big, torch.zeros(1024)) is None  # too large: goes on the data plane
+
+
+def test_a_rejected_call_fails_the_op_at_once_naming_the_rank_and_the_reason() -> None:
+    table = Table(3)
+    step(table, 0, (1, req("noname.ps0.4")))
+    rejected = req("noname.ps0.4", dtype="", shape=(), where="train.py:9", error="ValueError: not contiguous")
+    d = step(table, 0, (0, rejected))
+    (entry, error), = d.failed  # rank 2 has not submitted yet: it need not
+    assert not isinstance(error, CollectiveMismatchError)
+    assert "allreduce 'noname.ps0.4' (unnamed collective #4 of process set 0)" in str(error)
+    assert "rank 0 rejected its call at train.py:9: ValueError: not contiguous" in str(error)
+    late = step(table, 1, (2, req("noname.ps0.4")))  # the latecomer gets the same error
+    assert [(r, n, e) for r, n, e in late.late_failures] == [(2, "noname.ps0.4", error)]
+    assert table.entries == {} and table.tombstones == {}
+
+
+def test_call_sites_are_compared_when_every_rank_sent_one() -> None:
+    table = Table(2)
+    a, b = req("s", ps=(0, 1), site=11, where="t.py:1"), req("s", ps=(0, 1), site=22, where="t.py:2")
+    (_, error), = step(table, 0, (0, a), (1, b)).failed
+    assert isinstance(error, CollectiveMismatchError) and error.fields == ["call site"]
+    assert "at t.py:1" in error.per_rank[0] and "at t.py:2" in error.per_rank[1]
+    assert "HORA_CALL_SITE_CHECK=0" in str(error) and "name=" in str(error)
+    # a rank that does not check (site 0) opts the op out; equal sites are fine
+    assert [e.name for e in step(table, 1, (0, a._replace(name="t")), (1, b._replace(name="t", site=0))).ready] == ["t"]
+    assert [e.name for e in step(table, 2, (0, a._replace(name="u")), (1, a._replace(name="u", where="x"))).ready] \
+        == ["u"]
