@@ -139,8 +139,8 @@ def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
         return []
     rt = runtime.state(f"hvd.{calls[0].kind}()")
     neg = rt.negotiator
-    if neg.site_check and not calls[0].name and calls[0].site is callsite.UNKNOWN:
-        site = callsite.current()
+    if neg.site_check and not calls[0].name and calls[0].site is callsite.UNKNOWN and calls[0].kind != "barrier":
+        site = callsite.current()  # a barrier carries no data to mix up, and has no name= to opt out with
         for call in calls:
             call.site = site
     try:

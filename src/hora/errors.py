@@ -39,12 +39,13 @@ class CollectiveMismatchError(CollectiveError, ValueError):
 
     def __init__(self, name: str, per_rank: Mapping[int, str], fields: list[str], label: str = "",
                  hint: str = "") -> None:
+        """``label``: the op as a user reads it (default ``collective 'name'``); ``hint``: how to fix it."""
         self.name = name
         self.per_rank = dict(per_rank)
         self.fields = fields
         lines = "\n".join(f"  rank {r}: {desc}" for r, desc in sorted(per_rank.items()))
         super().__init__(
-            f"collective {label or repr(name)}: ranks disagree on {', '.join(fields)}.\n{lines}\n"
+            f"{label or f'collective {name!r}'}: ranks disagree on {', '.join(fields)}.\n{lines}\n"
             + (hint or "Every rank must submit a name with the same kind, dtype, shape, op, root, scale factors "
                "and process set; give different collectives different names.")
         )

@@ -2,7 +2,8 @@
 
 Every function here is a thin wrapper over one private core (:mod:`hora.collectives`). Ops are matched
 across ranks by ``name``; leave it out and a per-process-set sequence name is used, so ordinary SPMD code
-needs none. Signatures and defaults are Horovod's (see COMPAT.md).
+needs none (a call rejected on one rank still takes its number, and ranks that reach a number from different
+lines of code are told so: see :mod:`hora.callsite`). Signatures and defaults are Horovod's (see COMPAT.md).
 
 Example:
     >>> avg = hvd.allreduce(torch.tensor([float(hvd.rank())]))          # doctest: +SKIP

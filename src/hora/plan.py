@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+from hora.diagnostics.where import UNNAMED_PREFIX, describe_op
 from hora.errors import CollectiveError, CollectiveMismatchError
 
 JOIN = "join"
 SHUTDOWN = "shutdown"
-UNNAMED = "noname."  # prefix of the sequence names of unnamed ops: noname.ps<set id>.<n>
+UNNAMED = UNNAMED_PREFIX  # prefix of the sequence names of unnamed ops: noname.ps<set id>.<n>
 # kinds a joined rank takes part in: it contributes zeros to reductions, no rows to allgathers and alltoalls,
 # and receives broadcasts (every kind hora has, as in Horovod)
 JOIN_OK = frozenset({"allreduce", "allgather", "broadcast", "barrier", "reducescatter", "alltoall", JOIN,
@@ -75,16 +76,6 @@ def describe(req: Request) -> str:
     if req.where:
         parts.append(f"at {req.where}")
     return " ".join(parts)
-
-
-def label(name: str) -> str:
-    """A collective's name as a user reads it: an unnamed op says which one it is."""
-    if not name.startswith(UNNAMED):
-        return repr(name)
-    ps, _, n = name[len(UNNAMED):].partition(".")
-    number, _, part = n.partition(".")
-    which = f"unnamed collective #{number} of process set {ps.removeprefix('ps')}"
-    return f"{name!r} ({which}{', ' + part if part else ''})"
 
 
 def differing_fields(reqs: Iterable[Request]) -> list[str]:
@@ -200,7 +191,8 @@ class Table:
             fields = differing_fields(reqs.values())
             if fields:
                 return CollectiveMismatchError(entry.name, {r: describe(q) for r, q in reqs.items()}, fields,
-                                               label(entry.name), _SITE_HINT if CALL_SITE in fields else "")
+                                               describe_op("collective", entry.name),
+                                               _SITE_HINT if CALL_SITE in fields else "")
         return self._join_conflict(entry, joined)
 
     def _leaving_conflict(self, entry: Entry) -> CollectiveError | None:
@@ -253,7 +245,7 @@ def _rejection(entry: Entry) -> CollectiveError:
     why = "; ".join(f"rank {r} rejected its call{f' at {q.where}' if q.where else ''}: {q.error}"
                     for r, q in sorted(bad.items()))
     return CollectiveError(
-        f"{first.kind} {label(entry.name)} cannot run on process set {list(first.ps)}: {why}. Nothing was "
+        f"{describe_op(first.kind, entry.name)} cannot run on process set {list(first.ps)}: {why}. Nothing was "
         "sent for it on any rank; fix that rank's call (later collectives pair as before)."
     )
 

@@ -166,7 +166,7 @@ def _rejected(rank: int, size: int) -> list[str]:
 def test_a_call_rejected_on_one_rank_fails_the_peers_op_and_the_sequence_stays_in_step(plane: str) -> None:
     messages = run_ranks(_rejected, 2, timeout=60, env={"HORA_CONTROL_PLANE": plane})
     assert len(messages[0]) + len(messages[1]) == 2 * len(REJECTED)
-    assert "'noname.ps0." in messages[1][0] and "unnamed collective #" in messages[1][0], messages[1][0]
+    assert messages[1][0].startswith("unnamed allreduce #"), messages[1][0]
 
 
 def _not_announced(rank: int, size: int) -> None:
@@ -222,6 +222,11 @@ def _call_sites(rank: int, size: int) -> dict:
     w = torch.ones(2, requires_grad=True)
     hvd.allreduce(w * 2.0, op=hvd.Sum).sum().backward()
     seen["grad"] = w.grad.tolist()
+    # barriers are not checked: no data to mix up, and no name= to opt out with
+    if rank == 0:
+        hvd.barrier()
+    else:
+        hvd.barrier()
     # a different kind at the same position, from the same line: a kind mismatch (sites agree)
     try:
         (hvd.allreduce if rank else hvd.allgather)(t)
@@ -285,7 +290,7 @@ def test_process_set_sequences_and_async_ops_stay_in_step() -> None:
         assert seen["p1"] == [30.0, 30.0, 30.0] and seen["p2"] == [1.0, 1.0]
         assert seen["after"] == [2.0, 3.0, 2.0]
     assert r2["after"] == [3.0]
-    assert "process set 1" in r1["bad"] and "process set [0, 1]" in r1["bad"], r1["bad"]
+    assert r1["bad"].startswith("unnamed allreduce #0 of process set 1 cannot run on process set [0, 1]: "), r1["bad"]
 
 
 def _exceptions(rank: int, size: int) -> dict:
