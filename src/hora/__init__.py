@@ -27,6 +27,7 @@ from hora.errors import (  # noqa: F401
     HorovodInternalError,
     HostsUpdatedInterrupt,
     InvalidCallError,
+    PeerRejectedCallError,
     LaunchError,
     NotInitializedError,
     UnsupportedCallError,

@@ -70,6 +70,13 @@ class UnsupportedCallError(InvalidCallError, NotImplementedError):
     """A call Horovod answers with ``NotImplementedError`` (e.g. Adasum on a non-power-of-two number of ranks)."""
 
 
+class PeerRejectedCallError(InvalidCallError):
+    """Another member rejected its own call to this collective before sending it (a non-contiguous tensor, a
+    bad root...); the message names that rank, its line and its reason. Like the error that rank got, an
+    ``InvalidCallError``, not a ``HorovodInternalError``: nothing broke, and later collectives pair as before.
+    """
+
+
 class CollectiveTimeoutError(CollectiveError):
     """A collective waited longer than the stall shutdown time."""
 
@@ -108,6 +115,7 @@ __all__ = [
     "InvalidCallError",
     "LaunchError",
     "NotInitializedError",
+    "PeerRejectedCallError",
     "UnsupportedCallError",
     "UnsupportedDtypeError",
 ]

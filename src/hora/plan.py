@@ -14,7 +14,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from hora.diagnostics.where import UNNAMED_PREFIX, describe_op
-from hora.errors import CollectiveError, CollectiveMismatchError
+from hora.errors import CollectiveError, CollectiveMismatchError, HoraError, PeerRejectedCallError
 
 JOIN = "join"
 SHUTDOWN = "shutdown"
@@ -111,8 +111,8 @@ class Entry:
 @dataclass
 class Decision:
     ready: list[Entry] = field(default_factory=list)  # in the order every rank runs them
-    failed: list[tuple[Entry, CollectiveError]] = field(default_factory=list)
-    late_failures: list[tuple[int, str, CollectiveError]] = field(default_factory=list)  # (rank, name, error)
+    failed: list[tuple[Entry, HoraError]] = field(default_factory=list)
+    late_failures: list[tuple[int, str, HoraError]] = field(default_factory=list)  # (rank, name, error)
 
 
 class Table:
@@ -122,7 +122,7 @@ class Table:
         self.size = size
         self.entries: dict[str, Entry] = {}
         # names that failed before every member submitted: the latecomers get the same error
-        self.tombstones: dict[str, tuple[CollectiveError, set[int]]] = {}
+        self.tombstones: dict[str, tuple[HoraError, set[int]]] = {}
         self._leaving: frozenset[int] = frozenset()  # ranks that called shutdown(), as of this round
 
     @property
@@ -163,7 +163,7 @@ class Table:
             required = self._required(entry, joined)
             complete = required <= entry.requests.keys()
             if entry.rejected:
-                error: CollectiveError | None = _rejection(entry)
+                error: HoraError | None = _rejection(entry)
             else:
                 error = self._check(entry, joined) if complete else self._join_conflict(entry, joined)
             if error is not None:
@@ -238,13 +238,13 @@ _SITE_HINT = (
 )
 
 
-def _rejection(entry: Entry) -> CollectiveError:
+def _rejection(entry: Entry) -> PeerRejectedCallError:
     """The error of an op some rank rejected locally: it names those ranks, where they called it, and why."""
     bad = {r: q for r, q in entry.requests.items() if q.error}
     first = next(iter(bad.values()))
     why = "; ".join(f"rank {r} rejected its call{f' at {q.where}' if q.where else ''}: {q.error}"
                     for r, q in sorted(bad.items()))
-    return CollectiveError(
+    return PeerRejectedCallError(
         f"{describe_op(first.kind, entry.name)} cannot run on process set {list(first.ps)}: {why}. Nothing was "
         "sent for it on any rank; fix that rank's call (later collectives pair as before)."
     )

@@ -84,7 +84,7 @@ def _rejected_then_unnamed(rank: int, size: int) -> list[float]:
              (lambda: hvd.broadcast(torch.ones(3), root_rank=size if bad else 0), ValueError, "root")]
     for call, error, reason in calls:
         # the rejected call still takes its place in the sequence: the peer's matching call fails with the reason
-        with pytest.raises(error if bad else hvd.HorovodInternalError, match=reason):
+        with pytest.raises(error if bad else hvd.PeerRejectedCallError, match=reason):
             call()
     return [hvd.allreduce(torch.ones(1), op=hvd.Sum).item() for _ in range(2)]
 

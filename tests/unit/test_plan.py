@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hora.errors import CollectiveError, CollectiveMismatchError
+from hora.errors import CollectiveError, CollectiveMismatchError, PeerRejectedCallError
 from hora.fusion import inline_bytes, plan_batches, reduce_inline
 from hora.plan import Decision, Entry, Request, Table, last_joined
 from hora.reduce_ops import ReduceOp
@@ -125,7 +125,7 @@ def test_a_rejected_call_fails_the_op_at_once_naming_the_rank_and_the_reason() -
     rejected = req("noname.ps0.4", dtype="", shape=(), where="train.py:9", error="ValueError: not contiguous")
     d = step(table, 0, (0, rejected))
     (entry, error), = d.failed  # rank 2 has not submitted yet: it need not
-    assert not isinstance(error, CollectiveMismatchError)
+    assert isinstance(error, PeerRejectedCallError) and not isinstance(error, CollectiveError)
     assert str(error).startswith("unnamed allreduce #4 cannot run on process set [0, 1, 2]: ")
     assert "rank 0 rejected its call at train.py:9: ValueError: not contiguous" in str(error)
     late = step(table, 1, (2, req("noname.ps0.4")))  # the latecomer gets the same error
