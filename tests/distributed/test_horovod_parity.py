@@ -151,9 +151,10 @@ def _integer_scaling(rank: int, size: int) -> None:
               f"{dtype} postscale")
         both = _trunc(sum(_trunc(t, 1.5) for t in xs).to(dtype), 0.3)
         close(hvd.allreduce(x, op=hvd.Sum, prescale_factor=1.5, postscale_factor=0.3), both, f"{dtype} both")
-        # Average: one postscale factor of post / size, as Horovod folds the average into it
-        close(hvd.allreduce(x, op=hvd.Average, postscale_factor=3.0), _trunc(sum(xs).to(dtype), 3.0 / size),
-              f"{dtype} Average with postscale")
+        # Average: one postscale factor of post / size, as Horovod folds the average into it; hora sums an
+        # integer Average in a wider type (100 + 101 in int8 does not wrap first), then casts back
+        close(hvd.allreduce(x, op=hvd.Average, postscale_factor=3.0),
+              _trunc(sum(t.long() for t in xs), 3.0 / size).to(dtype), f"{dtype} Average with postscale")
     # the literal case: [7, -7, 3] with prescale 0.5 on every rank truncates each to [3, -3, 1]
     got = hvd.allreduce(torch.tensor([7, -7, 3], dtype=torch.int32), op=hvd.Sum, prescale_factor=0.5)
     close(got, torch.tensor([3 * size, -3 * size, size], dtype=torch.int32), "truncation toward zero")
