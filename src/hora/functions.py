@@ -86,12 +86,28 @@ def broadcast_optimizer_state(
 ) -> None:
     """Give every rank the root's optimizer state and options (``lr``, ``momentum``...).
 
-    Works before the first step (an empty state stays empty everywhere). ``model`` is accepted for
-    Horovod compatibility and not needed.
+    Works before the first step (an empty state stays empty everywhere; parameters that require grad and
+    have none get a zero gradient, as Horovod leaves them), and with parameters that have no state or
+    ``None`` entries in it. ``model`` is accepted for Horovod compatibility and not needed.
     """
+    if not optimizer.state:
+        _zero_missing_grads(optimizer)
     state = _cpu(optimizer.state_dict()) if runtime.rank() == root_rank else None
     state = broadcast_object(state, root_rank, name="hora.broadcast_optimizer_state", process_set=process_set)
     optimizer.load_state_dict(state)
+
+
+def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Horovod's broadcast_optimizer_state leaves every parameter that requires grad with a gradient (zeros
+    where none was computed yet; sparse for SparseAdam), so code that reads ``p.grad`` right after it works
+    the same here. Parameters that do not require grad keep ``None``; gradients already there are kept."""
+    sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    zeros = torch.zeros_like(p)
+                    p.grad = zeros.to_sparse() if sparse else zeros
 
 
 def _dumps(obj: Any) -> torch.Tensor:

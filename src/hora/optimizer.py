@@ -18,6 +18,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -33,6 +34,14 @@ log = logging.getLogger(__name__)
 
 _instance_ids = itertools.count()
 _classes: dict[type, type] = {}
+
+# Horovod's warning, word for word (scripts and tests match on it). hora does not reduce twice in this case
+# (the gradients are already reduced), but the step is still a sign of a missing skip_synchronize().
+STEP_AFTER_SYNCHRONIZE = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). "
+    "This can cause training slowdown. You may want to consider using optimizer.skip_synchronize() context "
+    "if you use optimizer.synchronize() in your code."
+)
 
 
 class _DistributedOptimizer:
@@ -64,6 +73,8 @@ class _DistributedOptimizer:
 
     def step(self, closure: Any = None) -> Any:
         reducer = self._hora_reducer
+        if self._hora_should_sync and reducer.synced:
+            warnings.warn(STEP_AFTER_SYNCHRONIZE, UserWarning, stacklevel=2)
         if reducer.updates_params:  # Adasum: the local steps ran in the hooks; apply the combined update
             loss = closure() if closure is not None else None
             if self._hora_should_sync:
@@ -98,8 +109,10 @@ def _local_step(optimizer: Any, p: torch.Tensor) -> None:
             group["params"] = params
 
 
-def _named(optimizer: torch.optim.Optimizer, named_parameters: Iterable[Any] | None) -> tuple[list, list[str]]:
-    """The optimizer's parameters (deduplicated, in group order) and their names."""
+def _named(optimizer: torch.optim.Optimizer,
+           named_parameters: Iterable[Any] | None) -> tuple[list, list[str], dict[torch.Tensor, str]]:
+    """The optimizer's parameters (deduplicated, in group order), their names, and Horovod's
+    ``_parameter_names`` (every named parameter given, or the optimizer's own under generated names)."""
     params: list[torch.Tensor] = []
     seen: set[int] = set()
     for group in optimizer.param_groups:
@@ -107,8 +120,11 @@ def _named(optimizer: torch.optim.Optimizer, named_parameters: Iterable[Any] | N
             if id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
-    if named_parameters is None:
-        return params, [f"param.{i}" for i in range(len(params))]
+    if named_parameters is None:  # Horovod's names: allreduce.noname.<group index>.<index in the group>
+        noname = {id(p): f"allreduce.noname.{i}.{j}" for i, group in enumerate(optimizer.param_groups)
+                  for j, p in enumerate(group["params"])}
+        names = [noname[id(p)] for p in params]
+        return params, names, dict(zip(params, names))
     pairs = list(named_parameters)
     if any(not isinstance(x, tuple) or len(x) != 2 for x in pairs):
         raise ValueError(
@@ -129,7 +145,7 @@ def _named(optimizer: torch.optim.Optimizer, named_parameters: Iterable[Any] | N
             f"(positions {unnamed[:10]} in the optimizer's parameter list): pass model.named_parameters() "
             "of the model whose parameters the optimizer holds"
         )
-    return params, [name_of[id(p)] for p in params]
+    return params, [name_of[id(p)] for p in params], {p: name for name, p in pairs}
 
 
 def _group_of(params: list[torch.Tensor], num_groups: int, groups: Any) -> list[int]:
@@ -197,7 +213,7 @@ def DistributedOptimizer(
         The distributed optimizer.
     """
     _validate(optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor)
-    params, names = _named(optimizer, named_parameters)
+    params, names, parameter_names = _named(optimizer, named_parameters)
     base = type(optimizer)
     cls = _classes.get(base)
     if cls is None:
@@ -208,6 +224,8 @@ def DistributedOptimizer(
     # that our step() runs (a scheduler created after wrapping wraps ours).
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     wrapped._hora_should_sync = True
+    # Horovod's attribute: {parameter: name}; the names the reducer uses in errors and stall reports
+    wrapped._parameter_names = parameter_names
     wrapped._hora_reducer = GradientReducer(
         params,
         names,

@@ -281,11 +281,15 @@ class GradientReducer:
                 continue
             p = self.params[index]
             src = out.narrow(0, bucket.plan.offsets[k], bucket.plan.numels[k]).view_as(p)
-            if handout and src.dtype == p.dtype:
-                if p.grad is not None and (p.grad.is_sparse or p.grad.data_ptr() != src.data_ptr()):
+            if p.grad is not None and p.grad.is_sparse:  # sparse_as_dense: reduced dense, handed back sparse
+                # (as Horovod does), so optimizers that need sparse gradients (SparseAdam) keep working
+                self._retired.append(p.grad)
+                p.grad = src.to(p.dtype).mul(scale).to_sparse(p.grad.sparse_dim())
+            elif handout and src.dtype == p.dtype:
+                if p.grad is not None and p.grad.data_ptr() != src.data_ptr():
                     self._retired.append(p.grad)
                 p.grad = src
-            elif p.grad is None or p.grad.is_sparse:
+            elif p.grad is None:
                 p.grad = src.to(p.dtype, copy=True).mul_(scale)
             elif scale != 1.0:
                 torch.mul(src, scale, out=p.grad)  # cast back and scale in the one copy

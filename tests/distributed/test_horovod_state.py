@@ -136,3 +136,195 @@ def test_a_failed_init_leaves_nothing_behind_and_init_can_be_retried() -> None:
         assert seen[4] == [2.0, 2.0]
         assert seen[5] == ([1.0] if rank == 0 else None)
         assert seen[6] == [1]
+
+
+# --- 11.8-11.11: the DistributedOptimizer and broadcast_optimizer_state ----------------------------------
+class NoGrad(torch.nn.Module):
+    """Horovod's test model: an integer index parameter that never gets a gradient, and one that does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a = torch.nn.Parameter(torch.tensor([1, 3], dtype=torch.int32), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.rand(4))
+        self.c = torch.nn.Parameter(torch.rand(4))  # in the optimizer, never in the graph
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.index_select(self.b, 0, self.a.long()) * x
+
+
+def _broadcast_state_no_grad(rank: int, size: int) -> dict:
+    model = NoGrad()
+    with torch.no_grad():
+        model.b.add_(rank)  # ranks start apart; broadcast_parameters makes them equal
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=1e-6, momentum=0.9, nesterov=True)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    out: dict = {"a_grad": opt.param_groups[0]["params"][0].grad}
+    grad = opt.param_groups[0]["params"][1].grad
+    out["b_grad"] = hvd.broadcast(grad, root_rank=0).tolist()  # Horovod's test: a tensor, not None
+    # a step in which c gets no gradient: its state stays empty, b's has a momentum buffer
+    opt.zero_grad()
+    model(torch.ones(2)).sum().backward()
+    opt.step()
+    other = NoGrad()
+    adam = torch.optim.Adam(other.parameters(), lr=0.1)  # c gets no gradient: no state for it
+    other(torch.ones(2)).sum().backward()
+    adam.step()
+    adam.state[other.b]["note"] = None if rank == 0 else "rank 1's"  # a None entry in the state
+    for optimizer in (opt, adam):
+        if rank == 1:  # rank 1's state differs from the root's before the broadcast
+            for state in optimizer.state.values():
+                for k, v in state.items():
+                    if torch.is_tensor(v):
+                        state[k] = v + 1
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    out["state"] = {i: {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in s.items()}
+                    for i, s in enumerate(opt.state.values())}
+    out["adam"] = [{k: v.tolist() if torch.is_tensor(v) else v for k, v in s.items()} for s in adam.state.values()]
+    out["c_grad"] = other.c.grad
+    return out
+
+
+def test_broadcast_optimizer_state_with_parameters_that_have_no_gradient_as_horovod() -> None:
+    """Horovod's test_broadcast_state_no_grad: after broadcast_optimizer_state a parameter that requires grad
+    has a (zero) gradient to broadcast, one that does not keeps None; parameters without state and state
+    with None entries broadcast too."""
+    results = run_ranks(_broadcast_state_no_grad, 2, timeout=60)
+    for r in results:
+        assert r["a_grad"] is None
+        assert r["b_grad"] == [0.0] * 4
+        assert r["state"] == results[0]["state"] and len(r["state"]) == 2  # b and c (zero gradient, as Horovod)
+        assert r["adam"][0]["note"] is None
+        assert r["adam"] == results[0]["adam"] and len(r["adam"]) == 1  # c of a stepped optimizer: no state
+        assert r["c_grad"] is None  # the state was not empty: nothing is filled in
+
+
+def _unnamed_parameters(rank: int, size: int) -> dict:
+    from tests.distributed.test_optimizer import Net, shard
+
+    model = Net()
+    groups = [{"params": [model.fc1.weight, model.fc1.bias]},
+              {"params": [p for n, p in model.named_parameters() if not n.startswith("fc1")], "lr": 0.05}]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    names = opt._parameter_names
+    for step in range(2):
+        opt.zero_grad()
+        x, y = shard(step, 0, rank, size)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return {"names": [names[p] for g in opt.param_groups for p in g["params"]],
+            "weights": model.fc3.weight.detach().clone().tolist()}
+
+
+def test_distributed_optimizer_without_named_parameters_names_them_as_horovod() -> None:
+    """Horovod names unnamed parameters allreduce.noname.<group>.<index> in optimizer._parameter_names (a
+    dict from parameter to name); the names agree on every rank and training works with them."""
+    results = run_ranks(_unnamed_parameters, 2, timeout=60)
+    want = ["allreduce.noname.0.0", "allreduce.noname.0.1"] + [f"allreduce.noname.1.{j}" for j in range(4)]
+    assert results[0]["names"] == results[1]["names"] == want
+    assert results[0]["weights"] == results[1]["weights"]
+
+
+def _step_warning(rank: int, size: int) -> list:
+    import warnings
+
+    from hora.optimizer import STEP_AFTER_SYNCHRONIZE
+    from tests.distributed.test_optimizer import Net, shard
+
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    seen = []
+    for how in ("synchronize then step", "skip_synchronize", "plain step"):
+        opt.zero_grad()
+        x, y = shard(0, 0, rank, size)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if how == "plain step":
+                opt.step()
+            else:
+                opt.synchronize()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                if how == "skip_synchronize":
+                    with opt.skip_synchronize():
+                        opt.step()
+                else:
+                    opt.step()
+        seen.append([str(w.message) for w in caught if issubclass(w.category, UserWarning)])
+    seen.append(STEP_AFTER_SYNCHRONIZE)
+    seen.append(model.fc1.weight.detach().sum().item())
+    return seen
+
+
+def test_step_after_synchronize_without_skip_synchronize_warns_once_as_horovod() -> None:
+    """Horovod warns "optimizer.step() called without optimizer.skip_synchronize() context after
+    optimizer.synchronize(). ..." once per such step(); not inside skip_synchronize(), not after a plain step."""
+    results = run_ranks(_step_warning, 2, timeout=60)
+    for r in results:
+        with_sync, skipped, plain, text, _ = r
+        assert text.startswith("optimizer.step() called without optimizer.skip_synchronize() context after "
+                               "optimizer.synchronize().")
+        assert with_sync == [text]
+        assert skipped == [] and plain == []
+    assert results[0][4] == results[1][4]  # the clipped gradients were not reduced twice
+
+
+class Embed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(30, 4, sparse=True)
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(idx).mean(1))
+
+
+def _ids(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 30, (rows, 3), generator=g), torch.randn(rows, 2, generator=g)
+
+
+def _train_sparse(model: Embed, wrap, data) -> dict:
+    sparse_opt = wrap(torch.optim.SparseAdam(model.emb.parameters(), lr=0.05), model.emb)
+    dense_opt = wrap(torch.optim.Adam(model.fc.parameters(), lr=0.05), model.fc)
+    kinds = []
+    for step in range(3):
+        sparse_opt.zero_grad()
+        dense_opt.zero_grad()
+        idx, y = data(step)
+        torch.nn.functional.mse_loss(model(idx), y).backward()
+        sparse_opt.step()  # SparseAdam refuses dense gradients
+        dense_opt.step()
+        kinds.append(model.emb.weight.grad.layout == torch.sparse_coo)
+    return {"emb": model.emb.weight.detach().clone(), "fc": model.fc.weight.detach().clone(), "sparse": kinds}
+
+
+def _sparse_ranks(rank: int, size: int, sparse_as_dense: bool) -> dict:
+    def data(step: int):
+        idx, y = _ids(step, 4 * size)
+        return idx[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]
+
+    def wrap(opt, module):
+        return hvd.DistributedOptimizer(opt, named_parameters=module.named_parameters(),
+                                        sparse_as_dense=sparse_as_dense)
+
+    out = _train_sparse(Embed(), wrap, data)
+    return {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients_stay_sparse_so_sparse_adam_works_as_horovod(sparse_as_dense: bool) -> None:
+    """Horovod allreduces a sparse gradient by allgathering its indices and values (sparse_as_dense=True:
+    densified for the reduction), and hands it back sparse either way, so torch.optim.SparseAdam trains;
+    the result equals one process training on the whole batch."""
+    expected = _train_sparse(Embed(), lambda opt, module: opt, lambda step: _ids(step, 8))
+    results = run_ranks(_sparse_ranks, 2, sparse_as_dense, timeout=60)
+    for r in results:
+        assert r["sparse"] == [True] * 3
+        torch.testing.assert_close(torch.tensor(r["emb"]), expected["emb"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(r["fc"]), expected["fc"], atol=1e-5, rtol=1e-5)
+    assert results[0]["emb"] == results[1]["emb"]
