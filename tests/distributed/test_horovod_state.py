@@ -328,3 +328,102 @@ def test_sparse_gradients_stay_sparse_so_sparse_adam_works_as_horovod(sparse_as_
         torch.testing.assert_close(torch.tensor(r["emb"]), expected["emb"], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(torch.tensor(r["fc"]), expected["fc"], atol=1e-5, rtol=1e-5)
     assert results[0]["emb"] == results[1]["emb"]
+
+
+# --- 11.7: init / use / error / shutdown cycles -----------------------------------------------------------
+def _fresh_runtime() -> list[str]:
+    """What must not survive a shutdown(): anything left here came from the previous runtime."""
+    from hora import hierarchical
+
+    neg = runtime.state().negotiator
+    leftovers = []
+    if neg._seq:
+        leftovers.append(f"sequence counters {neg._seq}")
+    if len(neg._cache):
+        leftovers.append(f"{len(neg._cache)} cached templates")
+    if neg.table.entries or neg.table.tombstones:
+        leftovers.append(f"names {list(neg.table.entries)} {list(neg.table.tombstones)}")
+    if neg._mine or neg._outbox or neg._in_flight:
+        leftovers.append(f"pending ops {list(neg._mine)} {list(neg._in_flight)}")
+    if set(runtime.state().process_sets) != {0}:
+        leftovers.append(f"process sets {runtime.state().process_sets}")
+    if hierarchical.active() is not None:
+        leftovers.append("a hierarchy")
+    # hora's threads: the same every cycle (none left over from a runtime gone)
+    leftovers.append(sorted(t.name for t in threading.enumerate() if t.name.startswith("hora-")))
+    return leftovers
+
+
+def _ordinary(rank: int, size: int, cycle: int) -> None:
+    """Every kind, named (the same names every cycle: cached ids must agree again) and unnamed."""
+    x = [rank_input(r, (2 * size, 3), torch.float32, salt=cycle) for r in range(size)]
+    close(hvd.allreduce(x[rank], op=hvd.Sum, name="sum"), reduce(x, hvd.Sum), f"cycle {cycle} named allreduce")
+    close(hvd.allreduce(x[rank], op=hvd.Sum), reduce(x, hvd.Sum), f"cycle {cycle} unnamed allreduce")
+    close(hvd.allgather(x[rank], name="gather"), torch.cat(x), f"cycle {cycle} allgather")
+    close(hvd.broadcast(x[rank], root_rank=size - 1), x[-1], f"cycle {cycle} broadcast")
+    close(hvd.alltoall(x[rank]), torch.cat([t[2 * rank:2 * rank + 2] for t in x]), f"cycle {cycle} alltoall")
+    close(hvd.reducescatter(x[rank], op=hvd.Sum), reduce(x, hvd.Sum)[2 * rank:2 * rank + 2], f"cycle {cycle} rs")
+    hvd.barrier()
+
+
+def _cycles(rank: int, size: int) -> list:
+    report = []
+    stale = None
+    for cycle in range(7):
+        hvd.init()
+        report.append(_fresh_runtime())
+        if stale is not None:  # a handle of the previous runtime never waits: it raises, or had completed
+            if stale.name == "twice":  # every rank had submitted it: it ran, its result is there
+                close(hvd.synchronize(stale), torch.full((2,), 1.0), "a completed handle after shutdown")
+            else:
+                with pytest.raises(hvd.HorovodInternalError, match="shutdown"):
+                    hvd.synchronize(stale)
+            stale = None
+        _ordinary(rank, size, cycle)
+        kind = cycle % 6
+        if kind == 0:  # ranks disagree on a shape: both raise, the job goes on
+            with pytest.raises(hvd.CollectiveMismatchError):
+                hvd.allreduce(torch.ones(2 + rank), name="sum")
+        elif kind == 1:  # rank 1 passes a tensor hora refuses; rank 0's matching op fails too
+            t = torch.ones(4, 4)[:, ::2] if rank == 1 else torch.ones(4, 2)
+            with pytest.raises(hvd.InvalidCallError):
+                hvd.allreduce(t)
+        elif kind == 2:  # a process set, an error inside it, and it stays registered at shutdown
+            ps = hvd.add_process_set([0, 1])
+            if rank in ps.ranks:
+                with pytest.raises(hvd.CollectiveMismatchError):
+                    hvd.allgather(torch.ones(1, 1 + rank), name="in-set", process_set=ps)
+        elif kind == 3:  # a joined root: the broadcast fails on the waiting rank
+            if rank == 0:
+                hvd.join()
+            else:
+                with pytest.raises(hvd.HorovodInternalError, match="already called join"):
+                    hvd.broadcast(torch.ones(2), root_rank=0)
+                hvd.join()
+        _ordinary(rank, size, cycle)  # the error did not spoil this runtime either
+        if kind == 4:  # rank 0 leaves an unnamed op pending: its sequence counter ends one ahead
+            if rank == 0:
+                stale = hvd.allreduce_async(torch.ones(3))
+        elif kind == 5:  # a name still in flight, submitted again; rank 1 leaves it unsynchronized
+            h = hvd.allreduce_async(torch.ones(2), name="twice")
+            with pytest.raises(ValueError, match="still in flight"):
+                hvd.allreduce_async(torch.ones(2), name="twice")
+            if rank == 1:
+                stale = h
+            else:
+                hvd.synchronize(h)
+        hvd.shutdown()
+    return report
+
+
+def test_init_use_error_shutdown_cycles_leave_nothing_behind() -> None:
+    """Horovod: after any collective error, hvd.shutdown(); hvd.init() gives a clean runtime. Seven cycles on
+    each of 3 ranks, each with a different error (mismatch, rejected call, error inside a process set, joined root,
+    an op pending at shutdown that leaves the sequence counters apart, a name submitted twice): every new
+    runtime starts with no pending ops, names, cached templates, sequence counters or process sets, and
+    every collective kind works in it."""
+    results = run_ranks(_cycles, 3, init=False, timeout=120)
+    for report in results:
+        threads = report[0][-1]
+        assert "hora-negotiator" in threads
+        assert report == [[threads]] * 7
