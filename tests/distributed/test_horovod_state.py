@@ -427,3 +427,137 @@ def test_init_use_error_shutdown_cycles_leave_nothing_behind() -> None:
         threads = report[0][-1]
         assert "hora-negotiator" in threads
         assert report == [[threads]] * 7
+
+
+# --- issue 11's long test: a Horovod user's suite, many cases in a row in one process per rank ------------
+def _case_reinit(rank: int, size: int) -> None:
+    before = (hvd.rank(), hvd.size())
+    hvd.shutdown()
+    hvd.init()
+    assert (hvd.rank(), hvd.size()) == before
+
+
+def _case_ordinary(rank: int, size: int) -> None:
+    _ordinary(rank, size, 0)
+    for dtype in (torch.int32, torch.int64, torch.float16, torch.float32, torch.float64):
+        x = [rank_input(r, (5,), dtype) for r in range(size)]
+        close(hvd.allreduce(x[rank], op=hvd.Sum), reduce(x, hvd.Sum), f"{dtype} Sum")
+
+
+def _case_mismatch_errors(rank: int, size: int) -> None:
+    """Horovod's test_horovod_allreduce_error / _type_error / test_horovod_broadcast_rank_error."""
+    with pytest.raises(RuntimeError):
+        hvd.allreduce(torch.ones(3 + rank))
+    with pytest.raises(RuntimeError):
+        hvd.allreduce(torch.ones(3, dtype=torch.float32 if rank == 0 else torch.float64))
+    with pytest.raises(RuntimeError):
+        hvd.broadcast(torch.ones(3), root_rank=rank)
+
+
+def _case_rejected_call(rank: int, size: int) -> None:
+    t = torch.ones(4, 4)[:, ::2] if rank == size - 1 else torch.ones(4, 2)
+    with pytest.raises(RuntimeError):
+        hvd.allreduce(t, op=hvd.Sum)
+    close(hvd.allreduce(torch.ones(4, 2), op=hvd.Sum), torch.full((4, 2), float(size)), "after a rejected call")
+
+
+def _case_join_allreduce(rank: int, size: int) -> None:
+    """Horovod's test_horovod_join_allreduce: each rank in turn joins first; named ops, cached or not."""
+    for first in range(size):
+        a = rank_input(rank, (5,), torch.float32)
+        if rank == first:
+            hvd.join()
+        else:
+            others = [rank_input(r, (5,), torch.float32) for r in range(size) if r != first]
+            close(hvd.allreduce(a, name="tensor_a", op=hvd.Average), reduce(others, hvd.Sum) / size, "join avg")
+            hvd.join()
+
+
+def _case_join_every_kind(rank: int, size: int) -> None:
+    result = _join_every_kind(rank, size)
+    assert result["join"] == size - 1
+
+
+def _case_fails_on_every_rank(rank: int, size: int) -> None:
+    """A failing test (its check is wrong): every rank fails at the same point, after its collectives."""
+    got = hvd.allreduce(torch.ones(2), op=hvd.Sum)
+    assert got.tolist() == [1.0, 1.0], "a deliberately wrong expectation"
+
+
+def _case_fails_on_one_rank(rank: int, size: int) -> None:
+    hvd.allgather(torch.ones(1, 2))
+    assert rank != 1, "rank 1's check fails after every collective of the case ran"
+
+
+def _case_name_in_flight(rank: int, size: int) -> None:
+    h = hvd.allreduce_async(torch.ones(2), name="dup")
+    with pytest.raises(ValueError):
+        hvd.allreduce_async(torch.ones(2), name="dup")
+    hvd.synchronize(h)
+
+
+def _case_pending_at_shutdown(rank: int, size: int) -> None:
+    h = hvd.allreduce_async(torch.ones(2), name=f"only-{rank}")
+    hvd.shutdown()
+    with pytest.raises(RuntimeError):
+        hvd.synchronize(h)
+    hvd.init()
+
+
+def _case_failed_init(rank: int, size: int) -> None:
+    hvd.shutdown()
+    with pytest.raises(ValueError):
+        hvd.init(process_sets=[hvd.ProcessSet([0, 7])])
+    assert not hvd.is_initialized()
+    hvd.init()
+
+
+def _case_process_set(rank: int, size: int) -> None:
+    ps = hvd.add_process_set([0, 1])
+    if ps.included():
+        with pytest.raises(RuntimeError):
+            hvd.allreduce(torch.ones(1 + rank), process_set=ps)
+        close(hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=ps), torch.full((2,), 2.0), "in the set")
+    assert hvd.remove_process_set(ps)
+
+
+def _case_optimizer(rank: int, size: int) -> None:
+    _unnamed_parameters(rank, size)
+    with_sync, skipped, plain, text, _ = _step_warning(rank, size)
+    assert with_sync == [text] and skipped == [] == plain
+    state = _broadcast_state_no_grad(rank, size)
+    assert state["a_grad"] is None and state["b_grad"] == [0.0] * 4
+    assert _sparse_ranks(rank, size, False)["sparse"] == [True] * 3
+
+
+SUITE = [_case_reinit, _case_ordinary, _case_mismatch_errors, _case_join_allreduce, _case_fails_on_every_rank,
+         _case_join_every_kind, _case_rejected_call, _case_fails_on_one_rank, _case_name_in_flight,
+         _case_pending_at_shutdown, _case_process_set, _case_failed_init, _case_optimizer, _case_join_every_kind,
+         _case_mismatch_errors, _case_ordinary]
+FAILING = {"_case_fails_on_every_rank", "_case_fails_on_one_rank"}
+
+
+def _suite(rank: int, size: int) -> list[tuple[str, str]]:
+    outcomes = []
+    for case in SUITE:
+        hvd.init()  # as every Horovod test does; a no-op while initialised
+        try:
+            case(rank, size)
+            outcomes.append((case.__name__, "ok"))
+        except Exception as e:  # noqa: BLE001 - a test runner records every failure and goes on
+            outcomes.append((case.__name__, f"{type(e).__name__}: {str(e)[:300]}"))
+    hvd.shutdown()
+    return outcomes
+
+
+def test_a_horovod_style_suite_in_one_process_per_rank_does_not_cascade_after_failures() -> None:
+    """Like a Horovod user's suite under `horovodrun -np 3`: one process per rank runs join with every kind,
+    errors Horovod's tests expect, failing cases (on every rank, on one rank), names in flight, a handle
+    pending at shutdown, a failed init, process sets, the optimizer items and ordinary collectives in a row.
+    Only the failing cases fail, and only where they fail: nothing after them is affected."""
+    results = run_ranks(_suite, 3, init=False, timeout=240)
+    for rank, outcomes in enumerate(results):
+        assert [name for name, _ in outcomes] == [c.__name__ for c in SUITE]
+        for name, outcome in outcomes:
+            failing = name in FAILING and (name != "_case_fails_on_one_rank" or rank == 1)
+            assert outcome.startswith("AssertionError") if failing else outcome == "ok", (rank, name, outcome)
