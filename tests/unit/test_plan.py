@@ -72,26 +72,39 @@ def test_allgather_rows_may_differ_but_trailing_dims_may_not() -> None:
     assert bad.failed and bad.failed[0][1].fields == ["shape"]  # type: ignore[attr-defined]
 
 
-def test_joined_ranks_count_as_present_for_allreduce_but_block_alltoall() -> None:
+def test_joined_ranks_count_as_present_for_every_kind_but_not_as_a_broadcast_root() -> None:
     table = Table(3)
     step(table, 0, (2, req("__join__", "join")))
     assert table.joined == {2}
     d = step(table, 1, (0, req("a")), (1, req("a")))
     assert [e.name for e in d.ready] == ["a"]
     d = step(table, 2, (0, req("t", "alltoall")), (1, req("t", "alltoall")))
+    assert [e.name for e in d.ready] == ["t"]  # the joined rank sends no rows (as in Horovod)
+    d = step(table, 3, (0, req("b", "broadcast", root=2)), (1, req("b", "broadcast", root=2)))
     (_, error), = d.failed
     assert isinstance(error, CollectiveError) and "join()" in str(error)
-    d = step(table, 3, (0, req("__join__", "join")), (1, req("__join__", "join")))
+    d = step(table, 4, (0, req("__join__", "join")), (1, req("__join__", "join")))
     assert [e.name for e in d.ready] == ["__join__"]
     assert last_joined(d.ready[0]) == 1  # ranks 0 and 1 joined in the same, later round: the higher one
+
+
+def test_an_op_sent_with_its_ranks_shutdown_fails_when_a_peer_left_earlier() -> None:
+    """Rank 1 called shutdown() in an earlier round; rank 0's op and its own shutdown arrive together. The
+    shutdown completes (and leaves the table) first, but the op still fails: it can never run."""
+    table = Table(2)
+    step(table, 0, (1, req("__shutdown__", "shutdown", (), ps=(0, 1))))
+    d = step(table, 1, (0, req("late", ps=(0, 1))), (0, req("__shutdown__", "shutdown", (), ps=(0, 1))))
+    assert [e.name for e in d.ready] == ["__shutdown__"]
+    (entry, error), = d.failed
+    assert entry.name == "late" and "rank(s) [1] called shutdown()" in str(error)
 
 
 def test_latecomers_to_a_failed_name_get_the_same_error() -> None:
     table = Table(3)
     step(table, 0, (2, req("__join__", "join")))
-    d = step(table, 1, (0, req("t", "alltoall")))
-    assert d.failed  # rank 2 has joined: fails at once, rank 1 still owes it
-    late = step(table, 2, (1, req("t", "alltoall")))
+    d = step(table, 1, (0, req("t", "broadcast", root=2)))
+    assert d.failed  # its root, rank 2, has joined: fails at once, rank 1 still owes it
+    late = step(table, 2, (1, req("t", "broadcast", root=2)))
     assert [(r, n) for r, n, _ in late.late_failures] == [(1, "t")]
     assert "t" not in table.tombstones
 
