@@ -1,0 +1,25 @@
+"""One rank of the Slurm tests: report where hora placed it, then train train_digits.py (with checkpoints).
+
+    srun python slurm_train.py OUTDIR [train_digits.py arguments | --init-only]
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import train_digits  # noqa: E402
+
+import hora  # noqa: E402
+
+hora.init()
+record = {"rank": hora.rank(), "size": hora.size(), "local_rank": hora.local_rank(),
+          "local_size": hora.local_size(), "cross_rank": hora.cross_rank(), "cross_size": hora.cross_size(),
+          "host": socket.gethostname()}
+if sys.argv[2:] != ["--init-only"]:
+    record.update(train_digits.main(sys.argv[2:]))
+Path(sys.argv[1], f"rank-{hora.rank()}.json").write_text(json.dumps(record))
