@@ -11,7 +11,8 @@
 #   * keys and files from $HORA_SSH_DIR (default /etc/hora/ssh, a mounted file, directory or secret):
 #     authorized_keys, id_* (client keys), config, known_hosts are copied into ~/.ssh with the permissions ssh
 #     insists on (700 for the directory, 600 for the files), whatever the mount gave them;
-#     $HORA_AUTHORIZED_KEYS may name another authorized_keys file;
+#     $HORA_AUTHORIZED_KEYS may name another authorized_keys file; $HORA_SSH_WAIT=N waits up to N seconds
+#     for $HORA_SSH_DIR/authorized_keys to appear (keys made by another container at start-up);
 #   * host keys are generated at the first start in ~/.sshd (never baked into the image);
 #   * sshd: key-only (no password, no keyboard-interactive), no root login, the venv on PATH for sessions.
 set -euo pipefail
@@ -24,7 +25,12 @@ say() { echo "hora-entrypoint: $*" >&2; }
 
 setup_ssh() {
     install -d -m 700 "${HOME}/.ssh" "${STATE}"
-    local f name
+    local f name waited=0
+    # HORA_SSH_WAIT=N: wait up to N seconds for the keys to appear (made by another container at start-up).
+    while [ ! -s "${SSH_SRC}/authorized_keys" ] && [ "$waited" -lt "${HORA_SSH_WAIT:-0}" ]; do
+        sleep 1
+        waited=$((waited + 1))
+    done
     if [ -d "${SSH_SRC}" ]; then
         for f in "${SSH_SRC}"/*; do
             [ -f "$f" ] || continue
