@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.hora-installed
 NP     ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: train test lint bench system-deps clean
+.PHONY: train test lint bench system-deps clean image-cuda
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,13 @@ system-deps:
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Opt-in (not part of `make test`: torch's CUDA wheels are several GB): build the CUDA image and run
+# `hora check` in it, on the GPUs when nvidia-smi is present. CONTAINER=docker works as well.
+CONTAINER ?= podman
+image-cuda:
+	$(CONTAINER) build -f docker/Containerfile -t hora:cuda --build-arg FLAVOR=cuda .
+	$(CONTAINER) run --rm $$(command -v nvidia-smi >/dev/null && echo --gpus all) hora:cuda hora check
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
