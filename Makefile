@@ -25,9 +25,9 @@ train: $(STAMP)
 # slurm-wlm and munge (a Slurm cluster). Installed here when missing (root with apt only); a failed install
 # is reported and the tests that need the missing tools skip and say why.
 SYSTEM_DEPS := openssh-server iproute2 podman runc buildah mmdebstrap iptables netavark aardvark-dns uidmap \
-               slurm-wlm munge podman-compose
+               slurm-wlm munge podman-compose catatonit
 SYSTEM_TOOLS := /usr/sbin/sshd /usr/sbin/ip /usr/bin/podman /usr/sbin/runc /usr/bin/mmdebstrap /usr/sbin/iptables \
-                /usr/sbin/slurmctld /usr/sbin/slurmd /usr/sbin/munged /usr/bin/podman-compose
+                /usr/sbin/slurmctld /usr/sbin/slurmd /usr/sbin/munged /usr/bin/podman-compose /usr/bin/catatonit
 system-deps:
 	@missing=""; for t in $(SYSTEM_TOOLS); do [ -x "$$t" ] || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \

@@ -44,7 +44,7 @@ def missing_requirements() -> str | None:
     """Why podman tests cannot run here, or None."""
     if os.geteuid() != 0:
         return "container tests need root (podman with a user network)"
-    missing = [t for t in ("podman", "runc", "mmdebstrap", "iptables") if shutil.which(t) is None]
+    missing = [t for t in ("podman", "runc", "mmdebstrap", "iptables", "catatonit") if shutil.which(t) is None]
     if missing:
         return f"container tests need {', '.join(missing)}: run `make system-deps` as root"
     return None
@@ -108,6 +108,11 @@ def clean_stale() -> None:
         m = _NAME_RE.match(name)
         if m and not Path(f"/proc/{m.group(1)}").exists():
             podman("rm", "-f", "-t", "0", name, check=False)
+    out = podman("pod", "ls", "--format", "{{.Name}}", check=False)
+    for name in out.stdout.split():
+        m = _NAME_RE.match(name)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            podman("pod", "rm", "-f", "-t", "0", name, check=False)
     out = podman("network", "ls", "--format", "{{.Name}}", check=False)
     for name in out.stdout.split():
         m = _NAME_RE.match(name)

@@ -93,7 +93,7 @@ class SlurmCluster:
             _sh("ip", "-n", ns, "addr", "add", f"{self.addr(node)}/24", "dev", "eth0")
             _sh("ip", "-n", ns, "link", "set", "eth0", "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            _sh("ip", "-n", ns, "route", "add", "default", "via", f"{self.subnet}.1")
+            # No default route: names outside the hosts file fail at once (no DNS server to wait for).
         hosts = "127.0.0.1 localhost\n" + "".join(f"{self.addr(n)} {n}\n" for n in RESOLVABLE)
         hosts += f"{self.subnet}.1 {socket.gethostname()}\n"
         (self.tmp / "hosts").write_text(hosts)
