@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_CONTROL_ROUND_TIMEOUT_S = 120.0  # a live peer answers a round at once; this catches a hung one
 _SLOT = 256  # bytes per rank in the first control allgather of a round (one new op fits); more takes a second
 
 
@@ -358,5 +357,7 @@ def make_control_plane(rt: Runtime) -> ControlPlane:
         return GlooPlane(rt)
     from hora.mesh import connect_mesh
 
+    # no fixed round timeout: a peer that does not answer is the stall inspector's (Negotiator._round_wait),
+    # on the deadlines of --stall-check-warning-time-seconds / --stall-check-shutdown-time-seconds
     return connect_mesh(rt.topo.rank, size, rt.store, advertised_address(rt.env.store_addr),
-                        rt.knobs.start_timeout, _CONTROL_ROUND_TIMEOUT_S)
+                        rt.knobs.start_timeout)

@@ -15,11 +15,13 @@ large first-round payloads never deadlock on full socket buffers.
 from __future__ import annotations
 
 import datetime
+import math
 import select
 import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hora.errors import CollectiveError
@@ -28,6 +30,7 @@ _HELLO = struct.Struct("<4sI")  # magic, rank: the first bytes a connecting rank
 _MAGIC = b"hora"
 _LEN = struct.Struct("<I")
 _RING = b"!"
+WAIT_TICK_S = 1.0  # how often a round waiting for peers calls Mesh.on_wait
 _READ = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 
 
@@ -45,13 +48,16 @@ class Mesh:
     watches_peers = True  # a dead peer's connection closes: no separate death watch needed
     inline_rounds = True  # a thread about to wait for its op may run the round itself (Negotiator.drive)
 
-    def __init__(self, rank: int, size: int, peers: dict[int, socket.socket], round_timeout: float) -> None:
+    def __init__(self, rank: int, size: int, peers: dict[int, socket.socket], round_timeout: float = math.inf) -> None:
         self.rank = rank
         self.size = size
         self._peers = peers
         self._by_fd = {s.fileno(): r for r, s in peers.items()}
         self._inbox = {r: bytearray() for r in peers}
         self._round_timeout = round_timeout
+        # called every WAIT_TICK_S while a round waits for peers, with (ranks missing, seconds waited); it may
+        # raise to end the round (the negotiator's stall checks: a peer that cannot run Python never answers)
+        self.on_wait: Callable[[list[int], float], None] | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -141,13 +147,20 @@ class Mesh:
         for r in self._peers:
             self._send(r, unsent)
             self._take(r, got)
-        deadline = time.monotonic() + self._round_timeout
+        start = time.monotonic()
+        deadline = start + self._round_timeout
+        tick = start + WAIT_TICK_S
         while unsent or len(got) < self.size:
             for r in unsent:
                 self._poll.modify(self._peers[r].fileno(), _READ | select.POLLOUT)
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if now >= tick:
+                tick = now + WAIT_TICK_S
+                if self.on_wait is not None:
+                    self.on_wait(sorted((set(range(self.size)) - set(got)) | set(unsent)), now - start)
+            left = min(deadline, tick) - now
             events = self._poll.poll(max(left, 0.0) * 1000.0) if left > 0 else []
-            if not events:
+            if not events and time.monotonic() >= deadline:
                 missing = sorted(set(range(self.size)) - set(got))
                 raise CollectiveError(f"rank {self.rank}: rank(s) {missing} did not answer a negotiation round "
                                       f"within {self._round_timeout:.0f}s (hung process or broken network)")
@@ -215,7 +228,8 @@ class Mesh:
                 pass
 
 
-def connect_mesh(rank: int, size: int, store: Any, advertise: str, timeout: float, round_timeout: float) -> Mesh:
+def connect_mesh(rank: int, size: int, store: Any, advertise: str, timeout: float,
+                 round_timeout: float = math.inf) -> Mesh:
     """Connect every pair of ranks (collective: every rank calls it). Each rank listens, publishes its
     address in the store, connects to every lower rank and accepts every higher one."""
     listener = socket.create_server(("", 0), backlog=max(size, 16))

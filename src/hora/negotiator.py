@@ -33,11 +33,12 @@ from hora import fusion
 from hora.control import DeathWatch, Watchdog, advertised_address, make_control_plane
 from hora.diagnostics import stall as stall_mod
 from hora.diagnostics import timeline as timeline_mod
+from hora.diagnostics.board import Board
 from hora.diagnostics.stall_inspector import StallInspector
 from hora.dispatch import Dispatcher, LocalOp
-from hora.errors import CollectiveError
+from hora.errors import CollectiveError, CollectiveTimeoutError
 from hora.handles import Handle
-from hora.mesh import PeerLost
+from hora.mesh import Mesh, PeerLost
 from hora.plan import JOIN, SHUTDOWN, Decision, Request, Table
 from hora.response_cache import UNNAMED, ResponseCache
 
@@ -83,6 +84,11 @@ class Negotiator:
         self._exit_requested = False
         self._plane = make_control_plane(rt)
         self._inline_ok = self._plane.inline_rounds
+        self._board = Board(getattr(rt.store, "underlying_store", None),
+                            rt.env.job_id if rt.env.source == "hora" else "", self.rank)
+        self._round_warned = -1  # the round whose silent peers were reported
+        if isinstance(self._plane, Mesh):
+            self._plane.on_wait = self._round_wait
         # how long a rank may hold back its answer to a round it cannot advance (see _may_defer); well
         # under the stall warning time, so stall reports are not delayed noticeably
         self._defer_s = min(_DEFER_MAX_S, rt.knobs.stall_check_time_seconds / 4)
@@ -380,9 +386,44 @@ class Negotiator:
         with self._lock:
             self._ring_if_idle()
 
+    def _round_wait(self, missing: list[int], waited: float) -> None:
+        """Called every second while a round on the mesh waits for ``missing`` peers' frames (round lock held).
+
+        A peer whose process cannot run Python (stopped, in a native call holding the GIL, cut off) never
+        answers, so its own stall inspector cannot speak: the waiting ranks do, on the same deadlines. A peer
+        that ``hora run`` saw exit (while a process it forked holds its connections open) is lost at once.
+        Raising ends the round on this rank; the error reaches every pending op."""
+        ended = self._board.ended(missing)
+        if ended:
+            peer, how = min(ended.items())
+            self._board.blame(peer, f"exited ({how}) while its peers waited for it in a collective; a process it "
+                                    "started (fork, multiprocessing) kept its connections open, hiding the exit")
+            raise PeerLost(peer, f"stayed open, but rank {peer}'s process has exited ({how}): a process it started "
+                                 "holds the connection")
+        policy = self._stall.policy
+        if not policy.enabled or waited < policy.warning_s:
+            return
+        hosts = self.rt.topo.hostnames
+        silent = {r: hosts[r] if r < len(hosts) else "?" for r in missing}
+        if self._round_warned != self._round_no:
+            self._round_warned = self._round_no
+            if self.rank == min(set(range(self.size)) - set(missing)):  # one report per side of a partition
+                log.error("%s", stall_mod.format_silent_report(self.rank, silent, waited, policy.shutdown_s,
+                                                               self._board.active))
+            self._board.post_waiting(missing, waited, self._round_no)
+        if policy.shutdown_s > 0 and waited >= policy.shutdown_s:
+            self._board.blame(missing[0], f"did not answer its peers for {waited:.0f} s "
+                                          f"(--stall-check-shutdown-time-seconds {policy.shutdown_s:g})")
+            self._stall_shutdown = True  # the silent peers will not join a collective shutdown
+            raise CollectiveTimeoutError(stall_mod.format_silent_report(self.rank, silent, waited,
+                                                                        policy.shutdown_s, False))
+
     def _peer_loss(self, error: BaseException) -> CollectiveError:
         """The error every pending op gets when a round fails: name the lost rank if some rank saw it go
-        (the backend's own text then goes to the debug log); otherwise quote the backend."""
+        (the backend's own text then goes to the debug log); otherwise quote the backend. A stall shutdown's
+        report stays as it is."""
+        if isinstance(error, CollectiveTimeoutError):
+            return error
         if isinstance(error, PeerLost):  # the mesh saw it: record it as the root cause unless one is known
             try:
                 self.rt.store.compare_set("lost", "", f"{error.peer}")

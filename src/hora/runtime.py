@@ -30,14 +30,15 @@ import torch
 import torch.distributed as dist
 
 from hora import hierarchical
+from hora.diagnostics.board import Board
 from hora.env import Knobs, WorkerEnv
-from hora.errors import ConfigError, NotInitializedError
+from hora.errors import CollectiveError, ConfigError, NotInitializedError
 from hora.process_sets import ProcessSet, global_process_set
 from hora.topology import Topology, derive_topology
 
 log = logging.getLogger(__name__)
 
-_CONTROL_TIMEOUT = datetime.timedelta(seconds=120)
+_GLOO_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's own default for a Gloo group
 _RESOLVE_TIMEOUT = 10.0  # seconds; a rendezvous host name that takes longer to resolve is treated as unresolvable
 _lock = threading.RLock()
 _state: Runtime | None = None
@@ -177,9 +178,25 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
         base = dist.PrefixStore(prefix, raw)
         connect = _connector(raw, prefix, timeout)
         hook = sys.excepthook
-        dist.init_process_group(
-            backend, store=dist.PrefixStore("default", base), rank=env.rank, world_size=env.size, timeout=timeout
-        )
+        board = Board(raw, env.job_id if env.source == "hora" else "", env.rank)
+        board.arrive(generation)
+        try:
+            dist.init_process_group(
+                backend, store=dist.PrefixStore("default", base), rank=env.rank, world_size=env.size, timeout=timeout
+            )
+        except Exception as e:  # c10d raises DistStoreError with an internal key: say who is late instead
+            late = board.not_arrived(env.size, generation) if board.active else []
+            if not late:
+                raise
+            log.debug("rank %d: init_process_group failed: %s", env.rank, e)
+            who = f"rank {late[0]}" if len(late) == 1 else f"ranks {', '.join(map(str, late))}"
+            board.blame(late[0], f"did not call hvd.init() within --start-timeout {knobs.start_timeout:g} s "
+                                 "(its peers waited for it)")
+            raise CollectiveError(
+                f"rank {env.rank}: {who} did not call hvd.init() within the start timeout of {knobs.start_timeout:g} s "
+                "(--start-timeout, HORA_START_TIMEOUT); every rank must call it. Look at the late rank's output: "
+                "slow work before init() (imports, data loading) needs a longer --start-timeout; a rank that "
+                "never gets there is stuck or takes another branch") from None
         if env.source == "hora":  # hora run already tags each line "[1]<stderr>:"; torch would add "[rank1]: "
             sys.excepthook = hook
     else:  # the script made the default group itself (e.g. under torchrun): join it
@@ -193,7 +210,7 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
         connect = _connector(_default_store(), prefix, timeout)
         backend = dist.get_backend()
     try:
-        ctrl = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+        ctrl = dist.new_group(backend="gloo", timeout=_control_timeout(knobs))
         topo = _topology(env, ctrl)
         global_process_set.ranks = list(range(env.size))
         global_process_set._bind(0, dist.new_group(backend=backend), env.rank)
@@ -210,6 +227,15 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
                  ctrl_group=ctrl, device=device, connect_store=connect)
     rt.process_sets[0] = global_process_set
     return rt
+
+
+def _control_timeout(knobs: Knobs) -> datetime.timedelta:
+    """The Gloo control group's deadline (the rounds of the Gloo control plane, ``HORA_CONTROL_PLANE=gloo`` or
+    more than 256 ranks, which cannot report a silent rank early): the stall shutdown time when one is set,
+    else torch's default. The default mesh plane needs none: its rounds follow the stall inspector's flags."""
+    if not knobs.stall_check_disable and knobs.stall_shutdown_time_seconds > 0:
+        return datetime.timedelta(seconds=knobs.stall_shutdown_time_seconds)
+    return _GLOO_DEFAULT_TIMEOUT
 
 
 def _bind_device(env: WorkerEnv) -> torch.device | None:

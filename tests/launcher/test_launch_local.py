@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from pathlib import Path
+
+import pytest
 
 from conftest import PYTHON, alive, hora_run, parent_of, wait_until, write_script
 
@@ -23,12 +26,12 @@ print("rank", env["HORA_RANK"], "done")
 
 def test_every_rank_gets_its_place_in_all_three_variable_families(tmp_path: Path) -> None:
     script = write_script(tmp_path, "envdump.py", ENV_WORKER)
-    result = hora_run(["-np", "3", "-H", "localhost:2,127.0.0.1:2", "-x", "EXTRA_FLAG=on",
+    result = hora_run(["-np", "3", "-H", "localhost:4", "-x", "EXTRA_FLAG=on",
                        PYTHON, script, str(tmp_path)], tmp_path)
     assert result.returncode == 0, result.stderr
     envs = [json.loads((tmp_path / f"env.{r}.json").read_text()) for r in range(3)]
-    # rank, size, local rank/size, cross rank/size, host: Horovod's numbering for hosts of 2 then 1 ranks
-    expect = [(0, 0, 2, 0, 2, "localhost"), (1, 1, 2, 0, 1, "localhost"), (2, 0, 1, 1, 2, "127.0.0.1")]
+    # rank, size, local rank/size, cross rank/size, host (several hosts: tests/cluster/test_multihost.py)
+    expect = [(0, 0, 3, 0, 1, "localhost"), (1, 1, 3, 0, 1, "localhost"), (2, 2, 3, 0, 1, "localhost")]
     for env, (rank, local, local_size, cross, cross_size, host) in zip(envs, expect):
         for family in ("HORA", "HOROVOD"):
             assert env[f"{family}_RANK"] == str(rank)
@@ -144,10 +147,10 @@ def _started(tmp_path: Path, n: int) -> list[int]:
 
 def test_sigkill_of_the_launcher_leaves_no_worker_and_no_agent(tmp_path: Path, background) -> None:  # type: ignore[no-untyped-def]
     script = write_script(tmp_path, "sleep.py", SLEEPER)
-    job = background(["-np", "3", "-H", "localhost:2,127.0.0.1:1", PYTHON, script, str(tmp_path)])
+    job = background(["-np", "3", PYTHON, script, str(tmp_path)])
     pids = _started(tmp_path, 3)
     agents = {parent_of(p) for p in pids}
-    assert len(agents) == 2 and job.proc.pid not in agents  # driver -> agent (one per host) -> workers
+    assert len(agents) == 1 and job.proc.pid not in agents  # driver -> agent (one per host) -> workers
     os.kill(job.proc.pid, signal.SIGKILL)
     job.proc.wait()
     assert wait_until(lambda: not any(alive(p) for p in pids + sorted(agents)), 15), [
@@ -272,3 +275,19 @@ def test_np_caps_workers_and_hosts_left_without_ranks_are_never_contacted(tmp_pa
                        "import os; print(os.environ['HORA_RANK'], os.environ['HORA_SIZE'])"], tmp_path)
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.splitlines()) == ["[0]<stdout>:0 2", "[1]<stdout>:1 2"]
+
+
+@pytest.mark.parametrize("spec", ["localhost:1,127.0.0.1:1", f"{socket.gethostname()}:1,localhost:1"])
+def test_one_machine_under_two_names_is_refused_before_anything_starts(tmp_path: Path, spec: str) -> None:
+    # as two hosts both ranks would get local_rank 0 (the same GPU): one line naming both, exit code 2
+    script = write_script(tmp_path, "touch.py", "open(__import__('sys').argv[1], 'w').close()\n")
+    marker = tmp_path / "ran"
+    result = hora_run(["-np", "2", "-H", spec, PYTHON, script, str(marker)], tmp_path)
+    first, second = (e.split(":")[0] for e in spec.split(","))
+    total = sum(int(e.split(":")[1]) for e in spec.split(","))
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr
+    assert result.stderr == (
+        f"hora run: error: hosts {first} and {second} are the same machine (this machine): listed twice, its ranks "
+        "would be numbered as on separate hosts (each starting at local_rank 0, so two ranks on one GPU); list it "
+        f"once with all its slots, e.g. -H {first}:{total}\n")
+    assert not marker.exists()

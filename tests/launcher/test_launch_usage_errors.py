@@ -6,6 +6,8 @@ through a real ``python -m hora`` process to show the command itself behaves the
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +74,10 @@ CASES: list[tuple[list[str], str]] = [
      "launcher's environment; set it or write -x NOT_SET_ANYWHERE_XYZ=VALUE")),
     (["--output-filename", "afile", *OK], ("--output-filename afile: exists and is not a directory; give a "
      "directory (logs go to DIR/rank.N/stdout|stderr)")),
+    (["--output-filename", "afile/logs", *OK], ("--output-filename afile/logs: cannot write the logs there "
+     "({cwd}/afile is a file, so nothing can be created under it); give a writable directory")),
+    (["--timeline-filename", "hf_dir", *OK], ("--timeline-filename hf_dir: is a directory; give a file name, e.g. "
+     "hf_dir/timeline.json")),
     (["--log-level", "LOUD", *OK], ("--log-level: invalid choice: 'LOUD' (choose from 'DEBUG', 'INFO', 'WARNING', "
      "'ERROR', 'CRITICAL', 'TRACE')")),
     (["--network-interface", "nosuch0", *OK], ("--network-interface nosuch0: no IPv4 address on this machine for "
@@ -123,4 +129,17 @@ def test_the_hora_command_prints_the_same_line(workdir: Path) -> None:
     result = subprocess.run([P, "-m", "hora", "-np", "3", "-H", "localhost:2", P, "ok.py"], cwd=workdir,
                             capture_output=True, text=True, timeout=60, check=False)
     line = "hora run: error: -np 3 is more than the 2 slots the hosts offer; lower -np or add slots (-H host:slots)"
+    assert (result.returncode, result.stderr, result.stdout) == (2, line + "\n", "")
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs root and unshare(1)")
+def test_read_only_output_directory_is_one_line_and_exit_code_2(workdir: Path) -> None:
+    # a real read-only mount (a private mount namespace, so nothing outside this command sees it)
+    logs = workdir / "logs"
+    logs.mkdir()
+    inner = f"mount --bind -o ro {logs} {logs} && exec {P} -m hora run -np 2 --output-filename {logs}/job {P} ok.py"
+    result = subprocess.run(["unshare", "-m", "sh", "-c", inner], cwd=workdir, capture_output=True, text=True,
+                            timeout=60, check=False)
+    line = (f"hora run: error: --output-filename {logs}/job: cannot write the logs there ({logs} is on a read-only "
+            "filesystem); give a writable directory")
     assert (result.returncode, result.stderr, result.stdout) == (2, line + "\n", "")

@@ -186,3 +186,37 @@ def format_stall_report(
         label = "           "
     lines.extend(_hints(list(groups), op_kind))
     return "\n".join(lines)
+
+
+def format_silent_report(rank: int, missing: Mapping[int, str], waited_s: float, shutdown_s: float,
+                         launcher: bool) -> str:
+    """The report of a negotiation round that peers do not answer: their processes cannot run Python.
+
+    Args:
+        rank: the reporting rank (it waits).
+        missing: rank -> host of the ranks that have not answered.
+        waited_s: seconds the round has waited.
+        shutdown_s: the stall shutdown time (0 = never).
+        launcher: True under ``hora run`` (its agents look at the missing processes).
+
+    Example:
+        >>> print(format_silent_report(0, {2: "n3"}, 4.0, 0.0, False))  # doctest: +ELLIPSIS
+        hora stall: rank 2 on n3 has not answered rank 0's negotiation round for 4 s. ...
+    """
+    groups: dict[str, list[int]] = {}
+    for r in sorted(missing):
+        groups.setdefault(missing[r], []).append(r)
+    who = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {format_ranks(rs)} on {host}"
+                    for host, rs in groups.items())
+    verb = "has" if len(missing) == 1 else "have"
+    lines = [f"hora stall: {who} {verb} not answered rank {rank}'s negotiation round for {waited_s:.0f} s. "
+             "Its process cannot run Python: stopped (SIGSTOP, Ctrl-Z, a debugger), inside a native call that "
+             "holds the GIL, or cut off from this host by the network."]
+    if launcher:
+        lines.append("hora run asks that host what the process is doing (see the launcher's 'stall:' line).")
+    if shutdown_s > 0:
+        lines.append(f"The job stops when the round has waited {shutdown_s:g} s "
+                     "(--stall-check-shutdown-time-seconds).")
+    else:
+        lines.append("It waits on (no --stall-check-shutdown-time-seconds): set one to stop such a job.")
+    return " ".join(lines)

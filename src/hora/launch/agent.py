@@ -3,8 +3,10 @@
 Started by the driver (locally, or over ssh) as ``python -m hora.launch.agent`` or through
 :data:`hora.launch.transport.BOOTSTRAP`; it reads the job spec as one JSON line on stdin, then commands.
 If stdin closes or goes silent past the heartbeat timeout (the driver or the link is gone), it kills its
-workers' process groups: no worker outlives its launcher. Workers also get ``PR_SET_PDEATHSIG`` so they
-die if the agent itself is SIGKILLed.
+workers' process groups and every process below it: no worker outlives its launcher. It is the subreaper
+of its descendants, so a process a worker started in a new session (setsid, a daemon that double-forks) is
+re-parented to it and ended with the job too. Workers also get ``PR_SET_PDEATHSIG`` so they die if the
+agent itself is SIGKILLed.
 
 Only the standard library and light hora modules (``env``, ``errors``, this package) are imported.
 """
@@ -162,19 +164,46 @@ class Agent:
         return [w for w in self.workers.values() if w.proc.poll() is None]
 
     def stop(self, grace: float) -> None:
-        """SIGTERM every worker's process group, wait up to ``grace`` seconds, then SIGKILL."""
+        """SIGTERM every worker's process group and every process the workers started elsewhere (a new
+        session), wake stopped ones (SIGCONT) so they see it, wait up to ``grace`` seconds, then SIGKILL."""
         self._stopping = True
         for worker in self.workers.values():
             worker.stopped = worker.stopped or worker.proc.poll() is None
-        procs.signal_groups([w.proc.pid for w in self.live()], signal.SIGTERM)
+        groups = [w.proc.pid for w in self.live()]
+        procs.signal_groups(groups, signal.SIGTERM)
+        procs.signal_pids(procs.descendants(os.getpid()), signal.SIGTERM)
+        procs.signal_groups(groups, signal.SIGCONT)
+        procs.signal_pids(procs.descendants(os.getpid()), signal.SIGCONT)
         deadline = time.monotonic() + grace
         while self.live() and time.monotonic() < deadline:
             time.sleep(0.05)
         self.kill_all()
 
     def kill_all(self) -> None:
-        """SIGKILL every worker's process group (also reaps what a finished worker left behind)."""
+        """SIGKILL every worker's process group, then every process left below this agent: what a worker
+        started in a new session (setsid, a daemon) is re-parented here (:func:`procs.become_subreaper`)."""
         procs.signal_groups([w.proc.pid for w in self.workers.values()], signal.SIGKILL)
+        procs.signal_pids(procs.descendants(os.getpid()), signal.SIGKILL)
+
+    def _reap_orphans(self) -> None:
+        """Reap re-parented descendants that ended (never a worker: its Popen reaps it)."""
+        workers = {w.proc.pid for w in self.workers.values()}
+        for pid in procs.descendants(os.getpid()):
+            if pid not in workers and procs.process_state(pid).get("state") == "Z":
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+    def probe(self, ranks: list[int]) -> None:
+        """Tell the driver what /proc says about each rank's process (it does not answer its peers)."""
+        for rank in ranks:
+            worker = self.workers.get(rank)
+            if worker is None:
+                continue
+            info = procs.process_state(worker.proc.pid) if worker.proc.poll() is None else {}
+            self.send({"t": protocol.PROBE, "r": rank, "pid": worker.proc.pid, "info": info,
+                       "how": procs.describe_state(info)})
 
     # --- main loop ------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -189,6 +218,10 @@ class Agent:
                 kind, value = "tick", None
             if kind == "exit":
                 self._report_exit(*value)
+            elif kind == "probe":
+                self.probe(value)
+            elif kind == "tick":
+                self._reap_orphans()
             elif kind == "ping":
                 last_ping = time.monotonic()
             elif kind == "stop":
@@ -222,6 +255,8 @@ class Agent:
                 self.events.put(("stop", message.get("grace", 5.0)))
             elif message["t"] == protocol.PING:
                 self.events.put(("ping", None))
+            elif message["t"] == protocol.PROBE:
+                self.events.put(("probe", [int(r) for r in message.get("r", [])]))
         self.events.put(("eof", None))
 
 
@@ -241,6 +276,7 @@ def main() -> int:
         return 2
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the channel
+    procs.become_subreaper()  # what the workers start in a new session stays ours to stop
     agent = Agent(spec, out)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda s, _f: _on_signal(agent, s))

@@ -149,18 +149,45 @@ def _check_numbers(ns: argparse.Namespace) -> None:
         raise ConfigError(f"-p {ns.ssh_port}: an ssh port is between 1 and 65535")
 
 
+def _unwritable(path: str) -> str | None:
+    """Why a directory could not be made or written at ``path`` (None when it can), without creating it."""
+    probe = Path(path).resolve()
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        return f"{probe} is a file, so nothing can be created under it"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        fs = os.statvfs(probe)
+        readonly = bool(fs.f_flag & os.ST_RDONLY)
+        return f"{probe} is on a read-only filesystem" if readonly else f"{probe} is not writable by this user"
+    return None
+
+
 def _check_files(ns: argparse.Namespace) -> None:
     for flag, path in (("-i", ns.ssh_identity_file), ("--ssh-config-file", ns.ssh_config_file)):
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"{flag} {path}: no such file")
-    if ns.output_filename is not None and os.path.exists(ns.output_filename) and not os.path.isdir(
-            ns.output_filename):
-        raise ConfigError(f"--output-filename {ns.output_filename}: exists and is not a directory; "
-                          "give a directory (logs go to DIR/rank.N/stdout|stderr)")
+    if ns.output_filename is not None:
+        if os.path.exists(ns.output_filename) and not os.path.isdir(ns.output_filename):
+            raise ConfigError(f"--output-filename {ns.output_filename}: exists and is not a directory; "
+                              "give a directory (logs go to DIR/rank.N/stdout|stderr)")
+        why = _unwritable(ns.output_filename)
+        if why is not None:
+            raise ConfigError(f"--output-filename {ns.output_filename}: cannot write the logs there ({why}); "
+                              "give a writable directory")
     if ns.timeline_filename is not None:
-        parent = Path(ns.timeline_filename).resolve().parent
-        if not parent.is_dir():
-            raise ConfigError(f"--timeline-filename {ns.timeline_filename}: directory {parent} does not exist")
+        target = Path(ns.timeline_filename).resolve()
+        if not target.parent.is_dir():
+            raise ConfigError(f"--timeline-filename {ns.timeline_filename}: directory {target.parent} does not exist")
+        if target.is_dir():
+            raise ConfigError(f"--timeline-filename {ns.timeline_filename}: is a directory; give a file name, "
+                              f"e.g. {os.path.join(ns.timeline_filename, 'timeline.json')}")
+        why = _unwritable(str(target.parent))
+        if why is not None:
+            raise ConfigError(f"--timeline-filename {ns.timeline_filename}: cannot write it ({why}); "
+                              "give a path in a writable directory")
 
 
 def _check_command(command: tuple[str, ...], path: str, cwd: str) -> tuple[str, ...]:

@@ -31,11 +31,13 @@ from hora.launch import envvars, network, output, preflight, procs, protocol, ti
 from hora.launch.config import RunConfig
 from hora.launch.failures import RankState, RootCause
 from hora.launch.hosts import SlotInfo, assign_slots
+from hora.launch.stalls import StallWatch
 from hora.launch.transport import LocalTransport, SshTransport, Transport, agent_argv
 
 log = logging.getLogger(__name__)
 
 PING_INTERVAL = 2.0
+SSH_FAILED = 255  # ssh's exit code when the connection fails or drops
 KILL_AFTER_GRACE = 10.0  # after grace + this, agents that still have not finished are killed
 
 
@@ -101,6 +103,7 @@ class Driver:
         self.summary = ""  # the root cause in one line, repeated as the launcher's last words
         self.interrupted: int | None = None
         self._stop_deadline: float | None = None
+        self.stalls = StallWatch(None, self.job_id, {})
 
     # --- set-up ----------------------------------------------------------------------------------------
     def _start_store(self, used: set[str]) -> tuple[str, int]:
@@ -110,6 +113,7 @@ class Driver:
 
         self.store = TCPStore(addr, 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=max(self.cfg.start_timeout, 60)))
+        self.stalls = StallWatch(self.store, self.job_id, {r: s.slot.hostname for r, s in self.ranks.items()})
         if self.store_ready is not None:
             self.store_ready(self.store)
         log.info("rendezvous store on %s:%d (job %s)", addr, self.store.port, self.job_id)
@@ -166,10 +170,10 @@ class Driver:
         slots = assign_slots(self.cfg.hosts, self.cfg.np)
         self.ranks = {s.rank: RankState(s) for s in slots}
         used = {s.hostname for s in slots}  # -np may leave the last hosts without ranks: they are not touched
-        if not self.cfg.all_local:
-            preflight.check_hosts(self.cfg, self.transport_for, used)
+        self._open_logs()
+        answers = {} if self.cfg.all_local else preflight.check_hosts(self.cfg, self.transport_for, used)
+        preflight.refuse_same_machine(self.cfg.hosts, used, answers)
         addr, port = self._start_store(used)
-        self.console.open_logs(range(self.cfg.np))
         previous = {}
         if threading.current_thread() is threading.main_thread():  # signal handlers live there only
             previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -186,6 +190,15 @@ class Driver:
         timeline_hook.merge(self.cfg.timeline_filename, self.cfg.np)
         return self._exit_status()
 
+    def _open_logs(self) -> None:
+        try:
+            self.console.open_logs(range(self.cfg.np))
+        except OSError as exc:  # e.g. a read-only filesystem, or the directory went away after the checks
+            self.console.close()
+            raise LaunchError(f"--output-filename {self.cfg.output_filename}: cannot write the logs there "
+                              f"({exc.strerror or exc}: {exc.filename or self.cfg.output_filename}); give a writable "
+                              "directory", exit_code=2) from None
+
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.events.put(("signal", -1, signum))
 
@@ -201,6 +214,8 @@ class Driver:
             if self.root.due(all(r.done for r in self.ranks.values())):
                 self._report_root()
             now = time.monotonic()
+            if self._stop_deadline is None:
+                self._watch_stalls()
             if now - last_ping >= PING_INTERVAL:
                 last_ping = now
                 for agent in self.agents:
@@ -210,6 +225,16 @@ class Driver:
                 start_deadline = float("inf")
             if self._stop_deadline is not None and now > self._stop_deadline:
                 self._force_kill()
+
+    def _watch_stalls(self) -> None:
+        """Ranks that wait for silent peers: ask those peers' agents about them; print what was found."""
+        probe, notes = self.stalls.poll()
+        for note in notes:
+            output.note(note)
+        for agent in self.agents:
+            mine = [r for r in probe if r in agent.ranks and not self.ranks[r].done]
+            if mine:
+                agent.send({"t": protocol.PROBE, "r": mine})
 
     def _handle(self, kind: str, index: int, value: Any) -> None:
         if kind == "msg":
@@ -231,6 +256,7 @@ class Driver:
             state.stopped = bool(message.get("stopped"))
             state.exit_ts = float(message.get("ts") or time.time())
             log.info("rank %d exited: %s", state.slot.rank, procs.describe_exit(state.code, state.sig))
+            self.stalls.rank_ended(state.slot.rank, procs.describe_exit(state.code, state.sig))
             if state.failed:
                 self._on_failure(state)
         elif kind == protocol.STARTED:
@@ -238,6 +264,8 @@ class Driver:
             log.info("host %s (%s) started ranks %s", agent.host, message.get("hostname"), agent.ranks)
         elif kind == protocol.DONE:
             agent.finished = True
+        elif kind == protocol.PROBE and self._stop_deadline is None:
+            output.note(self.stalls.on_probe(int(message["r"]), str(message.get("how", ""))))
 
     def _on_failure(self, state: RankState, how: str | None = None) -> None:
         if self.first_failure is not None or self.interrupted is not None:
@@ -251,7 +279,24 @@ class Driver:
         how = state.how or procs.describe_exit(state.code, state.sig)
         self.summary = f"rank {rank} on host {host}: {how}"
         culprit = self.root.culprit(self.console.traceback_ts)
-        if culprit is not None:  # it raised first, its peers failed before it finished exiting
+        found = None if state.sig or state.how else self.stalls.culprit()
+        lost = [c for c in self.root.candidates if c.how and c.how.startswith("lost")]
+        if found is not None and found.rank != rank and found.rank in self.ranks:
+            # a waiting rank failed (a stall shutdown, an init() timeout, a peer that exited): blame the rank
+            # it waited for, as the waiting rank itself named it (or the partition the driver found)
+            raised = _exception_name(output.traceback_of(list(self.console.tails[rank])))
+            how = f"{found.how} (rank {rank} on host {host} waited for it and {raised})"
+            rank, host = found.rank, self.ranks[found.rank].slot.hostname
+            self.summary = f"rank {rank} on host {host}: {found.how}"
+        elif len({c.slot.hostname for c in lost}) > 1:  # several hosts went at once: name them all
+            names = sorted({c.slot.hostname for c in lost})
+            hosts = f"hosts {', '.join(names[:-1])} and {names[-1]}"
+            ranks = sorted(r.slot.rank for r in self.ranks.values() if r.slot.hostname in names)
+            how = (f"lost: {hosts} stopped answering: their ssh connections ended before ranks "
+                   f"{', '.join(map(str, ranks))} exited (the hosts went down, their network links broke, or their "
+                   "hora agents were killed)")
+            self.summary = f"{hosts} lost"
+        elif culprit is not None:  # it raised first, its peers failed before it finished exiting
             how = f"raised an exception (traceback below); then rank {rank} on host {host} ended with {how}"
             rank, host = culprit, self.ranks[culprit].slot.hostname
             self.summary = f"rank {rank} on host {host} {how}"
@@ -266,13 +311,21 @@ class Driver:
         lost = [self.ranks[r] for r in agent.ranks if not self.ranks[r].done]
         if not lost:
             return
-        how = (f"lost: the agent on host {agent.host} ended ({procs.describe_exit(*_split(code))}) "
-               f"before rank{'s' if len(lost) > 1 else ''} {', '.join(str(r.slot.rank) for r in lost)} exited")
+        ranks = f"rank{'s' if len(lost) > 1 else ''} {', '.join(str(r.slot.rank) for r in lost)}"
+        remote = not self.cfg.hosts[agent.index].is_local
+        if remote and code == SSH_FAILED:  # ssh's own code: the connection (or the host) went away
+            how = (f"lost: host {agent.host} stopped answering: its ssh connection ended before {ranks} exited "
+                   "(the host went down, its network link broke, or its hora agent was killed)")
+        else:
+            ended = procs.describe_exit(*_split(code))
+            how = f"lost: the agent on host {agent.host} ended ({ended}) before {ranks} exited"
         for state in lost:
             state.done, state.code, state.exit_ts = True, 1, time.time()  # when the loss was seen
             state.stopped = self._stop_deadline is not None
         if self._stop_deadline is None:
+            # other hosts cut off by the same fault are seen within one ssh keep-alive interval: wait for them
             self._on_failure(lost[0], how)
+            self.root.extend(min(5.0, self.cfg.heartbeat_timeout / 3) + 1.0 if remote else 0.0)
 
     def _start_timed_out(self) -> None:
         late = [a.host for a in self.agents if not (a.started or a.finished)]
@@ -332,6 +385,14 @@ class Driver:
         if self.interrupted is not None:
             return 128 + self.interrupted
         return 0
+
+
+def _exception_name(traceback: list[str] | None) -> str:
+    """``"raised CollectiveTimeoutError"`` from a traceback's last line, else ``"failed"``."""
+    if not traceback:
+        return "failed"
+    name = traceback[-1].split(":", 1)[0].strip().rsplit(".", 1)[-1]
+    return f"raised {name}" if name.isidentifier() else "failed"
 
 
 def _split(returncode: int | None) -> tuple[int | None, int | None]:

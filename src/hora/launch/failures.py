@@ -51,6 +51,11 @@ class RootCause:
         if self.deadline is None:
             self.deadline = time.monotonic() + self._settle
 
+    def extend(self, settle: float) -> None:
+        """Keep the window open at least ``settle`` seconds from now (a lost host: others may follow)."""
+        if self.chosen is None and self.deadline is not None:
+            self.deadline = max(self.deadline, time.monotonic() + settle)
+
     def due(self, all_done: bool) -> bool:
         """True when it is time to decide: the window is over, or nothing else can fail."""
         return self.chosen is None and self.deadline is not None and (all_done or time.monotonic() >= self.deadline)

@@ -19,6 +19,9 @@ REPORT_LINES = 20  # shown when the rank printed no traceback
 # torch prefixes an uncaught exception's lines with "[rankN]:" once a process group exists
 _TRACEBACK_START = re.compile(r"^(\[rank\d+\]:\s?)?Traceback \(most recent call last\):")
 _COLLECTIVE_ERROR = re.compile(r"\b(CollectiveError|CollectiveTimeoutError|HorovodInternalError)\b")
+# torch's c10d logs this when a peer's address has no name (e.g. after a host was lost); it is noise, not a
+# cause, so it never takes the place of the rank's real last words in a failure report
+_TAIL_NOISE = re.compile(r"hostname of the client socket cannot be retrieved")
 _MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '(torch|hora)'$")
 
 
@@ -62,7 +65,7 @@ class Console:
             (self._err if stream == "stderr" else self._out).write(f"{prefix}{text}\n")
         except (BrokenPipeError, ValueError):
             pass  # `hora run ... | head`: the reader left; the job and its log files go on
-        if stream == "stderr":
+        if stream == "stderr" and not _TAIL_NOISE.search(text):
             self.tails[rank].append(text)
             if _TRACEBACK_START.match(text) and rank not in self.traceback_ts:
                 self.traceback_ts[rank] = ts or time.time()

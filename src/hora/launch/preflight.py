@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from hora.errors import LaunchError
 from hora.launch import output
+from hora.launch.hosts import HostSpec
 from hora.launch.transport import LocalTransport, Transport, describe
 
 if TYPE_CHECKING:
@@ -31,8 +33,11 @@ PROBE = (
     "def v(n):\n"
     "    try: return m.version(n)\n"
     "    except Exception: return None\n"
+    "def i():\n"
+    "    try: return open('/proc/sys/kernel/random/boot_id').read().strip()+'/'+os.readlink('/proc/self/ns/net')\n"
+    "    except OSError: return None\n"
     "print(json.dumps({'python':platform.python_version(),'torch':v('torch'),'hora':v('hora'),"
-    "'cpus':os.cpu_count(),'hostname':platform.node()}))"
+    "'cpus':os.cpu_count(),'hostname':platform.node(),'machine':i()}))"
 )
 VERSION_KEYS = ("python", "torch", "hora")
 
@@ -52,6 +57,54 @@ def hora_version() -> str:
 def local_versions() -> dict[str, Any]:
     """What the probe reports, for this machine."""
     return {"python": platform.python_version(), "torch": _version("torch"), "hora": _version("hora")}
+
+
+def machine_identity() -> str | None:
+    """What tells machines apart: the kernel's boot id and the network namespace (so namespace "hosts" on one
+    kernel stay distinct). Two host entries with the same identity are the same machine. The probe computes
+    the same on every remote host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip() + "/" + os.readlink("/proc/self/ns/net")
+    except OSError:
+        return None
+
+
+def refuse_same_machine(hosts: Sequence[HostSpec], used: set[str], answers: Mapping[str, Mapping[str, Any]]) -> None:
+    """Refuse a job whose host list names one machine twice (``localhost`` and ``127.0.0.1``, or a host name and
+    its address): its ranks would be numbered as on two hosts, both with ``local_rank`` 0 (so both on GPU 0).
+
+    Local entries are this machine; a remote one is identified by its probe's answer.
+
+    Raises:
+        LaunchError: (exit code 2) after one line per machine listed more than once.
+    """
+    mine = machine_identity()
+    groups: dict[str, list[HostSpec]] = {}
+    for host in hosts:
+        if host.name not in used:
+            continue
+        ident = "this machine" if host.is_local else answers.get(host.name, {}).get("machine")
+        if ident == mine and mine is not None:
+            ident = "this machine"
+        if ident:
+            groups.setdefault(ident, []).append(host)
+    problems = []
+    for ident, same in groups.items():
+        if len(same) < 2:
+            continue
+        names = " and ".join(", ".join(h.name for h in same).rsplit(", ", 1))
+        where = " (this machine)" if ident == "this machine" else ""
+        total = sum(h.slots for h in same)
+        problems.append(f"hosts {names} are the same machine{where}: listed twice, its ranks would be numbered "
+                        "as on separate hosts (each starting at local_rank 0, so two ranks on one GPU); list it once "
+                        f"with all its slots, e.g. -H {same[0].name}:{total}")
+    if len(problems) == 1:
+        raise LaunchError(problems[0], exit_code=2)
+    if problems:
+        for problem in problems[:-1]:
+            output.error_line("hora run", problem)
+        raise LaunchError(problems[-1], exit_code=2)
 
 
 def probe_host(host: str, transport: Transport, python: str, timeout: float) -> tuple[dict[str, Any] | None, str]:

@@ -1,8 +1,16 @@
 """The messages between the driver and an agent, and how a worker's byte stream becomes lines.
 
 The driver writes JSON lines to the agent's stdin: first the job spec, then commands (``stop``,
-``ping``). The agent writes JSON lines to its stdout: ``started``, ``out`` (one output line of a rank),
-``exit`` (a rank's end) and ``done``. Only the standard library is used here: the agent imports this.
+``ping``, ``probe``). The agent writes JSON lines to its stdout: ``started``, ``out`` (one output line of a
+rank), ``exit`` (a rank's end), ``probe`` (what /proc says about a rank's process) and ``done``. Only the
+standard library is used here: the agent imports this.
+
+The ranks and the driver also share a few keys in the rendezvous store (:func:`board_key`): a rank whose
+negotiation round waits for peers that do not answer posts who it waits for (``waiting/<rank>``, counted in
+``waits``); the driver posts which ranks have exited (``ended/<rank>``), so a rank waiting for one that exited
+(while a process it forked holds its connections open) stops waiting at once; the rank that knows the culprit
+of a failure names it (``culprit``), so the launcher's headline names that rank rather than a waiting one;
+every rank marks its arrival at ``init()`` (``arrived/<rank>``), so a late one is named.
 """
 
 from __future__ import annotations
@@ -11,10 +19,17 @@ import codecs
 import json
 from typing import Any
 
-# Agent -> driver message kinds.
-STARTED, OUT, EXIT, DONE = "started", "out", "exit", "done"
+# Agent -> driver message kinds (PROBE also goes the other way: the question, then the answer).
+STARTED, OUT, EXIT, DONE, PROBE = "started", "out", "exit", "done", "probe"
 # Driver -> agent commands.
 STOP, PING = "stop", "ping"
+# Keys of the board the ranks and the driver share in the store (see the module docstring).
+WAITING, WAITS, ENDED, CULPRIT, ARRIVED = "waiting/{rank}", "waits", "ended/{rank}", "culprit", "arrived/{gen}/{rank}"
+
+
+def board_key(job_id: str, key: str, **fields: object) -> str:
+    """A board key of job ``job_id``: ``board_key("ab12", ENDED, rank=3)`` -> ``"hora/ab12/board/ended/3"``."""
+    return f"hora/{job_id}/board/" + key.format(**fields)
 # hora.run: store keys for the shipped function and each rank's outcome.
 PYRUN_FN_KEY = "hora.run/fn"
 PYRUN_RESULT_KEY = "hora.run/result/{rank}"

@@ -1,0 +1,99 @@
+"""The worker's side of the board it shares with ``hora run``'s driver in the rendezvous store.
+
+A rank whose process cannot run Python (stopped, inside a native call that holds the GIL, cut off by the
+network) cannot say so itself; the ranks waiting for it can, and the launcher can look at its process from
+outside (its agent reads ``/proc``). Through these keys (names in :mod:`hora.launch.protocol`) a waiting
+rank posts whom it waits for, learns that a rank it waits for has already exited, and names the culprit of a
+failure so the launcher's headline blames that rank and not the one that waited.
+
+Only under ``hora run`` (other launchers have no driver reading the board): elsewhere every call does
+nothing. Store errors are swallowed: the board only adds information, it never decides a job's fate.
+
+Example:
+    >>> Board(None, "", 0).ended([1, 2])
+    {}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from hora.launch import protocol
+
+log = logging.getLogger(__name__)
+
+
+class Board:
+    """Board access for one rank; ``store`` is the job's raw (unprefixed) store, None to disable."""
+
+    def __init__(self, store: Any, job_id: str, rank: int) -> None:
+        self._store = store if job_id else None
+        self._job = job_id
+        self.rank = rank
+
+    @property
+    def active(self) -> bool:
+        return self._store is not None
+
+    def _key(self, key: str, **fields: object) -> str:
+        return protocol.board_key(self._job, key, **fields)
+
+    def post_waiting(self, missing: Iterable[int], waited_s: float, round_no: int) -> None:
+        """Tell the launcher this rank's negotiation round ``round_no`` has waited ``waited_s`` for ``missing``."""
+        if self._store is None:
+            return
+        value = json.dumps({"missing": sorted(missing), "waited": round(waited_s, 1), "round": round_no,
+                            "ts": time.time()})
+        try:
+            self._store.set(self._key(protocol.WAITING, rank=self.rank), value)
+            self._store.add(self._key(protocol.WAITS), 1)
+        except Exception as e:  # the store went away with the launcher: nothing to tell
+            log.debug("board: cannot post waiting: %s", e)
+
+    def ended(self, ranks: Iterable[int]) -> dict[int, str]:
+        """Of ``ranks``, those the launcher saw exit, with how (``"exit code 0"``)."""
+        if self._store is None:
+            return {}
+        found = {}
+        try:
+            for rank in ranks:
+                key = self._key(protocol.ENDED, rank=rank)
+                if self._store.check([key]):
+                    found[rank] = self._store.get(key).decode()
+        except Exception as e:
+            log.debug("board: cannot read ended ranks: %s", e)
+        return found
+
+    def blame(self, rank: int, how: str) -> None:
+        """Name ``rank`` as the culprit of the failure this rank is about to raise (the first one named wins)."""
+        if self._store is None:
+            return
+        try:
+            self._store.compare_set(self._key(protocol.CULPRIT), "", json.dumps({"rank": rank, "how": how,
+                                                                                 "by": self.rank}))
+        except Exception as e:
+            log.debug("board: cannot name the culprit: %s", e)
+
+    def arrive(self, generation: int) -> None:
+        """Mark this rank as having reached its ``generation``-th ``init()``."""
+        if self._store is None:
+            return
+        try:
+            self._store.set(self._key(protocol.ARRIVED, gen=generation, rank=self.rank), "1")
+        except Exception as e:
+            log.debug("board: cannot mark arrival: %s", e)
+
+    def not_arrived(self, size: int, generation: int) -> list[int]:
+        """The ranks that have not reached their ``generation``-th ``init()``."""
+        if self._store is None:
+            return []
+        try:
+            return [r for r in range(size)
+                    if not self._store.check([self._key(protocol.ARRIVED, gen=generation, rank=r)])]
+        except Exception as e:
+            log.debug("board: cannot read arrivals: %s", e)
+            return []
