@@ -28,7 +28,10 @@ FAULT_DEADLINE_S = 15.0  # issue 4 point 5: "every case ends within 15 seconds"
 # session on the launcher's side, and the cut-off host's agent stops its workers when the driver's pings stop.
 HEARTBEAT_TIMEOUT_S = 9.0
 SILENT_LINK_S = HEARTBEAT_TIMEOUT_S
-LOST_AGENT = re.compile(r"rank [12] on host 10\.78\.0\.3 failed first: lost: the agent on host 10\.78\.0\.3 ended")
+# a lost host is reported as lost (ssh's exit code 255 is not the agent's), whether the agent was killed, its
+# ssh session dropped or its link pulled
+LOST_AGENT = re.compile(r"rank [12] on host 10\.78\.0\.3 failed first: lost: host 10\.78\.0\.3 stopped answering: its "
+                        r"ssh connection ended before ranks 1, 2 exited")
 
 
 @dataclass

@@ -34,6 +34,7 @@ class Board:
         self._store = store if job_id else None
         self._job = job_id
         self.rank = rank
+        self._alive_at: dict[int, int] = {}  # rank -> the ``ends`` count when it was seen not to have ended
 
     @property
     def active(self) -> bool:
@@ -58,12 +59,17 @@ class Board:
         """Of ``ranks``, those the launcher saw exit, with how (``"exit code 0"``)."""
         if self._store is None:
             return {}
-        found = {}
+        found: dict[int, str] = {}
         try:
+            ends = int(self._store.add(self._key(protocol.ENDS), 0))  # one round trip while nothing changed
             for rank in ranks:
+                if ends == 0 or self._alive_at.get(rank) == ends:
+                    continue
                 key = self._key(protocol.ENDED, rank=rank)
                 if self._store.check([key]):
                     found[rank] = self._store.get(key).decode()
+                else:
+                    self._alive_at[rank] = ends
         except Exception as e:
             log.debug("board: cannot read ended ranks: %s", e)
         return found

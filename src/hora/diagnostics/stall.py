@@ -208,10 +208,11 @@ def format_silent_report(rank: int, missing: Mapping[int, str], waited_s: float,
         groups.setdefault(missing[r], []).append(r)
     who = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {format_ranks(rs)} on {host}"
                     for host, rs in groups.items())
-    verb = "has" if len(missing) == 1 else "have"
-    lines = [f"hora stall: {who} {verb} not answered rank {rank}'s negotiation round for {waited_s:.0f} s. "
-             "Its process cannot run Python: stopped (SIGSTOP, Ctrl-Z, a debugger), inside a native call that "
-             "holds the GIL, or cut off from this host by the network."]
+    one = len(missing) == 1
+    lines = [f"hora stall: {who} {'has' if one else 'have'} not answered rank {rank}'s negotiation round for "
+             f"{waited_s:.0f} s. {'Its process' if one else 'Their processes'} cannot run Python (stopped by "
+             "SIGSTOP, Ctrl-Z or a debugger; inside a native call that holds the GIL) or "
+             f"{'is' if one else 'are'} cut off from this host by the network."]
     if launcher:
         lines.append("hora run asks that host what the process is doing (see the launcher's 'stall:' line).")
     if shutdown_s > 0:

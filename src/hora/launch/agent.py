@@ -220,8 +220,6 @@ class Agent:
                 self._report_exit(*value)
             elif kind == "probe":
                 self.probe(value)
-            elif kind == "tick":
-                self._reap_orphans()
             elif kind == "ping":
                 last_ping = time.monotonic()
             elif kind == "stop":
@@ -232,6 +230,8 @@ class Agent:
                 self.stop(EOF_GRACE)
                 self._drain_exits()
                 return 1
+            if kind == "tick":
+                self._reap_orphans()
         self.kill_all()
         self.send({"t": protocol.DONE})
         return 0

@@ -281,11 +281,12 @@ class Driver:
         culprit = self.root.culprit(self.console.traceback_ts)
         found = None if state.sig or state.how else self.stalls.culprit()
         lost = [c for c in self.root.candidates if c.how and c.how.startswith("lost")]
-        if found is not None and found.rank != rank and found.rank in self.ranks:
+        if found is not None and found.rank in self.ranks:
             # a waiting rank failed (a stall shutdown, an init() timeout, a peer that exited): blame the rank
             # it waited for, as the waiting rank itself named it (or the partition the driver found)
             raised = _exception_name(output.traceback_of(list(self.console.tails[rank])))
-            how = f"{found.how} (rank {rank} on host {host} waited for it and {raised})"
+            by = "it" if found.rank == rank else f"rank {rank} on host {host} waited for it and"
+            how = f"{found.how} ({by} {raised})"
             rank, host = found.rank, self.ranks[found.rank].slot.hostname
             self.summary = f"rank {rank} on host {host}: {found.how}"
         elif len({c.slot.hostname for c in lost}) > 1:  # several hosts went at once: name them all

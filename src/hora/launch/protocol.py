@@ -25,6 +25,7 @@ STARTED, OUT, EXIT, DONE, PROBE = "started", "out", "exit", "done", "probe"
 STOP, PING = "stop", "ping"
 # Keys of the board the ranks and the driver share in the store (see the module docstring).
 WAITING, WAITS, ENDED, CULPRIT, ARRIVED = "waiting/{rank}", "waits", "ended/{rank}", "culprit", "arrived/{gen}/{rank}"
+ENDS = "ends"  # how many ``ended/<rank>`` keys there are: a waiting rank reads only this, until it changes
 
 
 def board_key(job_id: str, key: str, **fields: object) -> str:

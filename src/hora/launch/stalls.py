@@ -67,6 +67,7 @@ class StallWatch:
             return
         try:
             self.store.set(self._key(protocol.ENDED, rank=rank), how)
+            self.store.add(self._key(protocol.ENDS), 1)
         except Exception as e:  # the store is the driver's own: this only fails while it shuts down
             log.debug("board: cannot post the exit of rank %d: %s", rank, e)
 
