@@ -17,7 +17,7 @@ from pathlib import Path
 from conftest import PYTHON, alive, hora_run, wait_until, write_script
 
 FAST_STALL = ["--stall-check-warning-time-seconds", "2", "--stall-check-shutdown-time-seconds", "4"]
-BOUND_S = 60.0  # generous: the point is "about the configured seconds", never the old fixed 120 s
+BOUND_S = 90.0  # generous (a loaded 2-core machine): "about the configured seconds", never the old fixed 120 s
 
 PRELUDE = """
 import ctypes, os, signal, subprocess, sys, time
