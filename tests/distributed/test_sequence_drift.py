@@ -366,3 +366,24 @@ def test_integer_average_does_not_overflow() -> None:
         assert seen["grouped"] == [[225, 225], [255]]
         assert seen["reducescatter"] == [150, 150]
         assert seen["sum wraps as in torch"] == [44]
+
+
+def _joined(rank: int, size: int) -> dict:
+    """A rank that has joined keeps its sequence in step through a rejection it never saw."""
+    seen: dict = {}
+    if rank < 2:
+        seen["while joined"] = hvd.allreduce(torch.full((2,), rank + 1.0), op=hvd.Sum).tolist()  # rank 2 adds 0
+        try:  # the last unnamed op before everyone joins: only its failure moves rank 2's sequence on
+            seen["rejected"] = hvd.allreduce(torch.ones(2, 4)[:, ::2] if rank == 0 else torch.ones(2, 2)).tolist()
+        except (hvd.InvalidCallError, hvd.PeerRejectedCallError) as e:
+            seen["rejected"] = type(e).__name__
+    hvd.join()
+    seen["after"] = hvd.allreduce(torch.full((2,), float(rank)), op=hvd.Sum).tolist()
+    return seen
+
+
+def test_a_joined_rank_stays_in_step_through_a_rejection() -> None:
+    r0, r1, r2 = run_ranks(_joined, 3, timeout=30)
+    assert r0["rejected"] == "InvalidCallError" and r1["rejected"] == "PeerRejectedCallError"
+    assert r0["while joined"] == r1["while joined"] == [3.0, 3.0]
+    assert r0["after"] == r1["after"] == r2["after"] == [3.0, 3.0]
