@@ -532,6 +532,8 @@ class Negotiator:
                 self._flags["where"] = answer
         for name, error in self._stall.report({r: f["where"] for r, (_, _, f) in enumerate(gathered) if "where" in f}):
             self._stall_shutdown = True  # the stalled peers will not join a collective shutdown
+            if self._stall.culprit is not None:
+                self._board.blame(*self._stall.culprit)
             self._fail_local(name, error)
 
     def _break(self, error: BaseException) -> None:

@@ -57,6 +57,8 @@ def test_rank_stuck_on_another_host_is_named_and_the_job_stopped(hosts: netns.Cl
     stuck = hosts.host(4).addr
     assert re.search(rf"missing: rank 2 on {re.escape(stuck)}: running train\.py:\d+ stuck_in_data_loader", out)
     assert "CollectiveTimeoutError: hora stall: allreduce 'loss'" in out
+    assert re.search(rf"hora run: rank 2 on host {re.escape(stuck)} failed first: did not call allreduce 'loss' within "
+                     r"--stall-check-shutdown-time-seconds 4 s \(running train\.py:\d+ stuck_in_data_loader", out), out
     events = json.loads(trace.read_text())
     assert {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"} == {
         0: "rank 0",

@@ -47,8 +47,10 @@ def test_stalled_job_is_reported_once_stopped_and_its_timeline_merged(tmp_path):
     assert logged[0].startswith("[0]<stderr>:hora stall: allreduce 'loss'")
     assert re.search(r"missing: rank 1 on \S+: running train\.py:\d+ stuck_in_data_loader <- train\.py:\d+ "
                      r"<module>", out)
-    # the launcher names rank 0's CollectiveTimeoutError, which carries the report, as the root cause
-    assert "rank 0 on host localhost failed first" in out
+    # the headline names the stuck rank (issue 17 item 6), not rank 0, whose CollectiveTimeoutError carries the report
+    assert re.search(r"hora run: rank 1 on host localhost failed first: did not call allreduce 'loss' within "
+                     r"--stall-check-shutdown-time-seconds 3 s \(running train\.py:\d+ stuck_in_data_loader .*\) "
+                     r"\(rank 0 on host localhost waited for it and raised CollectiveTimeoutError\)", out), out
     assert re.search(r"CollectiveTimeoutError: hora stall: allreduce 'loss'", out)
     assert (f"hora run: timeline written to {trace} (open it in https://ui.perfetto.dev or chrome://tracing)"
             in done.stderr.splitlines())

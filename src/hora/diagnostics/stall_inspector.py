@@ -32,6 +32,7 @@ class StallInspector:
         self.policy = policy
         self.rank = rank
         self.hostnames = hostnames
+        self.culprit: tuple[int, str] | None = None  # the first missing rank of the first stall shut down, and how
 
     def check_in(self) -> float | None:
         """Seconds until the next stall deadline, or None. Entries are in order of first appearance, so the
@@ -105,4 +106,9 @@ class StallInspector:
             if action == "shutdown":
                 del self.table.entries[name]
                 failed.append((name, CollectiveTimeoutError(text)))
+                if self.culprit is None and missing:
+                    where_ = answers.get(missing[0], ("no answer", {}))[0]
+                    self.culprit = (missing[0], f"did not call {where.describe_op(entry.first.kind, name)} within "
+                                                f"--stall-check-shutdown-time-seconds {self.policy.shutdown_s:g} s "
+                                                f"({where_})")
         return failed

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 PING_INTERVAL = 2.0
 SSH_FAILED = 255  # ssh's exit code when the connection fails or drops
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning))(?::|$)")
 KILL_AFTER_GRACE = 10.0  # after grace + this, agents that still have not finished are killed
 
 
@@ -390,10 +392,11 @@ class Driver:
 
 def _exception_name(traceback: list[str] | None) -> str:
     """``"raised CollectiveTimeoutError"`` from a traceback's last line, else ``"failed"``."""
-    if not traceback:
-        return "failed"
-    name = traceback[-1].split(":", 1)[0].strip().rsplit(".", 1)[-1]
-    return f"raised {name}" if name.isidentifier() else "failed"
+    for line in reversed(traceback or []):  # the message may span lines: find the line that names the type
+        found = _EXCEPTION_LINE.match(line)
+        if found:
+            return f"raised {found.group(1).rsplit('.', 1)[-1]}"
+    return "failed"
 
 
 def _split(returncode: int | None) -> tuple[int | None, int | None]:
