@@ -33,6 +33,7 @@ from hora.launch import network, procs, protocol
 log = logging.getLogger(__name__)
 
 EOF_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when the driver is gone
+REAP_INTERVAL = 5.0  # seconds between looks (a /proc scan) for ended orphans to reap
 SHIM_DIR = str(Path(__file__).resolve().parent.parent / "_compat")
 
 
@@ -210,7 +211,7 @@ class Agent:
         """Watch workers and commands until every worker has exited; return the agent's exit code."""
         threading.Thread(target=self._read_commands, daemon=True).start()
         timeout = float(self.spec.get("heartbeat_timeout", 0) or 0)
-        last_ping = time.monotonic()
+        last_ping = last_reap = time.monotonic()
         while len(self._exited) < len(self.spec["workers"]):
             try:
                 kind, value = self.events.get(timeout=0.5)
@@ -230,7 +231,8 @@ class Agent:
                 self.stop(EOF_GRACE)
                 self._drain_exits()
                 return 1
-            if kind == "tick":
+            if kind == "tick" and time.monotonic() - last_reap > REAP_INTERVAL:
+                last_reap = time.monotonic()
                 self._reap_orphans()
         self.kill_all()
         self.send({"t": protocol.DONE})
