@@ -49,27 +49,23 @@ class Hierarchy:
 
 
 class _ChainWork:
-    """The Work of the last step; the earlier steps ran to completion before it was issued."""
+    """The Works of the last step (one per chunk); the earlier steps were issued before them."""
 
-    __slots__ = ("_work",)
+    __slots__ = ("_works",)
 
-    def __init__(self, work: Any) -> None:
-        self._work = work
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
 
     def wait(self, timeout: Any = None) -> bool:
-        if self._work is not None:
-            self._work.wait()
+        for work in self._works:
+            work.wait()
         return True
 
     def is_completed(self) -> bool:
-        return self._work is None or bool(self._work.is_completed())
+        return all(work.is_completed() for work in self._works)
 
     def get_future(self) -> Any:
-        if self._work is None:
-            fut: torch.futures.Future[Any] = torch.futures.Future()
-            fut.set_result(None)
-            return fut
-        return self._work.get_future()
+        return torch.futures.collect_all([work.get_future() for work in self._works])
 
 
 _active: Hierarchy | None = None
@@ -140,17 +136,51 @@ def flat() -> Iterator[None]:
         _active = saved
 
 
+def chunks_of(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The pipeline's pieces: 4 MB or more each, at most :data:`MAX_CHUNKS`.
+
+    >>> [c.numel() for c in chunks_of(torch.zeros(10))]
+    [10]
+    >>> len(chunks_of(torch.zeros(64 * 2**20 // 4)))
+    8
+    """
+    flat = tensor.view(-1)
+    count = max(1, min(MAX_CHUNKS, flat.numel() * flat.element_size() // CHUNK_BYTES))
+    return list(flat.chunk(count))
+
+
+CHUNK_BYTES = 4 * 2**20
+MAX_CHUNKS = 8
+
+
 def allreduce_async(tensor: torch.Tensor, wire_op: Any, group: Any, flat: Any) -> Any:
     """Allreduce ``tensor`` in place on ``group``: hierarchically when that is the global group and the
-    hierarchy is on, else with ``flat(tensor)`` (the plain c10d call). Returns a Work."""
+    hierarchy is on, else with ``flat(tensor)`` (the plain c10d call). Returns a Work.
+
+    The three steps run as a pipeline over chunks: while the leaders allreduce chunk k across hosts, the
+    host reduces chunk k+1 and broadcasts chunk k-1, so the fast intra-host steps hide behind the network.
+    Every rank issues the same ops on each group in the same order (reduces, then broadcasts); a leader
+    issues chunk k's broadcast once its cross-host allreduce is done, on the calling thread.
+    """
     h = _active
     if h is None or group is not h.flat_group:
         return flat(tensor)
     h.calls += 1
-    if h.local_group is not None:
-        dist.reduce(tensor, dst=h.leader, op=wire_op, group=h.local_group)
-    if h.cross_group is not None:
-        dist.all_reduce(tensor, op=wire_op, group=h.cross_group)
-    if h.local_group is None:
-        return _ChainWork(None)
-    return _ChainWork(dist.broadcast(tensor, src=h.leader, group=h.local_group, async_op=True))
+    chunks = chunks_of(tensor)
+    local, cross = h.local_group, h.cross_group
+    reduces = [dist.reduce(c, dst=h.leader, op=wire_op, group=local, async_op=True) for c in chunks] \
+        if local is not None else []
+    crossing = []
+    if cross is not None:
+        for i, c in enumerate(chunks):
+            if reduces:
+                reduces[i].wait()
+            crossing.append(dist.all_reduce(c, op=wire_op, group=cross, async_op=True))
+    if local is None:
+        return _ChainWork(crossing)
+    broadcasts = []
+    for i, c in enumerate(chunks):
+        if crossing:
+            crossing[i].wait()
+        broadcasts.append(dist.broadcast(c, src=h.leader, group=local, async_op=True))
+    return _ChainWork(broadcasts)

@@ -1,0 +1,326 @@
+"""hora where the wire is the limit: simulated hosts (network namespaces, veth, a bridge) whose cables are
+shaped with tc's token bucket filter to ``--rate-mbit`` each way, jobs started by ``hora run`` over ssh as on
+a real cluster (tests/cluster/netns.py builds the hosts; this script only adds the shaping and the jobs).
+
+Measured, each figure a ratio from one run that alternates the variants, rotating the order every cycle:
+
+  sweep         ``hora bench allreduce`` on 2 hosts x 1 rank: busbw against the line rate; the planner's fit
+  ps            hora's ring allreduce against a parameter server, 2, 4 and 8 single-rank hosts, ~100 MB
+  compression   fp16 and bf16 against none, 2 hosts, ~100 MB
+  optimizer     DistributedOptimizer step against DDP's, 2 hosts (ResNet-50 layout on small images)
+  hierarchical  hierarchical against flat allreduce, 3 hosts x 2 ranks, large sizes
+  synthetic     benchmarks/pytorch_synthetic_benchmark.py (Horovod's example's behaviour) on 2 shaped hosts
+                and on one host over loopback, the two jobs alternated
+
+The planner, fitted on the 2-host sweep alone, predicts every other configuration; the report puts its
+prediction beside each measurement. Needs root, iproute2, openssh-server and the kernel's tbf qdisc: where
+they are missing the script says why and writes nothing (it never fakes a link).
+
+    python benchmarks/shaped_links.py                      # everything, 1 Gbit links (~10 minutes)
+    python benchmarks/shaped_links.py --only ps,sweep      # a part
+    python benchmarks/shaped_links.py --quick              # small sizes, 200 Mbit: a smoke run
+
+Writes benchmarks/results/shaped_links.{json,md,png} (``--out`` to change the directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "cluster"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jobs  # noqa: E402
+import netns  # noqa: E402
+from common import RESULTS, machine_info, markdown_table, ratio_summary, summarize, write_results  # noqa: E402
+
+from hora.bench import planner  # noqa: E402
+
+log = logging.getLogger("shaped_links")
+WORKER = str(Path(__file__).resolve().parent / "shaped_worker.py")
+SYNTHETIC = str(Path(__file__).resolve().parent / "pytorch_synthetic_benchmark.py")
+PARTS = ("sweep", "ps", "compression", "optimizer", "hierarchical", "synthetic")
+
+
+def _hosts_flag(cluster: netns.Cluster, count: int, slots: int) -> list[str]:
+    hosts = ",".join(f"{h.addr}:{slots}" for h in cluster.hosts[:count])
+    return ["-np", str(count * slots), "-H", hosts, *jobs.hora_ssh_flags(cluster)]
+
+
+def _job(cluster: netns.Cluster, flags: list[str], command: list[str], work: Path, timeout: float) -> str:
+    work.mkdir(parents=True, exist_ok=True)
+    code, job = jobs.run_job(cluster, flags, command, work, timeout=timeout)
+    if code != 0:
+        raise RuntimeError(f"job failed ({code}):\n{job.describe()}")
+    return job.stdout
+
+
+def _worker(cluster: netns.Cluster, hosts: int, slots: int, mode: str, work: Path, args: list[str],
+            env: list[str] | None = None, timeout: float = 400) -> dict[str, Any]:
+    out = work / f"{mode}-{hosts}x{slots}.json"
+    flags = _hosts_flag(cluster, hosts, slots) + [x for kv in (env or []) for x in ("-x", kv)]
+    log.info("%s on %d host(s) x %d", mode, hosts, slots)
+    _job(cluster, flags, [sys.executable, WORKER, mode, "--out", str(out), *args], work / f"{mode}{hosts}", timeout)
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def run_sweep(cluster: netns.Cluster, ns: argparse.Namespace, work: Path) -> dict[str, Any]:
+    out = work / "sweep.json"
+    flags = _hosts_flag(cluster, 2, 1)
+    _job(cluster, flags, [str(Path(sys.executable).parent / "hora"), "bench", "allreduce", "--sizes", ns.sweep_sizes,
+                          "--repeats", str(ns.repeats), "--json", str(out)], work / "sweep", 400)
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def run_synthetic(cluster: netns.Cluster, ns: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The synthetic benchmark on 2 shaped hosts and on one host over loopback, the jobs alternated."""
+    args = ["--model", ns.synthetic_model, "--batch-size", str(ns.synthetic_batch), "--num-warmup-batches", "1",
+            "--num-batches-per-iter", "2", "--num-iters", "3", "--image-size", str(ns.synthetic_image)]
+    command = [sys.executable, SYNTHETIC, *args]
+    layouts = {"shaped_2_hosts": _hosts_flag(cluster, 2, 1),
+               "loopback_1_host": ["-np", "2", "-H", f"{cluster.hosts[0].addr}:2", *jobs.hora_ssh_flags(cluster)]}
+    samples: dict[str, list[float]] = {k: [] for k in layouts}
+    outputs: dict[str, str] = {}
+    names = list(layouts)
+    for i in range(ns.synthetic_repeats):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            text = _job(cluster, layouts[name], command, work / f"synthetic-{name}-{i}", 600)
+            outputs[name] = text
+            samples[name].append(_total_img_s(text))
+    return {"args": args, "samples": samples, "last_output": outputs}
+
+
+def _total_img_s(text: str) -> float:
+    for line in text.splitlines():
+        if "Total img/sec on" in line:
+            return float(line.split(":")[-1].split("+-")[0])
+    raise RuntimeError(f"no 'Total img/sec' line in the benchmark's output:\n{text[-2000:]}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate-mbit", type=float, default=1000.0)
+    p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {','.join(PARTS)}")
+    p.add_argument("--bytes", type=int, default=100 * 2**20, help="gradient set size (default 100 MB)")
+    p.add_argument("--hier-bytes", type=int, default=128 * 2**20, help="hierarchical: message size")
+    p.add_argument("--ps-hosts", default="2,4,8")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--sweep-sizes", default="256KB..64MB")
+    p.add_argument("--synthetic-model", default="resnet50")
+    p.add_argument("--synthetic-batch", type=int, default=4)
+    p.add_argument("--synthetic-image", type=int, default=64)
+    p.add_argument("--synthetic-repeats", type=int, default=2)
+    p.add_argument("--opt-image", type=int, default=32)
+    p.add_argument("--quick", action="store_true", help="200 Mbit, small sizes, few repeats: a smoke run")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    ns = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if ns.quick:
+        ns.rate_mbit, ns.bytes, ns.hier_bytes, ns.repeats = 200.0, 4 * 2**20, 8 * 2**20, 2
+        ns.ps_hosts, ns.sweep_sizes, ns.synthetic_model, ns.synthetic_repeats = "2,3", "64KB..4MB", "mlp", 1
+    reason = netns.shaping_missing()
+    if reason is not None:
+        print(f"shaped_links: skipped: {reason}")
+        return 0
+    parts = [x for x in ns.only.split(",") if x]
+    ps_hosts = [int(x) for x in ns.ps_hosts.split(",")]
+    n_hosts = max([2] + (ps_hosts if "ps" in parts else []) + ([3] if "hierarchical" in parts else []))
+    data: dict[str, Any] = {"machine": machine_info(), "rate_mbit": ns.rate_mbit, "bytes": ns.bytes,
+                            "repeats": ns.repeats, "parts": {}}
+    work = Path(tempfile.mkdtemp(prefix="hora-shaped-"))
+    started = time.monotonic()
+    with netns.Cluster.build(range(2, 2 + n_hosts)) as cluster:
+        cluster.shape(ns.rate_mbit)
+        log.info("%d hosts, every cable shaped to %g Mbit/s each way", n_hosts, ns.rate_mbit)
+        res = data["parts"]
+        if "sweep" in parts:
+            res["sweep"] = run_sweep(cluster, ns, work)
+        if "ps" in parts:
+            res["ps"] = {str(h): _worker(cluster, h, 1, "ps", work, ["--bytes", str(ns.bytes),
+                                                                      "--repeats", str(ns.repeats)])
+                         for h in ps_hosts}
+        if "compression" in parts:
+            res["compression"] = _worker(cluster, 2, 1, "compression", work,
+                                         ["--bytes", str(ns.bytes), "--repeats", str(ns.repeats)])
+        if "optimizer" in parts:
+            res["optimizer"] = _worker(cluster, 2, 1, "optimizer", work,
+                                       ["--model", "mlp" if ns.quick else "resnet50", "--image-size",
+                                        str(ns.opt_image), "--repeats", str(ns.repeats)])
+        if "hierarchical" in parts:
+            res["hierarchical"] = _worker(cluster, 3, 2, "hierarchical", work,
+                                          ["--bytes", str(ns.hier_bytes), "--repeats", str(ns.repeats)],
+                                          env=["HOROVOD_HIERARCHICAL_ALLREDUCE=1"])
+        if "synthetic" in parts:
+            res["synthetic"] = run_synthetic(cluster, ns, work)
+    data["wall_s"] = time.monotonic() - started
+    report = analyse(data)
+    data["analysis"] = report["figures"]
+    suffix = "_quick" if ns.quick else ""
+    for path in write_results(f"shaped_links{suffix}", data, report["markdown"], plot=report["plot"], out_dir=ns.out):
+        print(path)
+    print(report["markdown"])
+    subprocess.run(["rm", "-rf", str(work)], check=False)
+    return 0
+
+
+def _ratio(num: list[float], den: list[float]) -> dict[str, float]:
+    return ratio_summary(num, den)
+
+
+def analyse(data: dict[str, Any]) -> dict[str, Any]:
+    """Figures, the planner's predictions beside them, a Markdown report and a plot."""
+    parts, rate = data["parts"], data["rate_mbit"]
+    line_Bps = rate * 1e6 / 8
+    figures: dict[str, Any] = {}
+    md = [f"# hora on shaped links: {rate:g} Mbit/s per host cable, each way\n",
+          "Simulated hosts (network namespaces + veth + bridge, tc tbf on both ends of every cable), jobs started "
+          "by `hora run` over ssh. Every figure is a per-cycle ratio of variants alternated in one run (rotating "
+          f"order), median with spread; {data['repeats']} cycles. The machine (2 cores) was shared with other "
+          f"work while this ran (load average {data['machine']['load_avg_1_5_15']}).\n"]
+    plan = None
+    if "sweep" in parts:
+        sweep = parts["sweep"]
+        plan = planner.fit_sweep(sweep, min_bytes=1 << 20)
+        rows = sweep["rows"]
+        big = rows[-1]
+        figures["busbw_fraction_of_line"] = {"raw": big["raw"]["busbw_GBps"] * 1e9 / line_Bps,
+                                             "hora": big["hora"]["busbw_GBps"] * 1e9 / line_Bps,
+                                             "size": big["size"]}
+        md.append("## allreduce sweep, 2 hosts x 1 rank (`hora bench allreduce`)\n")
+        md.append(markdown_table(
+            ["size", "raw busbw MB/s", "hora busbw MB/s", "hora busbw / line rate", "hora speed vs raw"],
+            [[_mb(r["size"]), f"{r['raw']['busbw_GBps'] * 1e3:.1f}", f"{r['hora']['busbw_GBps'] * 1e3:.1f}",
+              f"{r['hora']['busbw_GBps'] * 1e9 / line_Bps:.2f}",
+              f"{r['speed_vs_raw']['median']:.2f}x ({r['speed_vs_raw']['spread']:.0%})"] for r in rows]))
+        assert plan.inter is not None
+        md.append(f"\nPlanner fit (sizes >= 1 MB): alpha {plan.inter.alpha * 1e6:.0f} µs, bandwidth "
+                  f"{plan.inter.gbps * 1e3:.0f} Mbit/s (line {rate:g}), worst fit error "
+                  f"{plan.inter.max_rel_err:.1%}.\n")
+        figures["fit"] = planner.as_dict(plan)
+    validation: list[list[Any]] = []
+    if "ps" in parts:
+        md.append("## ring allreduce against a parameter server, single-rank hosts\n")
+        rows_md = []
+        figures["ps"] = {}
+        for hosts, rec in parts["ps"].items():
+            h = int(hosts)
+            ratio = _ratio(rec["samples"]["ps"], rec["samples"]["ring"])
+            ring_s, ps_s = (statistics.median(rec["samples"][k]) for k in ("ring", "ps"))
+            model_ratio = None
+            if plan is not None:
+                pr, pp = plan.allreduce(rec["bytes"], h), plan.parameter_server(rec["bytes"], h, rec["chunks"])
+                model_ratio = pp / pr
+                if h != 2:
+                    validation.append([f"ring allreduce, {h} hosts, {_mb(rec['bytes'])}", pr, ring_s])
+                validation.append([f"parameter server, {h} hosts, {_mb(rec['bytes'])}", pp, ps_s])
+            figures["ps"][hosts] = {"ratio": ratio, "model_ratio": model_ratio, "ring_s": ring_s, "ps_s": ps_s}
+            rows_md.append([h, f"{ring_s:.2f} s", f"{ps_s:.2f} s", f"{ratio['median']:.2f}x ({ratio['spread']:.0%})",
+                            f"{model_ratio:.2f}x" if model_ratio else "-", "3.2x (8 nodes)" if h == 8 else ""])
+        md.append(markdown_table(["hosts", "ring (median)", "parameter server (median)",
+                                  "ring speed-up (measured)", "model", "seed's claim"], rows_md))
+        md.append("\nThe bandwidth model: the server's cable carries (N-1) S each way against the ring's 2(N-1)/N S "
+                  "per cable, N/2 times the bytes; chunking overlaps the server's receiving and sending.\n")
+    if "compression" in parts:
+        rec = parts["compression"]
+        fp16 = _ratio(rec["samples"]["none"], rec["samples"]["fp16"])
+        bf16 = _ratio(rec["samples"]["none"], rec["samples"]["bf16"])
+        figures["compression"] = {"fp16_speedup": fp16, "bf16_speedup": bf16}
+        md.append(f"## compression, 2 hosts, {_mb(rec['bytes'])} allreduce (Average)\n")
+        md.append(markdown_table(["variant", "median time", "speed-up against none"],
+                                 [["none", f"{statistics.median(rec['samples']['none']):.3f} s", "1.00x"],
+                                  ["fp16", f"{statistics.median(rec['samples']['fp16']):.3f} s",
+                                   f"{fp16['median']:.2f}x ({fp16['spread']:.0%})"],
+                                  ["bf16", f"{statistics.median(rec['samples']['bf16']):.3f} s",
+                                   f"{bf16['median']:.2f}x ({bf16['spread']:.0%})"]]))
+        if plan is not None:
+            validation.append([f"allreduce fp16, 2 hosts, {_mb(rec['bytes'])}", plan.allreduce(rec["bytes"] / 2, 2),
+                               statistics.median(rec["samples"]["fp16"])])
+            validation.append([f"allreduce none, 2 hosts, {_mb(rec['bytes'])}", plan.allreduce(rec["bytes"], 2),
+                               statistics.median(rec["samples"]["none"])])
+    if "optimizer" in parts:
+        rec = parts["optimizer"]
+        ratio = _ratio(rec["samples"]["hora"], rec["samples"]["ddp"])
+        figures["optimizer"] = {"hora_over_ddp": ratio}
+        md.append(f"## DistributedOptimizer against DDP, 2 hosts, {rec['model']} ({_mb(rec['gradient_bytes'])} "
+                  f"of gradients), batch {rec['batch_size']} of {rec['image_size']}px images\n")
+        md.append(markdown_table(["variant", "median step", "hora / DDP"],
+                                 [["DDP", f"{statistics.median(rec['samples']['ddp']):.3f} s", ""],
+                                  ["hora DistributedOptimizer", f"{statistics.median(rec['samples']['hora']):.3f} s",
+                                   f"{ratio['median']:.2f}x ({ratio['spread']:.0%})"]]))
+    if "hierarchical" in parts:
+        rec = parts["hierarchical"]
+        ratio = _ratio(rec["samples"]["flat"], rec["samples"]["hierarchical"])
+        figures["hierarchical"] = {"speedup": ratio}
+        md.append(f"## hierarchical against flat allreduce, 3 hosts x 2 ranks, {_mb(rec['bytes'])}\n")
+        model = ""
+        if plan is not None:
+            flat_p = plan.allreduce(rec["bytes"], 3, 2)
+            validation.append([f"flat ring, 3 hosts x 2, {_mb(rec['bytes'])}", flat_p,
+                               statistics.median(rec["samples"]["flat"])])
+            model = f"; the bandwidth model's bound is {(10 / 6) / (4 / 3):.2f}x (2(n-1)/n over 2(h-1)/h)"
+        md.append(markdown_table(["variant", "median time", "speed-up"],
+                                 [["flat", f"{statistics.median(rec['samples']['flat']):.3f} s", "1.00x"],
+                                  ["hierarchical", f"{statistics.median(rec['samples']['hierarchical']):.3f} s",
+                                   f"{ratio['median']:.2f}x ({ratio['spread']:.0%})"]]))
+        md.append(f"\nHierarchical speed-up {ratio['median']:.2f}x{model}.\n")
+    if "synthetic" in parts:
+        rec = parts["synthetic"]
+        ratio = _ratio(rec["samples"]["shaped_2_hosts"], rec["samples"]["loopback_1_host"])
+        figures["synthetic"] = {"shaped_over_loopback": ratio,
+                                "img_s": {k: summarize(v) for k, v in rec["samples"].items()}}
+        md.append("## the synthetic benchmark (Horovod's example's behaviour) under `hora run`\n")
+        md.append(f"`{' '.join(rec['args'])}`, 2 ranks\n\n")
+        md.append(markdown_table(["layout", "total img/s (median)", "against loopback"],
+                                 [[k, f"{statistics.median(v):.2f}",
+                                   f"{_ratio(v, rec['samples']['loopback_1_host'])['median']:.2f}x"]
+                                  for k, v in rec["samples"].items()]))
+    if validation:
+        errs = [abs(p - m) / m for _, p, m in validation]
+        figures["planner_validation"] = [{"config": c, "predicted_s": p, "measured_s": m, "error": abs(p - m) / m}
+                                         for c, p, m in validation]
+        md.append("## the planner on configurations it was not fitted on (fit: the 2-host sweep)\n")
+        md.append(markdown_table(["configuration", "predicted", "measured", "error"],
+                                 [[c, f"{p:.3f} s", f"{m:.3f} s", f"{abs(p - m) / m:.1%}"] for c, p, m in validation]))
+        md.append(f"\nWorst error {max(errs):.1%}, median {statistics.median(errs):.1%}.\n")
+
+    def plot(fig: Any) -> None:
+        ax = fig.add_subplot(1, 2, 1)
+        if "ps" in figures:
+            hs = sorted(int(h) for h in figures["ps"])
+            ax.plot(hs, [figures["ps"][str(h)]["ratio"]["median"] for h in hs], "o-", label="measured")
+            if all(figures["ps"][str(h)]["model_ratio"] for h in hs):
+                ax.plot(hs, [figures["ps"][str(h)]["model_ratio"] for h in hs], "s--", label="alpha-beta model")
+            ax.axhline(3.2, color="grey", linestyle=":", label="seed's 3.2x (8 nodes)")
+            ax.set_xlabel("single-rank hosts")
+            ax.set_ylabel("ring speed-up over parameter server")
+            ax.legend()
+            ax.grid(True, alpha=0.3)
+        ax2 = fig.add_subplot(1, 2, 2)
+        if "planner_validation" in figures:
+            v = figures["planner_validation"]
+            ax2.barh([x["config"] for x in v], [x["error"] * 100 for x in v])
+            ax2.axvline(15, color="red", linestyle=":", label="15%")
+            ax2.set_xlabel("planner error (%)")
+            ax2.tick_params(axis="y", labelsize=7)
+            ax2.legend()
+
+    return {"figures": figures, "markdown": "\n".join(md), "plot": plot}
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.0f} MB"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

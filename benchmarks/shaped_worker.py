@@ -1,0 +1,164 @@
+"""One measurement of benchmarks/shaped_links.py, run on every rank by ``hora run`` on the shaped hosts.
+
+Each mode alternates its variants in one run, rotating which goes first every cycle
+(:func:`hora.bench.timing.alternate`), and rank 0 writes every sample to ``--out`` as JSON:
+
+  ps            hora's ring allreduce against a parameter server (rank 0 serves and is a worker too; every
+                receive posted at once, the data in chunks so the server sends chunk k back while chunk k+1
+                arrives; the sum with torch in place, no Python copies)
+  compression   allreduce with compression none, fp16 and bf16
+  optimizer     a DistributedOptimizer step against a DDP step on the same model and data
+  hierarchical  flat against hierarchical allreduce (started with HOROVOD_HIERARCHICAL_ALLREDUCE=1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hora as hvd
+from hora import hierarchical
+from hora.bench import models
+from hora.bench.timing import alternate
+
+
+def timed(fn: Callable[[], Any]) -> Callable[[], float]:
+    def sample() -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return sample
+
+
+class ParameterServer:
+    """Sum ``tensor`` over every rank through rank 0, with torch.distributed point-to-point at its best."""
+
+    def __init__(self, tensor: torch.Tensor, chunks: int) -> None:
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.parts = list(tensor.chunk(chunks))
+        self.out = [torch.empty_like(p) for p in self.parts]
+        # the server's receive buffers, allocated once (not timed)
+        self.bufs = [[torch.empty_like(p) for p in self.parts] for _ in range(self.size - 1)] if self.rank == 0 else []
+
+    def __call__(self) -> None:
+        if self.rank == 0:
+            recvs = [[dist.irecv(self.bufs[w - 1][c], src=w, tag=c) for w in range(1, self.size)]
+                     for c in range(len(self.parts))]  # every receive posted at once
+            sends = []
+            for c, part in enumerate(self.parts):
+                total = self.out[c]
+                total.copy_(part)
+                for w, work in enumerate(recvs[c]):
+                    work.wait()
+                    total.add_(self.bufs[w][c])
+                sends += [dist.isend(total, dst=w, tag=c) for w in range(1, self.size)]
+            for work in sends:
+                work.wait()
+        else:
+            works = [dist.isend(p, dst=0, tag=c) for c, p in enumerate(self.parts)]
+            works += [dist.irecv(o, src=0, tag=c) for c, o in enumerate(self.out)]
+            for work in works:
+                work.wait()
+
+
+def mode_ps(ns: argparse.Namespace) -> dict[str, Any]:
+    numel = ns.bytes // 4
+    ring_t = torch.ones(numel)
+    ps_t = torch.ones(numel)
+    ps = ParameterServer(ps_t, ns.chunks)
+    check = ParameterServer(torch.full((1000,), float(hvd.rank() + 1)), 2)
+    check()
+    expect = hvd.size() * (hvd.size() + 1) / 2
+    assert all(bool((o == expect).all()) for o in check.out), "the parameter server summed wrongly"
+    samples = alternate({"ring": timed(lambda: hvd.allreduce_(ring_t, op=hvd.Sum)), "ps": timed(ps)},
+                        ns.repeats, warmup=1)
+    return {"bytes": numel * 4, "chunks": ns.chunks, "samples": samples}
+
+
+def mode_compression(ns: argparse.Namespace) -> dict[str, Any]:
+    t = torch.randn(ns.bytes // 4)
+    variants = {name: timed(lambda c=c: hvd.allreduce(t, op=hvd.Average, compression=c))
+                for name, c in (("none", hvd.Compression.none), ("fp16", hvd.Compression.fp16),
+                                ("bf16", hvd.Compression.bf16))}
+    return {"bytes": t.numel() * 4, "samples": alternate(variants, ns.repeats, warmup=1)}
+
+
+def mode_optimizer(ns: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(0)
+    hora_model, ddp_inner = models.build(ns.model), models.build(ns.model)
+    ddp_inner.load_state_dict(hora_model.state_dict())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(hora_model.parameters(), lr=0.01),
+                                   named_parameters=hora_model.named_parameters())
+    ddp = nn.parallel.DistributedDataParallel(ddp_inner)
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    shape = models.input_shape(ns.model, ns.image_size)
+    x = torch.randn(ns.batch_size, *shape)
+    y = torch.randint(0, models.classes(ns.model), (ns.batch_size,))
+    loss = nn.CrossEntropyLoss()
+
+    def hora_step() -> None:
+        opt.zero_grad()
+        loss(hora_model(x), y).backward()
+        opt.step()
+
+    def ddp_step() -> None:
+        ddp_opt.zero_grad()
+        loss(ddp(x), y).backward()
+        ddp_opt.step()
+
+    samples = alternate({"hora": timed(hora_step), "ddp": timed(ddp_step)}, ns.repeats, warmup=2)
+    return {"model": ns.model, "gradient_bytes": models.parameter_bytes(hora_model), "image_size": ns.image_size,
+            "batch_size": ns.batch_size, "samples": samples}
+
+
+def mode_hierarchical(ns: argparse.Namespace) -> dict[str, Any]:
+    if hierarchical.active() is None:
+        raise SystemExit("start with HOROVOD_HIERARCHICAL_ALLREDUCE=1 on several ranks per host")
+    check = torch.full((1000,), float(hvd.rank()))
+    assert bool((hvd.allreduce(check, op=hvd.Sum) == sum(range(hvd.size()))).all())
+    t = torch.ones(ns.bytes // 4)
+
+    def flat() -> None:
+        with hierarchical.flat():
+            hvd.allreduce_(t, op=hvd.Sum)
+
+    samples = alternate({"flat": timed(flat), "hierarchical": timed(lambda: hvd.allreduce_(t, op=hvd.Sum))},
+                        ns.repeats, warmup=1)
+    return {"bytes": t.numel() * 4, "samples": samples}
+
+
+MODES = {"ps": mode_ps, "compression": mode_compression, "optimizer": mode_optimizer,
+         "hierarchical": mode_hierarchical}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=sorted(MODES))
+    p.add_argument("--out", required=True)
+    p.add_argument("--bytes", type=int, default=100 * 2**20)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--chunks", type=int, default=8)
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=8)
+    ns = p.parse_args()
+    hvd.init()
+    result = MODES[ns.mode](ns)
+    if hvd.rank() == 0:
+        result.update(mode=ns.mode, ranks=hvd.size())
+        Path(ns.out).write_text(json.dumps(result, indent=1) + "\n")
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
