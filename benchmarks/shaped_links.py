@@ -122,10 +122,18 @@ def main() -> int:
     p.add_argument("--synthetic-image", type=int, default=64)
     p.add_argument("--synthetic-repeats", type=int, default=2)
     p.add_argument("--opt-image", type=int, default=32)
+    p.add_argument("--opt-model", default="wide-mlp", help="optimizer: the model (default wide-mlp: ~100 MB of "
+                   "gradients, little compute, so the wire is the limit)")
+    p.add_argument("--name", default="shaped_links", help="results file name (without extension)")
     p.add_argument("--quick", action="store_true", help="200 Mbit, small sizes, few repeats: a smoke run")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--from-work", type=Path, metavar="DIR",
+                   help="no measuring: rebuild the report from the work directory (hora-shaped-*) of a run that "
+                        "was stopped early (the parts it finished, the synthetic jobs it completed)")
     ns = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if ns.from_work is not None:
+        return _report(from_work(ns.from_work, ns), ns)
     if ns.quick:
         ns.rate_mbit, ns.bytes, ns.hier_bytes, ns.repeats = 200.0, 4 * 2**20, 8 * 2**20, 2
         ns.ps_hosts, ns.sweep_sizes, ns.synthetic_model, ns.synthetic_repeats = "2,3", "64KB..4MB", "mlp", 1
@@ -155,7 +163,7 @@ def main() -> int:
                                          ["--bytes", str(ns.bytes), "--repeats", str(ns.repeats)])
         if "optimizer" in parts:
             res["optimizer"] = _worker(cluster, 2, 1, "optimizer", work,
-                                       ["--model", "mlp" if ns.quick else "resnet50", "--image-size",
+                                       ["--model", "mlp" if ns.quick else ns.opt_model, "--image-size",
                                         str(ns.opt_image), "--repeats", str(ns.repeats)])
         if "hierarchical" in parts:
             res["hierarchical"] = _worker(cluster, 3, 2, "hierarchical", work,
@@ -164,14 +172,47 @@ def main() -> int:
         if "synthetic" in parts:
             res["synthetic"] = run_synthetic(cluster, ns, work)
     data["wall_s"] = time.monotonic() - started
+    _report(data, ns)
+    subprocess.run(["rm", "-rf", str(work)], check=False)
+    return 0
+
+
+def _report(data: dict[str, Any], ns: argparse.Namespace) -> int:
     report = analyse(data)
     data["analysis"] = report["figures"]
     suffix = "_quick" if ns.quick else ""
-    for path in write_results(f"shaped_links{suffix}", data, report["markdown"], plot=report["plot"], out_dir=ns.out):
+    for path in write_results(f"{ns.name}{suffix}", data, report["markdown"], plot=report["plot"], out_dir=ns.out):
         print(path)
     print(report["markdown"])
-    subprocess.run(["rm", "-rf", str(work)], check=False)
     return 0
+
+
+def from_work(work: Path, ns: argparse.Namespace) -> dict[str, Any]:
+    """The record of a run stopped early, from what its work directory holds."""
+    parts: dict[str, Any] = {}
+    if (work / "sweep.json").exists():
+        parts["sweep"] = json.loads((work / "sweep.json").read_text())
+    ps = {p.stem.split("-")[1].split("x")[0]: json.loads(p.read_text()) for p in sorted(work.glob("ps-*x1.json"))}
+    if ps:
+        parts["ps"] = dict(sorted(ps.items(), key=lambda kv: int(kv[0])))
+    for mode, pattern in (("compression", "compression-*.json"), ("optimizer", "optimizer-*.json"),
+                          ("hierarchical", "hierarchical-*.json")):
+        found = sorted(work.glob(pattern))
+        if found:
+            parts[mode] = json.loads(found[0].read_text())
+    synthetic: dict[str, list[float]] = {}
+    for d in sorted(work.glob("synthetic-*-*")):
+        name, _, _ = d.name.removeprefix("synthetic-").rpartition("-")
+        try:
+            synthetic.setdefault(name, []).append(_total_img_s((d / "launcher.stdout").read_text()))
+        except (OSError, RuntimeError):
+            continue  # a job that was stopped
+    if synthetic and len({len(v) for v in synthetic.values()}) == 1:
+        parts["synthetic"] = {"args": ["--model", ns.synthetic_model, "--batch-size", str(ns.synthetic_batch),
+                                       "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "3",
+                                       "--image-size", str(ns.synthetic_image)], "samples": synthetic}
+    return {"machine": machine_info(), "rate_mbit": ns.rate_mbit, "bytes": ns.bytes, "repeats": ns.repeats,
+            "parts": parts, "rebuilt_from": str(work)}
 
 
 def _ratio(num: list[float], den: list[float]) -> dict[str, float]:
@@ -188,6 +229,9 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
           "by `hora run` over ssh. Every figure is a per-cycle ratio of variants alternated in one run (rotating "
           f"order), median with spread; {data['repeats']} cycles. The machine (2 cores) was shared with other "
           f"work while this ran (load average {data['machine']['load_avg_1_5_15']}).\n"]
+    if "rebuilt_from" in data:
+        md.append("This report was rebuilt (`--from-work`) from the parts a run finished before it was stopped; "
+                  "the synthetic benchmark's figures are the jobs that completed.\n")
     plan = None
     if "sweep" in parts:
         sweep = parts["sweep"]
@@ -252,8 +296,9 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
         rec = parts["optimizer"]
         ratio = _ratio(rec["samples"]["hora"], rec["samples"]["ddp"])
         figures["optimizer"] = {"hora_over_ddp": ratio}
+        inputs = "" if rec["model"].endswith("mlp") else f" of {rec['image_size']}px images"
         md.append(f"## DistributedOptimizer against DDP, 2 hosts, {rec['model']} ({_mb(rec['gradient_bytes'])} "
-                  f"of gradients), batch {rec['batch_size']} of {rec['image_size']}px images\n")
+                  f"of gradients), batch {rec['batch_size']}{inputs}\n")
         md.append(markdown_table(["variant", "median step", "hora / DDP"],
                                  [["DDP", f"{statistics.median(rec['samples']['ddp']):.3f} s", ""],
                                   ["hora DistributedOptimizer", f"{statistics.median(rec['samples']['hora']):.3f} s",
@@ -319,7 +364,7 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _mb(n: float) -> str:
-    return f"{n / 2**20:.0f} MB"
+    return f"{n / 2**20:.0f} MB" if n >= 2**20 else f"{n / 2**10:.0f} KB"
 
 
 if __name__ == "__main__":

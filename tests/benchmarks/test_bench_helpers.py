@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import shaped_links  # noqa: E402
 from allreduce_bench import _sizes  # noqa: E402
 from common import alternate  # noqa: E402
 
@@ -35,3 +37,14 @@ def test_sizes_parses_units_and_rejects_what_is_not_a_float32_tensor() -> None:
     for bad in ("x", "3", "1.5XB", "2B"):
         with pytest.raises(argparse.ArgumentTypeError):
             _sizes(bad)
+
+
+def test_shaped_links_report_rebuilds_from_its_own_record() -> None:
+    """The shaped-link report (ratios, the planner beside each measurement) from the committed record."""
+    record = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "shaped_links.json")
+                        .read_text())
+    report = shaped_links.analyse(record)
+    figures = report["figures"]
+    assert set(figures) >= {"busbw_fraction_of_line", "ps", "planner_validation"}
+    assert figures["ps"]["8"]["ratio"]["median"] == record["analysis"]["ps"]["8"]["ratio"]["median"]
+    assert "| configuration | predicted | measured | error |" in report["markdown"]

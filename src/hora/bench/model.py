@@ -142,7 +142,7 @@ def markdown(result: dict[str, Any]) -> str:
     rows = [[r["ranks"], f"{r['step_s']['median'] * 1e3:.1f} ms", f"{r['step_s']['spread']:.0%}",
              f"{r['images_per_s']:.1f}", f"{r['efficiency']['median']:.2f} ({r['efficiency']['spread']:.0%})"]
             for r in result["rows"]]
-    images = "" if result["model"] == "mlp" else f", {result['image_size']}px images"
+    images = "" if result["model"].endswith("mlp") else f", {result['image_size']}px images"
     title = (f"model {result['model']}, batch {result['batch_size']} per rank{images}, gradients "
              f"{human_bytes(result['gradient_bytes'])}, compression {result['compression']}; "
              f"{result['steps']} steps per sample, median of {result['repeats']} alternated samples\n\n")

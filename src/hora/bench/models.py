@@ -1,6 +1,8 @@
 """Models for ``hora bench model``, defined here so the benchmark needs nothing beyond torch.
 
-* ``mlp``: a tiny multilayer perceptron (about 0.3 M parameters): communication-light, for smoke tests;
+* ``mlp``: a tiny multilayer perceptron (about 0.4 M parameters): communication-light, for smoke tests;
+* ``wide-mlp``: four hidden layers of 2900 units (26 M parameters, ResNet-50's ~100 MB of gradients for a
+  fraction of its compute): communication-bound, to see the network;
 * ``resnet50``: ResNet-50's layout (bottleneck blocks 3-4-6-3, 25.6 M parameters, about 100 MB of float32
   gradients), the model Horovod's synthetic benchmark defaults to;
 * ``resnet18``: the basic-block 2-2-2-2 layout (11.7 M parameters);
@@ -26,12 +28,14 @@ __all__ = ["BUILTIN", "build", "input_shape", "parameter_bytes"]
 
 
 class MLP(nn.Module):
-    """Flat inputs of ``features`` values, ``classes`` outputs."""
+    """Flat inputs of ``features`` values, ``depth`` hidden layers of ``hidden`` units, ``classes`` outputs."""
 
-    def __init__(self, features: int = 256, hidden: int = 512, classes: int = 10) -> None:
+    def __init__(self, features: int = 256, hidden: int = 512, classes: int = 10, depth: int = 2) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, classes))
+        layers: list[nn.Module] = [nn.Linear(features, hidden), nn.ReLU()]
+        for _ in range(depth - 1):
+            layers += [nn.Linear(hidden, hidden), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(hidden, classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x.flatten(1))  # type: ignore[no-any-return]
@@ -90,6 +94,7 @@ class ResNet(nn.Module):
 
 BUILTIN: dict[str, Callable[[], nn.Module]] = {
     "mlp": MLP,
+    "wide-mlp": lambda: MLP(hidden=2900, depth=4),
     "resnet50": lambda: ResNet(Bottleneck, (3, 4, 6, 3)),
     "resnet18": lambda: ResNet(Basic, (2, 2, 2, 2)),
 }
@@ -112,11 +117,11 @@ def build(name: str) -> nn.Module:
 
 def input_shape(name: str, image_size: int) -> tuple[int, ...]:
     """The shape of one synthetic sample for the model."""
-    return (256,) if name == "mlp" else (3, image_size, image_size)
+    return (256,) if name.endswith("mlp") else (3, image_size, image_size)
 
 
 def classes(name: str) -> int:
-    return 10 if name == "mlp" else 1000
+    return 10 if name.endswith("mlp") else 1000
 
 
 def parameter_bytes(model: nn.Module) -> int:
