@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401 - imported by an optimizer's first construction: once here, not per rank
 
 import hora as hvd
-from hora import runtime
+from hora import hierarchical, runtime
+from hora.optimizer import STEP_AFTER_SYNCHRONIZE
 from tests.distributed.expect import close, rank_input, reduce
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import rank_store, run_ranks
+from tests.distributed.test_optimizer import Net, shard
 
 
 # --- 11.6: join with every collective kind ---------------------------------------------------------------
@@ -65,8 +69,6 @@ def test_join_takes_part_in_every_collective_kind_and_returns_the_last_rank_as_h
 
 # --- 17.3: a handle still pending at shutdown() -----------------------------------------------------------
 def _pending_at_shutdown(rank: int, size: int) -> list[str]:
-    from tests.distributed.harness import rank_store
-
     store = rank_store()
     hvd.init()
     seen = []
@@ -202,8 +204,6 @@ def test_broadcast_optimizer_state_with_parameters_that_have_no_gradient_as_horo
 
 
 def _unnamed_parameters(rank: int, size: int) -> dict:
-    from tests.distributed.test_optimizer import Net, shard
-
     model = Net()
     groups = [{"params": [model.fc1.weight, model.fc1.bias]},
               {"params": [p for n, p in model.named_parameters() if not n.startswith("fc1")], "lr": 0.05}]
@@ -228,11 +228,6 @@ def test_distributed_optimizer_without_named_parameters_names_them_as_horovod() 
 
 
 def _step_warning(rank: int, size: int) -> list:
-    import warnings
-
-    from hora.optimizer import STEP_AFTER_SYNCHRONIZE
-    from tests.distributed.test_optimizer import Net, shard
-
     model = Net()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
@@ -333,8 +328,6 @@ def test_sparse_gradients_stay_sparse_so_sparse_adam_works_as_horovod(sparse_as_
 # --- 11.7: init / use / error / shutdown cycles -----------------------------------------------------------
 def _fresh_runtime() -> list[str]:
     """What must not survive a shutdown(): anything left here came from the previous runtime."""
-    from hora import hierarchical
-
     neg = runtime.state().negotiator
     leftovers = []
     if neg._seq:
@@ -343,6 +336,8 @@ def _fresh_runtime() -> list[str]:
         leftovers.append(f"{len(neg._cache)} cached templates")
     if neg.table.entries or neg.table.tombstones:
         leftovers.append(f"names {list(neg.table.entries)} {list(neg.table.tombstones)}")
+    if neg._rejected:
+        leftovers.append(f"rejected calls to announce {neg._rejected}")
     if neg._mine or neg._outbox or neg._in_flight:
         leftovers.append(f"pending ops {list(neg._mine)} {list(neg._in_flight)}")
     if set(runtime.state().process_sets) != {0}:
