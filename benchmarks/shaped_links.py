@@ -130,10 +130,13 @@ def main() -> int:
     p.add_argument("--from-work", type=Path, metavar="DIR",
                    help="no measuring: rebuild the report from the work directory (hora-shaped-*) of a run that "
                         "was stopped early (the parts it finished, the synthetic jobs it completed)")
+    p.add_argument("--from-json", type=Path, metavar="PATH", help="no measuring: redraw the report of a record")
     ns = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if ns.from_work is not None:
         return _report(from_work(ns.from_work, ns), ns)
+    if ns.from_json is not None:
+        return _report(json.loads(ns.from_json.read_text()), ns)
     if ns.quick:
         ns.rate_mbit, ns.bytes, ns.hier_bytes, ns.repeats = 200.0, 4 * 2**20, 8 * 2**20, 2
         ns.ps_hosts, ns.sweep_sizes, ns.synthetic_model, ns.synthetic_repeats = "2,3", "64KB..4MB", "mlp", 1
@@ -341,6 +344,18 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
 
     def plot(fig: Any) -> None:
         ax = fig.add_subplot(1, 2, 1)
+        speedups = {name: figures[key][field]["median"] for name, key, field in (
+            ("fp16 vs none", "compression", "fp16_speedup"), ("bf16 vs none", "compression", "bf16_speedup"),
+            ("DDP / hora step", "optimizer", "hora_over_ddp"), ("hierarchical vs flat", "hierarchical", "speedup"))
+            if key in figures}
+        if "optimizer" in figures:
+            speedups["DDP / hora step"] = 1 / speedups["DDP / hora step"]
+        if "ps" not in figures and speedups:
+            ax.bar(list(speedups), list(speedups.values()))
+            ax.axhline(1.0, color="grey", linestyle=":")
+            ax.set_ylabel("speed-up (above 1: hora's variant faster)")
+            ax.set_title(f"{rate:g} Mbit/s links")
+            ax.tick_params(axis="x", labelsize=7, rotation=20)
         if "ps" in figures:
             hs = sorted(int(h) for h in figures["ps"])
             ax.plot(hs, [figures["ps"][str(h)]["ratio"]["median"] for h in hs], "o-", label="measured")
@@ -359,6 +374,8 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
             ax2.set_xlabel("planner error (%)")
             ax2.tick_params(axis="y", labelsize=7)
             ax2.legend()
+        else:
+            ax2.axis("off")
 
     return {"figures": figures, "markdown": "\n".join(md), "plot": plot}
 
