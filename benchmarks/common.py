@@ -22,10 +22,11 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hora.bench.report import human_bytes, markdown_table
 from hora.bench.timing import alternate, difference_summary, ratio_summary, summarize
 
 __all__ = ["RESULTS", "alternate", "difference_summary", "fork_ranks", "human_bytes", "machine_info",
@@ -80,21 +81,6 @@ def _git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub-flavoured Markdown table."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} GB"
 
 
 def write_results(name: str, data: Mapping[str, Any], markdown: str,
