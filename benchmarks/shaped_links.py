@@ -275,7 +275,7 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
             rows_md.append([h, f"{ring_s:.2f} s", f"{ps_s:.2f} s", f"{ratio['median']:.2f}x ({ratio['spread']:.0%})",
                             f"{model_ratio:.2f}x" if model_ratio else "-", "3.2x (8 nodes)" if h == 8 else ""])
         md.append(markdown_table(["hosts", "ring (median)", "parameter server (median)",
-                                  "ring speed-up (measured)", "model", "seed's claim"], rows_md))
+                                  "ring speed-up (measured)", "model", "often quoted"], rows_md))
         md.append("\nThe bandwidth model: the server's cable carries (N-1) S each way against the ring's 2(N-1)/N S "
                   "per cable, N/2 times the bytes; chunking overlaps the server's receiving and sending.\n")
     if "compression" in parts:
@@ -361,7 +361,7 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
             ax.plot(hs, [figures["ps"][str(h)]["ratio"]["median"] for h in hs], "o-", label="measured")
             if all(figures["ps"][str(h)]["model_ratio"] for h in hs):
                 ax.plot(hs, [figures["ps"][str(h)]["model_ratio"] for h in hs], "s--", label="alpha-beta model")
-            ax.axhline(3.2, color="grey", linestyle=":", label="seed's 3.2x (8 nodes)")
+            ax.axhline(3.2, color="grey", linestyle=":", label="often quoted: 3.2x (8 nodes)")
             ax.set_xlabel("single-rank hosts")
             ax.set_ylabel("ring speed-up over parameter server")
             ax.legend()

@@ -1,4 +1,4 @@
-"""Train a classifier on scikit-learn's handwritten digits with hora: the seed article's recipe, end to end.
+"""Train a classifier on scikit-learn's handwritten digits with hora: the usual Horovod recipe, end to end.
 
 The five Horovod changes to a single-process script are marked (1)-(5). The digits dataset ships with
 scikit-learn, so this runs offline, in a few seconds on two CPU processes:

@@ -1,6 +1,6 @@
 """3D U-Net segmentation on generated volumes, with checkpoints to a shared directory and resume.
 
-The seed article's medical case in miniature: each sample is a noisy volume holding a few bright blobs;
+A medical segmentation case in miniature: each sample is a noisy volume holding a few bright blobs;
 the target is the blob mask. Normalisation is ``hvd.SyncBatchNorm`` (statistics over the global batch,
 as small 3D batches need). Rank 0 writes ``<checkpoint-dir>/ckpt-<step>.pt`` with hora.checkpoint every
 ``--checkpoint-every`` steps (atomically: write, then rename); a restarted job resumes from the latest, on any

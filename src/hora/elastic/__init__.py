@@ -9,6 +9,6 @@ from __future__ import annotations
 
 raise ImportError(
     "hora does not implement Horovod Elastic yet (hvd.elastic.run, TorchState, ElasticSampler): run the script "
-    "without elastic (a fixed -np), checkpoint to shared storage to survive node loss, or track the elastic "
-    "issue in hora's tracker"
+    "without elastic (a fixed -np) and survive node loss by resuming from checkpoints on shared storage "
+    "(hora.checkpoint, see docs/deploy.md)"
 )
