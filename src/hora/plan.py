@@ -223,7 +223,9 @@ class Table:
             )
         if blocked and req.kind == "broadcast" and req.root in blocked:
             return CollectiveError(
-                f"broadcast {entry.name!r} cannot run: its root rank {req.root} already called join()"
+                f"broadcast {entry.name!r} cannot run: its root rank {req.root} already called join(), so "
+                "nothing is there to send. Make the broadcast on every rank before any rank joins, or choose a "
+                "root that joins last."
             )
         return None
 
