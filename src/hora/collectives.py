@@ -90,7 +90,9 @@ def _validate(call: Call, rank: int) -> None:
     if t.device.type not in ("cpu", "cuda"):
         raise InvalidCallError(f"{where}: tensors on {t.device} are not supported (CPU and CUDA are)")
     if t.is_cuda and runtime.state().device is None:
-        raise InvalidCallError(f"{where}: a CUDA tensor, but hora was initialised without NCCL/CUDA")
+        raise InvalidCallError(f"{where}: a CUDA tensor, but hora was initialised without CUDA (at hvd.init() "
+                               "torch saw no CUDA device or no NCCL); move the tensor to the CPU, or make CUDA "
+                               "visible before hvd.init()")
     if call.ps.process_set_id is None:
         raise InvalidCallError(f"{where}: {call.ps!r} is not registered; use hvd.add_process_set() first")
     if not call.ps.included():

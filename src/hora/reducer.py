@@ -37,6 +37,7 @@ from hora.buckets import FlatBucket, ParamSpec, plan_buckets
 from hora.compression import CastCompressor, Compressor, NoneCompressor, wire_dtype
 from hora.diagnostics import timeline
 from hora.env import Knobs
+from hora.errors import UnsupportedCallError
 from hora.reduce_ops import Adasum, Average, Sum
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ class GradientReducer:
             self._caps = (0, 0)
             size = process_set.size()
             if size & (size - 1):
-                raise ValueError(f"op=hvd.Adasum needs a power-of-two number of ranks, got {size}")
+                raise UnsupportedCallError(f"op=hvd.Adasum needs a power-of-two number of ranks, got {size}: run "
+                                           "with 2, 4, 8... ranks or use op=hvd.Average")
         else:
             self._caps = (int(knobs.first_bucket_mb * _MB), int(knobs.bucket_cap_mb * _MB))
         self._world: tuple[bool, int] | None = None  # (included, size) the plan and scales were made for
