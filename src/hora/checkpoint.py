@@ -30,7 +30,7 @@ from hora import runtime
 from hora.errors import HoraError
 from hora.functions import broadcast_object
 
-__all__ = ["CheckpointError", "latest", "restore", "save"]
+__all__ = ["CheckpointError", "checkpoints", "latest", "restore", "save"]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,8 @@ def restore(directory: str | os.PathLike[str], *, map_location: Any = "cpu") -> 
         raise CheckpointError(f"rank {rank}: rank 0 chose checkpoint {chosen} but this host does not see it; "
                               f"{directory} must be storage shared by every host (a PVC, NFS, a volume)") from e
     except (OSError, RuntimeError, EOFError) as e:
-        raise CheckpointError(f"rank {rank}: cannot read checkpoint {chosen}: {e}") from e
+        raise CheckpointError(f"rank {rank}: cannot read checkpoint {chosen}: {e}. The file is damaged or was "
+                              "written by an incompatible torch; move it out of the directory and restore() "
+                              "takes the previous one") from e
     log.info("resumed from checkpoint %s", chosen)
     return state

@@ -1,4 +1,4 @@
-"""hora.checkpoint (issue 14, item 5): rank 0 writes atomically, every rank resumes from the latest complete one."""
+"""hora.checkpoint: rank 0 writes atomically, every rank resumes from the latest complete one."""
 
 from __future__ import annotations
 
@@ -50,3 +50,12 @@ def test_a_failed_write_leaves_no_checkpoint_and_says_where(tmp_path: Path) -> N
         checkpoint.save(tmp_path, 1, {"x": Unpicklable()})
     assert list(tmp_path.iterdir()) == []
     assert checkpoint.latest(tmp_path) is None
+
+
+def test_a_damaged_checkpoint_says_how_to_go_back_to_the_previous_one(tmp_path: Path) -> None:
+    checkpoint.save(tmp_path, 1, {"step": 1})
+    (tmp_path / "ckpt-000000002.pt").write_bytes(b"not a torch file")  # e.g. copied in half by hand
+    with pytest.raises(checkpoint.CheckpointError, match=r"ckpt-000000002\.pt.*move it out of the directory"):
+        checkpoint.restore(tmp_path)
+    (tmp_path / "ckpt-000000002.pt").rename(tmp_path / "damaged")
+    assert checkpoint.restore(tmp_path) == {"step": 1}
