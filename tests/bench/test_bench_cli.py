@@ -5,13 +5,15 @@ scaling efficiency on fork-started ranks, and one-line usage errors."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from hora.bench import cli, model
+import hora as hvd
+from hora.bench import cli, model, planner, sweep
 from tests.distributed.harness import run_ranks
 
 HORA = [sys.executable, "-m", "hora"]
@@ -65,3 +67,26 @@ def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert "cannot read it as JSON" in capsys.readouterr().err
     assert cli.main(["model", "--np-list", "1,x"]) == 2
     assert "whole numbers" in capsys.readouterr().err
+
+
+def _links_sweep(rank: int, size: int) -> dict[str, object]:
+    host = rank // 2  # 2 hosts x 2 ranks, as hora run would set them
+    os.environ.update({"HORA_HOST_KEY": f"h{host}", "HORA_LOCAL_RANK": str(rank % 2), "HORA_LOCAL_SIZE": "2",
+                       "HORA_CROSS_RANK": str(host), "HORA_CROSS_SIZE": "2"})
+    hvd.init()
+    try:
+        result = sweep.run(sweep.SweepConfig(sizes=[4096, 65536], repeats=1, sample_s=0.01))
+        return json.loads(json.dumps(result))  # type: ignore[no-any-return]
+    finally:
+        hvd.shutdown()
+
+
+def test_sweep_times_each_link_type_and_the_planner_fits_both() -> None:
+    out = run_ranks(_links_sweep, 4, init=False, timeout=90)
+    result = out[0]
+    assert (result["hosts"], result["ranks_per_host"]) == (2, [2, 2])
+    links = result["links"]
+    assert {k: [r["ranks"] for r in v] for k, v in links.items()} == {"intra": [2, 2], "inter": [2, 2]}
+    plan = planner.fit_sweep(result)
+    assert plan.intra is not None and plan.inter is not None
+    assert plan.allreduce(1e6, 4, 2, hierarchical=True) > 0

@@ -78,3 +78,9 @@ def test_bad_input_says_what_to_do() -> None:
 
 def test_bus_factor_is_nccl_tests_allreduce_factor() -> None:
     assert [bus_factor(n) for n in (1, 2, 4, 8)] == [0.0, 1.0, 1.5, 1.75]
+
+
+def test_a_sweep_without_a_bandwidth_limit_says_so() -> None:
+    fit = planner.LinkFit.fit([(4096, 2, 0.004), (65536, 2, 0.003)])  # noise: bigger was faster
+    assert "sweep larger sizes" in fit.note
+    assert planner.LinkFit.fit([(1e6, 2, 0.0105), (4e6, 2, 0.0405)]).note == ""

@@ -49,6 +49,7 @@ class LinkFit:
     beta: float
     points: int = 0
     max_rel_err: float = 0.0
+    note: str = ""  # why the fit is not to be trusted, when it is not
 
     @classmethod
     def fit(cls, rows: Sequence[tuple[float, int, float]]) -> LinkFit:
@@ -68,9 +69,12 @@ class LinkFit:
             raise ConfigError("the sweep's sizes are too alike to fit a latency and a bandwidth: sweep a range")
         alpha = (sa * sbb - sb * sab) / det
         beta = (sb * saa - sa * sab) / det
+        note = ""
+        if beta <= 0:
+            note = "times did not grow with size: the sweep saw no bandwidth limit; sweep larger sizes (up to 256MB)"
         alpha, beta = max(alpha, 0.0), max(beta, 1e-15)
         errs = [abs((alpha * k + beta * x) - t) / t for x, k, t in xs]
-        return cls(alpha=alpha, beta=beta, points=len(xs), max_rel_err=max(errs))
+        return cls(alpha=alpha, beta=beta, points=len(xs), max_rel_err=max(errs), note=note)
 
     def ring(self, nbytes: float, n: int) -> float:
         """Seconds for a ring allreduce of ``nbytes`` on ``n`` ranks over this link."""
@@ -170,9 +174,10 @@ def predictions(plan: Plan, grad_bytes: float, hosts: Sequence[int], per_host: i
 
 def markdown(plan: Plan, rows: Sequence[dict[str, Any]], grad_bytes: float) -> str:
     text = "fitted links (alpha-beta, relative least squares)\n\n"
-    fits = [[name, f"{fit.alpha * 1e6:.1f} µs", f"{fit.gbps:.3f} Gbit/s", fit.points, f"{fit.max_rel_err:.0%}"]
+    fits = [[name, f"{fit.alpha * 1e6:.1f} µs", "-" if fit.note else f"{fit.gbps:.3f} Gbit/s", fit.points,
+             f"{fit.max_rel_err:.0%}", fit.note or "-"]
             for name, fit in (("inter-host", plan.inter), ("intra-host", plan.intra)) if fit is not None]
-    text += markdown_table(["link", "alpha", "bandwidth (1/beta)", "points", "worst fit error"], fits)
+    text += markdown_table(["link", "alpha", "bandwidth (1/beta)", "points", "worst fit error", "note"], fits)
     text += f"\npredictions for {human_bytes(grad_bytes)} of gradients\n\n"
     headers = ["hosts", "ranks/host", "ring allreduce", "hierarchical", "parameter server (8 chunks)",
                "step time", "scaling efficiency"]

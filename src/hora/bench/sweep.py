@@ -59,7 +59,7 @@ def _iterations(call: Callable[[], Any], cfg: SweepConfig, group: Any = None) ->
     """How many calls make one sample last about ``sample_s``; rank 0 of the group decides for all."""
     call()
     times: list[float] = []
-    while len(times) < 3 and sum(times) < cfg.sample_s:
+    for _ in range(3):  # a fixed count: every member must issue the same collectives, whatever its clock says
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
