@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -136,7 +137,7 @@ def restore(directory: str | os.PathLike[str], *, map_location: Any = "cpu") -> 
     except FileNotFoundError as e:
         raise CheckpointError(f"rank {rank}: rank 0 chose checkpoint {chosen} but this host does not see it; "
                               f"{directory} must be storage shared by every host (a PVC, NFS, a volume)") from e
-    except (OSError, RuntimeError, EOFError) as e:
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"rank {rank}: cannot read checkpoint {chosen}: {e}. The file is damaged or was "
                               "written by an incompatible torch; move it out of the directory and restore() "
                               "takes the previous one") from e
