@@ -1,21 +1,62 @@
-# The two set-up commands the README promises:
+# The two set-up commands the README promises (`make help` lists the others):
 #   make train   a real 2-rank training run on localhost (creates .venv on first use)
 #   make test    the whole test suite (CI runs exactly this, via .ci/run)
 PYTHON ?= python3
 VENV   ?= .venv
+# Which torch build the set-up installs: cpu (default; ~1.5 GB from PyTorch's CPU wheel index, or a CPU wheel
+# already on disk) or cuda (PyPI's Linux build, which bundles CUDA; ~5 GB). TORCH_INDEX picks another index,
+# e.g. TORCH=cuda TORCH_INDEX=https://download.pytorch.org/whl/cu126 for a given CUDA version (TORCH=cuda
+# without it uses pip's usual index).
+TORCH         ?= cpu
+TORCH_VERSION ?= 2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.hora-installed
 NP     ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: train test lint bench system-deps clean image-cuda
+ifeq ($(TORCH),cpu)
+TORCH_SPEC    := torch==$(TORCH_VERSION)+cpu
+TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
+else ifeq ($(TORCH),cuda)
+TORCH_SPEC    := torch==$(TORCH_VERSION)
+TORCH_INDEX   ?=
+else
+$(error TORCH=$(TORCH): choose TORCH=cpu or TORCH=cuda)
+endif
+
+.PHONY: help train test lint bench bench-quick torch system-deps clean image-cuda
+
+help:  ## list the targets
+	@echo "make train         a real 2-rank training run on localhost (NP=4 for 4 ranks; sets up .venv on first use)"
+	@echo "make test          the whole test suite, as CI runs it (PYTEST_ARGS='-x -k name' to narrow it)"
+	@echo "make lint          ruff and mypy"
+	@echo "make bench-quick   every benchmark on its smallest settings, ~30 s; reports go to out/bench-quick/"
+	@echo "make bench         the full benchmarks (many minutes); reports go to benchmarks/results/"
+	@echo "make image-cuda    build the CUDA container image (docker/Containerfile) and run hora check in it"
+	@echo "make clean         remove .venv and build files"
+	@echo "variables: TORCH=cpu|cuda (torch build for .venv, default cpu), TORCH_VERSION=$(TORCH_VERSION), NP=$(NP)"
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	@$(MAKE) --no-print-directory torch
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
 	$(BIN)/python -m pip install --quiet -e .
 	touch $(STAMP)
+
+# torch first, from the index of the chosen build; a matching wheel already on disk (pip's find-links) is used
+# without downloading it (its small dependencies come from the usual index). Later installs keep it: requirements-dev.txt and pyproject.toml only ask for torch>=2.1.
+torch:
+	@if $(BIN)/python -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$(TORCH_VERSION)' and (torch.version.cuda is None) == ('$(TORCH)' == 'cpu') else 1)" 2>/dev/null; then \
+		echo "torch $(TORCH_VERSION) ($(TORCH) build) is already installed"; \
+	else \
+		echo "installing torch $(TORCH_VERSION), $(TORCH) build: a large download, once (TORCH=cpu|cuda picks the build)"; \
+		if $(BIN)/python -m pip install --quiet --no-index --no-deps "$(TORCH_SPEC)" 2>/dev/null; then \
+			$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"; \
+		else \
+			$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
+		fi; \
+	fi
 
 train: $(STAMP)
 	$(BIN)/hora run -np $(NP) $(BIN)/python examples/train_digits.py
@@ -55,6 +96,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/allreduce_bench.py
 	$(BIN)/python benchmarks/optimizer_bench.py
+
+bench-quick: $(STAMP)
+	$(BIN)/python benchmarks/run_quick.py --out out/bench-quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -9,10 +9,10 @@ and reports bus bandwidth (busbw = bytes / time * 2(n-1)/n), the per-pair ratio 
 its spread, the microseconds hora adds per op (per-pair median of hora - raw time), the A/A ratio raw/raw_b
 (how far two identical variants drift apart on this machine: a hora/raw ratio inside that band is noise,
 not hora), and the latency of a 1-element op (raw, hora unnamed, hora with a reused name).
-Goal (issue 2): >= 0.95 of raw for >= 1 MB, tiny-op latency <= 2x raw.
+Target: >= 0.95 of raw for >= 1 MB, tiny-op latency <= 2x raw.
 
     python benchmarks/allreduce_bench.py            # full run, < 5 minutes on 2 cores
-    python benchmarks/allreduce_bench.py --quick    # CI smoke: 3 sizes, few samples
+    python benchmarks/allreduce_bench.py --quick    # 3 sizes, few samples, ~20 s: reports in out/bench-quick/
     python benchmarks/allreduce_bench.py --launcher hora   # ranks started by hora.run instead of fork
     python benchmarks/allreduce_bench.py --sizes 1MB --repeats 61  # one size, finer: allreduce_bench_1MB.md
 
@@ -30,13 +30,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
-    RESULTS,
+    add_output_flags,
     alternate,
     difference_summary,
     fork_ranks,
     human_bytes,
     machine_info,
     markdown_table,
+    output_dir,
     ratio_summary,
     summarize,
     write_results,
@@ -182,7 +183,7 @@ def to_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
             f"median of {meta['repeats']} alternating samples (order rotated each cycle); ratio = per-pair raw "
             f"time / hora time (= busbw ratio), ± half the min-max spread; A/A = the same ratio between two "
             f"identical raw variants (the noise band of this machine); {load}. "
-            f"Goal: >= 0.95 for >= 1 MB; tiny latency <= 2x.\n\n"
+            f"Target: >= 0.95 for >= 1 MB; tiny latency <= 2x.\n\n"
             f"{table}\n{tiny}")
 
 
@@ -207,7 +208,7 @@ def plot(result: dict[str, Any]) -> Any:
         ax2.fill_between(sizes, [r["ratio_aa"]["min"] for r in result["rows"]],
                          [r["ratio_aa"]["max"] for r in result["rows"]], color="grey", alpha=0.25,
                          label="raw / raw A/A (noise band)")
-        ax2.axhline(0.95, color="red", linestyle="--", label="goal 0.95")
+        ax2.axhline(0.95, color="red", linestyle="--", label="target 0.95")
         ax2.set_xscale("log", base=2)
         ax2.set_xlabel("message size (bytes)")
         ax2.set_ylabel("busbw ratio")
@@ -235,12 +236,11 @@ def _sizes(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="CI smoke: 3 sizes, 3 samples, short samples")
+    add_output_flags(p, "3 sizes, 3 samples, short samples (~20 s)")
     p.add_argument("-np", "--nranks", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--repeats", type=int, default=None, help="alternating samples per variant (default 11)")
     p.add_argument("--sizes", type=_sizes, default=None, metavar="LIST",
                    help="message sizes to measure, e.g. 1MB,4MB (default 4 KB to 256 MB in powers of 4)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON, Markdown and PNG")
     p.add_argument("--launcher", choices=["fork", "hora"], default="fork",
                    help="start ranks by fork (default) or with hora.run (hora's own launcher)")
     args = p.parse_args(argv)
@@ -260,11 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"nranks": args.nranks, "launcher": args.launcher, "repeats": repeats, "quick": args.quick,
             "load_start": load_start,
             "target_sample_s": target_s, "machine": machine_info(), "wall_s": round(time.monotonic() - start, 1)}
-    name = "allreduce_bench_quick" if args.quick else "allreduce_bench"
+    name = "allreduce_bench"
     if args.sizes:  # a focused run is reported beside the full one, not over it
         name += "_" + "_".join(human_bytes(n).replace(" ", "") for n in sizes)
     md = to_markdown(result, meta)
-    paths = write_results(name, {"meta": meta, "samples": raw, "result": result}, md, plot(result), args.out)
+    paths = write_results(name, {"meta": meta, "samples": raw, "result": result}, md, plot(result), output_dir(args))
     print(md)
     print("wrote " + ", ".join(str(p) for p in paths) + f" in {meta['wall_s']} s")
     return 0

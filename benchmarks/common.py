@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import multiprocessing
@@ -33,6 +34,23 @@ __all__ = ["RESULTS", "alternate", "difference_summary", "fork_ranks", "human_by
            "markdown_table", "ratio_summary", "summarize", "write_results"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
+QUICK_OUT = Path("out") / "bench-quick"  # where --quick reports go (below the current directory), never RESULTS
+
+
+def add_output_flags(parser: argparse.ArgumentParser, quick_help: str) -> None:
+    """Every benchmark's ``--quick`` (smallest settings, seconds) and ``--out DIR``."""
+    parser.add_argument("--quick", action="store_true", help=f"{quick_help}; reports go to {QUICK_OUT}/ "
+                        "unless --out is given (the published results are never overwritten by a quick run)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"directory for the reports (default {RESULTS.relative_to(RESULTS.parents[1])}/, "
+                             f"or {QUICK_OUT}/ with --quick)")
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    """``--out``, else ``out/bench-quick`` for a quick run, else ``benchmarks/results``."""
+    if args.out is not None:
+        return Path(args.out)
+    return QUICK_OUT if args.quick else RESULTS
 
 
 def machine_info() -> dict[str, Any]:

@@ -25,11 +25,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
-    RESULTS,
+    add_output_flags,
     alternate,
     fork_ranks,
     machine_info,
     markdown_table,
+    output_dir,
     ratio_summary,
     summarize,
     write_results,
@@ -116,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=31)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--micro-calls", type=int, default=20_000, help="idle transitions timed per pending count")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and Markdown")
+    add_output_flags(ap, "2 samples of 1 step, 100 idle transitions")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.repeats, args.steps, args.micro_calls = 2, 1, 100
     with tempfile.TemporaryDirectory() as tmp:
         results = fork_ranks(_rank, 2, args.repeats, args.steps, tmp)
     r0 = results[0]
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                                 [[m["pending"], f"{m['us_per_idle_transition']:.2f}"] for m in micro])
     sys.stdout.write(md)
     write_results("diagnostics_overhead", {"machine": machine_info(), "args": vars(args), "rank0": r0,
-                                           "micro": micro}, md, out_dir=args.out)
+                                           "micro": micro}, md, out_dir=output_dir(args))
     return 0
 
 

@@ -27,7 +27,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, alternate, difference_summary, fork_ranks, machine_info, markdown_table, write_results
+from common import (
+    add_output_flags,
+    alternate,
+    difference_summary,
+    fork_ranks,
+    machine_info,
+    markdown_table,
+    output_dir,
+    write_results,
+)
 
 VARIANTS = ("raw", "hora", "hora_named")
 NBYTES = 1024  # above the 64 bytes that travel inside the round: the op takes the data-plane path
@@ -66,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=15, help="alternating samples per variant")
     p.add_argument("--calls", type=int, default=500, help="calls per sample")
-    p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and Markdown")
+    add_output_flags(p, "2 samples of 20 calls")
     args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.calls = 2, 20
     start = time.monotonic()
     samples = fork_ranks(_rank, 1, args.repeats, args.calls)[0]
     per_call = {v: statistics.median(samples[v]) * 1e6 for v in VARIANTS}
@@ -84,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(min to max).\n\n"
           + markdown_table(["variant", "µs per call (median)", "extra µs per call"], rows))
     paths = write_results("op_overhead", {"meta": meta, "samples": samples, "per_call_us": per_call,
-                                          "extra_us": extra}, md, out_dir=args.out)
+                                          "extra_us": extra}, md, out_dir=output_dir(args))
     print(md)
     print("wrote " + ", ".join(str(p) for p in paths) + f" in {meta['wall_s']} s")
     return 0

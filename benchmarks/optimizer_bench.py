@@ -26,11 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from common import (
-    RESULTS,
+    add_output_flags,
     alternate,
     fork_ranks,
     machine_info,
     markdown_table,
+    output_dir,
     ratio_summary,
     summarize,
     write_results,
@@ -131,11 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=2, help="images per rank")
     p.add_argument("--image", type=int, default=32, help="side: small, so communication is a large share")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--quick", action="store_true", help="2 samples of 1 step: checks that it runs")
-    p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON, Markdown and PNG")
+    add_output_flags(p, "2 samples of 1 step of the hora and DDP variants: checks that it runs")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats, args.steps = 2, 1
+        if args.variants == ",".join(VARIANTS):
+            args.variants = "ddp,hora"
     variants = args.variants.split(",")
     results = fork_ranks(_rank, 2, variants, args.repeats, args.steps, args.batch, args.image, timeout=1800)
     samples = results[0]["wall"]  # rank 0's clock; the barrier aligns the ranks' samples
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         ax.set_title("ResNet-50 step, 2 ranks on loopback: hora vs DDP vs per-tensor allreduce")
 
     data = {"machine": machine_info(), "args": vars(args), "samples_s": results, "markdown": md}
-    for path in write_results("optimizer_bench", data, md, plot, args.out):
+    for path in write_results("optimizer_bench", data, md, plot, output_dir(args)):
         print(f"wrote {path}")
 
 

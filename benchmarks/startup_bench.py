@@ -13,7 +13,8 @@ shares this machine's clock); "exit" is when the launch command returned. Report
 (>= 5) with min and max, and the median of the per-pair hora/torchrun ratios.
 
     .venv/bin/python benchmarks/startup_bench.py --reps 5 [--no-cluster]     (root for the 3-host cases)
-Writes benchmarks/results/startup_bench.{json,md}.
+    .venv/bin/python benchmarks/startup_bench.py --quick                     (1 rep, localhost: out/bench-quick/)
+Writes benchmarks/results/startup_bench.{json,md} (``--out`` to change the directory).
 """
 
 from __future__ import annotations
@@ -210,7 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="repetitions per case (median of these; >= 5)")
     parser.add_argument("--np", type=int, default=4, help="ranks for the localhost cases")
     parser.add_argument("--no-cluster", action="store_true", help="skip the 3-host cases")
+    common.add_output_flags(parser, "1 repetition of the localhost cases with 2 ranks, no 3-host cases")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.reps, args.np, args.no_cluster = 1, 2, True
     info = common.machine_info()
     print(f"startup benchmark: {args.reps} reps, torch {info['torch']}, {info['cpus']} cpus", flush=True)
     results = run_all(local_cases(args.np), args.reps)
@@ -233,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "summary": table,
         "samples": {name: [dataclasses.asdict(s) for s in samples] for name, samples in results.items()},
     }
-    for path in common.write_results("startup_bench", data, page):
+    for path in common.write_results("startup_bench", data, page, out_dir=common.output_dir(args)):
         print(f"wrote {path}")
     return 0
 

@@ -24,7 +24,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, alternate, machine_info, markdown_table, summarize, write_results
+from common import (
+    add_output_flags,
+    alternate,
+    machine_info,
+    markdown_table,
+    output_dir,
+    summarize,
+    write_results,
+)
 
 from hora.diagnostics import timeline as T
 
@@ -70,8 +78,10 @@ def _on(n: int, names: Callable[[int], str], phases: tuple[str, ...]) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and Markdown")
+    add_output_flags(ap, "1 sample of each case")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.repeats = 1
     cases: dict[str, Callable[[], float]] = {
         "calib": calib,
         "off": off,
@@ -92,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
            "calib-unit column by 9 µs for the idle-machine cost.\n")
     sys.stdout.write(md)
     write_results("timeline_cost", {"machine": machine_info(), "samples_s": samples, "calls": CALLS}, md,
-                  out_dir=args.out)
+                  out_dir=output_dir(args))
     return 0
 
 

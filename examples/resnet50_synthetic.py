@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if hvd.rank() == 0:
             print(msg, flush=True)
 
-    say(f"Model: ResNet-50, batch size {args.batch_size}, ranks {hvd.size()}, compression {compression!r}")
+    header = f"Model: ResNet-50, batch size {args.batch_size}, ranks {hvd.size()}, compression {compression}"
+    say(header)
     for _ in range(args.num_warmup_batches):
         step()
     rates = []
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     total = float(hvd.allreduce(torch.tensor(mean), name="img_per_sec", op=hvd.Sum))
     say(f"Img/sec per rank: {mean:.1f} +-{spread:.1f}")
     say(f"Total img/sec on {hvd.size()} rank(s): {total:.1f}")
-    return {"img_per_sec_per_rank": mean, "img_per_sec_total": total}
+    return {"img_per_sec_per_rank": mean, "img_per_sec_total": total, "header": header}
 
 
 if __name__ == "__main__":

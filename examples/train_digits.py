@@ -1,11 +1,11 @@
 """Train a classifier on scikit-learn's handwritten digits with hora: the usual Horovod recipe, end to end.
 
-The five Horovod changes to a single-process script are marked (1)-(5). The digits dataset ships with
-scikit-learn, so this runs offline, in a few seconds on two CPU processes:
+The five Horovod changes to a single-process script are marked (1)-(5), numbered as in the README. The
+digits dataset ships with scikit-learn, so this runs offline, in a few seconds on two CPU processes:
 
     hora run -np 2 python examples/train_digits.py
     hora run -np 2 python examples/train_digits.py --fp16-allreduce --epochs 20
-    hora run -np 2 python examples/train_digits.py --ddp     # the article's DDP + DistributedOptimizer variant
+    hora run -np 2 python examples/train_digits.py --ddp     # DDP-wrapped model + DistributedOptimizer
     hora run -np 2 python examples/train_digits.py --checkpoint-dir /checkpoints/digits   # resumes if stopped
 """
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(args.seed)
 
     train_set, test_set = datasets(args.seed)
-    # (5) each rank reads its own shard
+    # (3) each rank reads its own shard (and reshuffles every epoch: sampler.set_epoch below)
     sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     test_sampler = DistributedSampler(test_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=False)
@@ -95,18 +95,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         start = state["epoch"] + 1
         if hvd.rank() == 0:
             print(f"resumed from the checkpoint of epoch {start}", flush=True)
-    # (4) every rank starts from rank 0's weights and optimizer state
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    # (3) gradients are averaged across ranks, overlapped with backward
+    # (4) gradients are averaged across ranks, overlapped with backward
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression)
+    # (5) every rank starts from rank 0's weights and optimizer state
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
     loss = torch.tensor(0.0)
     for epoch in range(start, args.epochs):
         model.train()
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)  # (3) a different shuffle each epoch, the same on every rank
         batches = tqdm(train_loader, desc=f"epoch {epoch + 1}/{args.epochs}", disable=hvd.rank() != 0, leave=False)
         for x, y in batches:
             optimizer.zero_grad()

@@ -28,7 +28,15 @@ class Compressor(Protocol):
 
 
 class NoneCompressor:
-    """Leaves tensors as they are."""
+    """Leaves tensors as they are. ``str()`` gives its name, ``none``."""
+
+    name = "none"
+
+    def __repr__(self) -> str:
+        return "Compression.none"
+
+    def __str__(self) -> str:
+        return self.name
 
     @staticmethod
     def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -56,8 +64,19 @@ class CastCompressor:
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         return tensor if ctx is None else tensor.to(ctx)
 
+    @property
+    def name(self) -> str:
+        """``fp16``, ``bf16``, or the wire dtype's name for another cast."""
+        return _CAST_NAMES.get(self.wire_dtype, str(self.wire_dtype).replace("torch.", ""))
+
     def __repr__(self) -> str:
-        return f"CastCompressor({self.wire_dtype})"
+        return f"Compression.{self.name}" if self.wire_dtype in _CAST_NAMES else f"CastCompressor({self.wire_dtype})"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+_CAST_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 class Compression:

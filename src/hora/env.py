@@ -313,6 +313,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HORA_BUCKET_CAP_MB", None, float, 25.0, "DistributedOptimizer bucket size in MB (DDP's default)."),
     Knob("HORA_FIRST_BUCKET_MB", None, float, 1.0,
          "Size of the first gradient bucket in MB, small so communication starts early in backward."),
+    Knob("HORA_FULL_TRACEBACKS", None, bool, False,
+         "Print hora's own frames in the traceback of an uncaught hora error (hora run --verbose sets it); "
+         "by default only your script's frames and the error in its terms are shown."),
 )
 
 
@@ -335,6 +338,7 @@ class Knobs:
     bucket_cap_mb: float = 25.0
     first_bucket_mb: float = 1.0
     hierarchical_allreduce: bool = False
+    full_tracebacks: bool = False
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Knobs:

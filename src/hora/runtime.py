@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hora import hierarchical
+from hora.diagnostics import user_errors
 from hora.diagnostics.board import Board
 from hora.env import Knobs, WorkerEnv
 from hora.errors import CollectiveError, ConfigError, NotInitializedError
@@ -138,6 +139,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
             _discard(rt)
             raise
         _state = rt
+        user_errors.install(knobs.full_tracebacks, under_launcher=bool(env.job_id))
         log.info("hora initialised: rank %d of %d on %s (%s)", env.rank, env.size, env.hostname, rt.backend)
 
 

@@ -2,7 +2,8 @@
 
 Benchmarks are not tests (their figures are never asserted), but a benchmark broken by a refactor goes
 unnoticed until someone needs its numbers. Each one runs here as a user runs it, in its own process, into a
-temporary directory: the committed results in ``benchmarks/results`` are left alone.
+temporary directory: the committed results in ``benchmarks/results`` are left alone (and a quick run without
+``--out`` leaves them alone too).
 """
 
 from __future__ import annotations
@@ -15,22 +16,34 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
-CASES = {
-    "allreduce_bench": ["--quick"],
-    "optimizer_bench": ["--quick", "--variants", "ddp,hora"],
-    "op_overhead": ["--repeats", "2", "--calls", "20"],
-    "diagnostics_overhead": ["--repeats", "2", "--steps", "1", "--micro-calls", "100"],
-    "timeline_cost": ["--repeats", "1"],
-}
-REPORT = {"allreduce_bench": "allreduce_bench_quick"}  # --quick writes beside the full run's report
+NAMES = ["allreduce_bench", "diagnostics_overhead", "op_overhead", "optimizer_bench", "timeline_cost"]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", NAMES)
 def test_benchmark_runs_and_writes_its_report(name: str, tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), *CASES[name], "--out", str(tmp_path)],
+    result = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    stem = REPORT.get(name, name)
-    report = (tmp_path / f"{stem}.md").read_text()
+    report = (tmp_path / f"{name}.md").read_text()
     assert "|---|" in report  # a Markdown table of figures
-    assert (tmp_path / f"{stem}.json").stat().st_size > 0
+    assert (tmp_path / f"{name}.json").stat().st_size > 0
+
+
+def test_every_benchmark_takes_quick_and_out() -> None:
+    for script in sorted(BENCHMARKS.glob("*.py")):
+        if script.stem in ("common", "startup_worker", "run_quick"):
+            continue
+        usage = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                               timeout=120).stdout
+        assert "--quick" in usage and "--out" in usage, script.name
+
+
+def test_a_quick_run_leaves_the_published_results_alone(tmp_path: Path) -> None:
+    """`--quick` without `--out` writes below the current directory, in out/bench-quick, not benchmarks/results."""
+    results = BENCHMARKS / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "run_quick.py"), "--only", "op_overhead"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "out" / "bench-quick" / "op_overhead.md").is_file()
+    assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before

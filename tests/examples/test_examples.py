@@ -41,6 +41,7 @@ def test_resnet50_synthetic_reports_images_per_second() -> None:
     for r in results:
         assert r["img_per_sec_per_rank"] > 0
         assert r["img_per_sec_total"] > r["img_per_sec_per_rank"]  # the sum over 2 ranks
+        assert r["header"].endswith("compression fp16"), r["header"]  # the compressor's name, not its repr
 
 
 def test_unet3d_checkpoints_and_resumes(tmp_path: Path) -> None:

@@ -182,6 +182,35 @@ def test_ctrl_c_stops_every_worker_and_no_secret_was_ever_in_argv(
     assert not any(alive(p) for p in pids)
 
 
+STUBBORN = """
+import os, signal, sys, time
+r = int(os.environ["HORA_RANK"])
+signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM: still busy", flush=True))  # slow to stop
+open(os.path.join(sys.argv[1], f"pid.{r}.tmp"), "w").write(str(os.getpid()))
+os.rename(os.path.join(sys.argv[1], f"pid.{r}.tmp"), os.path.join(sys.argv[1], f"pid.{r}"))
+time.sleep(120)
+"""
+
+
+def test_second_ctrl_c_says_it_kills_then_that_everything_stopped(
+        tmp_path: Path, background) -> None:  # type: ignore[no-untyped-def]
+    script = write_script(tmp_path, "stubborn.py", STUBBORN)
+    job = background(["-np", "2", PYTHON, script, str(tmp_path)])
+    pids = _started(tmp_path, 2)
+    os.killpg(job.proc.pid, signal.SIGINT)
+    assert wait_until(lambda: "SIGTERM: still busy" in job.out.read_text(), 20), job.err.read_text()
+    os.killpg(job.proc.pid, signal.SIGINT)  # the user presses Ctrl-C again while the ranks ignore SIGTERM
+    code, _, err = job.finish()
+    assert code == 130
+    lines = [ln for ln in err.splitlines() if ln.startswith("hora run:")]
+    assert lines[0].startswith("hora run: interrupted (SIGINT): stopping 2 rank(s) (SIGTERM, SIGKILL after 5s; "
+                               "press Ctrl-C again to kill them now)"), err
+    assert "hora run: interrupted again: killing the 2 rank(s) still running now (SIGKILL)" in lines, err
+    assert lines[-1] == "hora run: stopped after SIGINT: no rank is running; exit code 130", err
+    assert "before the job started" not in err
+    assert not any(alive(p) for p in pids)
+
+
 def test_horovod_script_runs_unchanged_on_the_shim(tmp_path: Path) -> None:
     script = write_script(tmp_path, "hvd.py", """
         import os

@@ -84,8 +84,7 @@ CASES: list[tuple[list[str], str]] = [
      "that interface (interfaces: {ifaces}); pick one of them")),
     (["--min-np", "2", *OK], ("--min-np: elastic jobs are not supported by this `hora run` yet; run with a fixed "
      "-np, or see docs/launcher.md")),
-    (["--timeline-filename", "nodir/t.json", *OK], ("--timeline-filename nodir/t.json: directory {cwd}/nodir does "
-     "not exist")),
+    (["--timeline-filename", "ok.py/t.json", *OK], "--timeline-filename ok.py/t.json: {cwd}/ok.py is not a directory"),
 ]
 
 
@@ -143,3 +142,14 @@ def test_read_only_output_directory_is_one_line_and_exit_code_2(workdir: Path) -
     line = (f"hora run: error: --output-filename {logs}/job: cannot write the logs there ({logs} is on a read-only "
             "filesystem); give a writable directory")
     assert (result.returncode, result.stderr, result.stdout) == (2, line + "\n", "")
+
+
+def test_hora_help_describes_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from hora.launch.cli import DESCRIPTIONS, SUBCOMMANDS
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in SUBCOMMANDS:
+        assert name in DESCRIPTIONS, f"hora {name} has no description for hora --help"
+        assert f"  {name} " in out and DESCRIPTIONS[name] in out
+    assert "hora run -np 4 python train.py" in out and "--help" in out

@@ -121,3 +121,13 @@ def test_ssh_command_line_is_batch_mode_with_port_key_and_options() -> None:
         "-o", "ServerAliveCountMax=3", "10.78.0.3",
         "cd '/work dir' 2>/dev/null; exec python -c 'print('\"'\"'a b'\"'\"')'"]
     assert ssh.command("[fe80::1]", ["true"])[-2:] == ["fe80::1", "exec true"]
+
+
+def test_timeline_directory_is_created_if_missing(tmp_path: Path) -> None:
+    """docs/diagnostics.md: the timeline's directory is created if missing, on the launcher host too."""
+    path = tmp_path / "runs" / "today" / "t.json"
+    cfg = _cfg(["-np", "1", "--timeline-filename", str(path), sys.executable, "-V"])
+    assert cfg.timeline_filename == str(path) and path.parent.is_dir()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(run_config.ConfigError, match="is not a directory"):
+        _cfg(["-np", "1", "--timeline-filename", str(tmp_path / "file" / "t.json"), sys.executable, "-V"])

@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import os
 import queue
+import select
 import signal
 import socket
 import subprocess
@@ -45,6 +46,8 @@ class Worker:
     proc: subprocess.Popen[bytes]
     readers: list[threading.Thread] = field(default_factory=list)
     stopped: bool = False  # the agent asked it to stop (its exit is not a failure)
+    splitters: dict[str, protocol.LineSplitter] = field(default_factory=dict)  # stdout, stderr
+    lock: threading.Lock = field(default_factory=threading.Lock)  # orders the two streams' messages
 
 
 class Agent:
@@ -105,11 +108,12 @@ class Agent:
             except OSError as exc:
                 self._spawn_failed(rank, command, exc)
                 continue
-            worker = Worker(rank, proc)
+            interval = float(self.spec.get("progress_interval", 1.0))
+            worker = Worker(rank, proc, splitters={s: protocol.LineSplitter(interval) for s in ("stdout", "stderr")})
             self.workers[rank] = worker
             pids[str(rank)] = proc.pid
             for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-                reader = threading.Thread(target=self._read, args=(rank, stream, pipe), daemon=True)
+                reader = threading.Thread(target=self._read, args=(worker, stream, pipe), daemon=True)
                 reader.start()
                 worker.readers.append(reader)
             threading.Thread(target=self._wait, args=(worker,), daemon=True).start()
@@ -130,22 +134,43 @@ class Agent:
         self.send({"t": protocol.EXIT, "r": rank, "code": code, "sig": None, "stopped": False})
 
     # --- watching -------------------------------------------------------------------------------------
-    def _read(self, rank: int, stream: str, pipe: BinaryIO | None) -> None:
+    def _read(self, worker: Worker, stream: str, pipe: BinaryIO | None) -> None:
+        """Forward one of a worker's streams: its lines, and its progress bars' states (thinned).
+
+        A bar state held back by the thinning goes out once its interval has passed, and before the next
+        line of the worker's other stream, so the console shows a bar's latest state before what follows.
+        """
         assert pipe is not None
-        splitter = protocol.LineSplitter(interval=float(self.spec.get("progress_interval", 1.0)))
+        splitter = worker.splitters[stream]
+        other = worker.splitters["stderr" if stream == "stdout" else "stdout"]
         fd = pipe.fileno()
         while True:
+            wait = splitter.interval if splitter.has_pending else None
+            if wait is not None and not select.select([fd], [], [], wait)[0]:
+                with worker.lock:
+                    self._send_pieces(worker.rank, stream, splitter.due(time.time()))
+                continue
             try:
                 chunk = os.read(fd, 65536)
             except OSError:
                 chunk = b""
             now = time.time()
-            lines = splitter.feed(chunk, now) if chunk else splitter.flush()
-            for line in lines:
-                self.send({"t": protocol.OUT, "r": rank, "s": stream, "ts": now, "l": line})
+            with worker.lock:
+                pieces = splitter.feed(chunk, now) if chunk else splitter.flush()
+                if any(kind == protocol.LINE for kind, _ in pieces):
+                    self._send_pieces(worker.rank, "stderr" if stream == "stdout" else "stdout",
+                                      other.take_pending(now))
+                self._send_pieces(worker.rank, stream, pieces)
             if not chunk:
                 pipe.close()
                 return
+
+    def _send_pieces(self, rank: int, stream: str, pieces: list[tuple[str, str]]) -> None:
+        for kind, text in pieces:
+            message: dict[str, Any] = {"t": protocol.OUT, "r": rank, "s": stream, "ts": time.time(), "l": text}
+            if kind != protocol.LINE:
+                message["k"] = kind
+            self.send(message)
 
     def _wait(self, worker: Worker) -> None:
         code = worker.proc.wait()

@@ -32,6 +32,11 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "hora.bench.cli:main",
 }
 USAGE_EXIT = 2
+# name -> what `hora --help` says about it (a subcommand without an entry is listed without one)
+DESCRIPTIONS: dict[str, str] = {
+    "run": "run a training script on N processes, on this machine or several (horovodrun's flags)",
+    "check": "show what this machine (or every host of -H/--hostfile) supports and whether versions agree",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -176,11 +181,23 @@ def _usage() -> str:
     return "usage: hora {" + ",".join(SUBCOMMANDS) + "} ...   (hora run --help for the launcher's flags)"
 
 
+def _help() -> str:
+    """``hora --help``: what each command does, and where to start."""
+    width = max(len(name) for name in SUBCOMMANDS) + 2
+    commands = "\n".join(f"  {name:<{width}}{DESCRIPTIONS.get(name, '')}".rstrip() for name in SUBCOMMANDS)
+    return (f"{_usage()}\n\nhora: Horovod's API and launcher on torch.distributed.\n\ncommands:\n{commands}\n\n"
+            "hora COMMAND --help shows a command's flags. Examples:\n"
+            "  hora run -np 4 python train.py                      4 processes on this machine\n"
+            "  hora run -np 8 -H node1:4,node2:4 python train.py   2 machines over ssh\n"
+            "  hora check                                          this machine's build and versions\n"
+            "hora --version prints the version.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``hora`` console entry point."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        output.line(_usage())
+        output.line(_help() if args else _usage())
         return 0 if args else USAGE_EXIT
     if args[0] == "--version":
         from hora.launch.preflight import hora_version

@@ -31,6 +31,7 @@ FLAG_KNOBS: tuple[tuple[str, str, object], ...] = (
     ("hierarchical_allreduce", "HORA_HIERARCHICAL_ALLREDUCE", lambda v: "1" if v else None),
     ("log_level", "HORA_LOG_LEVEL", str),
     ("start_timeout", "HORA_START_TIMEOUT", str),
+    ("verbose", "HORA_FULL_TRACEBACKS", lambda v: "1" if v else None),
 )
 _KNOWN_KNOBS = {k.name for k in hora_env.KNOBS}
 assert all(var in _KNOWN_KNOBS for _, var, _ in FLAG_KNOBS), "a flag maps to a knob env.KNOBS lacks"
@@ -179,8 +180,14 @@ def _check_files(ns: argparse.Namespace) -> None:
                               "give a writable directory")
     if ns.timeline_filename is not None:
         target = Path(ns.timeline_filename).resolve()
-        if not target.parent.is_dir():
-            raise ConfigError(f"--timeline-filename {ns.timeline_filename}: directory {target.parent} does not exist")
+        try:  # created if missing, as each worker does on its own host
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise ConfigError(f"--timeline-filename {ns.timeline_filename}: {target.parent} is not a directory") \
+                from None
+        except OSError as exc:
+            raise ConfigError(f"--timeline-filename {ns.timeline_filename}: cannot create directory {target.parent} "
+                              f"({exc.strerror or exc})") from None
         if target.is_dir():
             raise ConfigError(f"--timeline-filename {ns.timeline_filename}: is a directory; give a file name, "
                               f"e.g. {os.path.join(ns.timeline_filename, 'timeline.json')}")

@@ -4,7 +4,7 @@ It hosts the rendezvous ``TCPStore`` (it outlives every worker), starts one agen
 :class:`~hora.launch.transport.Transport`, prints the workers' output, and on the first failure prints the
 root cause (rank, host, exit code or signal, the rank's traceback or last stderr lines), stops everyone
 (SIGTERM, grace, SIGKILL) and returns that rank's exit status. Ctrl-C stops everything (a second one
-kills at once).
+kills at once) and says so: "stopping N rank(s)", then "stopped ...; exit code 130".
 
 Example:
     >>> cfg = RunConfig(command=("python", "train.py"), np=2, hosts=parse_hosts("localhost:2"))
@@ -41,6 +41,7 @@ PING_INTERVAL = 2.0
 SSH_FAILED = 255  # ssh's exit code when the connection fails or drops
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning))(?::|$)")
 KILL_AFTER_GRACE = 10.0  # after grace + this, agents that still have not finished are killed
+PROGRESS_LIVE, PROGRESS_PLAIN = 0.25, 1.0  # seconds between a progress bar's forwarded states
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Driver:
         self.root = RootCause()
         self.summary = ""  # the root cause in one line, repeated as the launcher's last words
         self.interrupted: int | None = None
+        self._signals = 0  # interrupts received; read while shutting down, when no event loop runs
         self._stop_deadline: float | None = None
         self.stalls = StallWatch(None, self.job_id, {})
 
@@ -130,7 +132,9 @@ class Driver:
                                                             job_id=self.job_id)} for s in slots]
         return {"t": "spec", "command": list(self.cfg.command), "cwd": self.cfg.cwd, "env": base,
                 "unset": list(envvars.RANK_VARIABLES), "workers": workers, "store_addr": addr,
-                "heartbeat_timeout": self.cfg.heartbeat_timeout, "host": self.cfg.hosts[host_index].name}
+                "heartbeat_timeout": self.cfg.heartbeat_timeout, "host": self.cfg.hosts[host_index].name,
+                # a live bar on a terminal is redrawn 4 times a second; plain lines come at most once a second
+                "progress_interval": PROGRESS_LIVE if self.console.live else PROGRESS_PLAIN}
 
     @staticmethod
     def _environ() -> dict[str, str]:
@@ -180,17 +184,19 @@ class Driver:
         if threading.current_thread() is threading.main_thread():  # signal handlers live there only
             previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self._start_agents(slots, addr, port)
-            self._loop()
-            if self.root.due(all_done=True):
-                self._report_root()
+            try:
+                self._start_agents(slots, addr, port)
+                self._loop()
+                if self.root.due(all_done=True):
+                    self._report_root()
+            finally:
+                self._shutdown_agents()  # Ctrl-C still reaches _on_signal here: it kills, never aborts
+                self.console.close()
+            timeline_hook.merge(self.cfg.timeline_filename, self.cfg.np)
+            return self._exit_status()
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            self._shutdown_agents()
-            self.console.close()
-        timeline_hook.merge(self.cfg.timeline_filename, self.cfg.np)
-        return self._exit_status()
 
     def _open_logs(self) -> None:
         try:
@@ -202,6 +208,7 @@ class Driver:
                               "directory", exit_code=2) from None
 
     def _on_signal(self, signum: int, _frame: object) -> None:
+        self._signals += 1
         self.events.put(("signal", -1, signum))
 
     def _loop(self) -> None:
@@ -215,6 +222,8 @@ class Driver:
                 self.console.flush()
             if self.root.due(all(r.done for r in self.ranks.values())):
                 self._report_root()
+            if self.root.deadline is None:  # no report is coming: a traceback held back too long is shown
+                self.console.release_stale([r for r, s in self.ranks.items() if s.done])
             now = time.monotonic()
             if self._stop_deadline is None:
                 self._watch_stalls()
@@ -251,7 +260,8 @@ class Driver:
     def _on_message(self, agent: AgentHandle, message: dict[str, Any]) -> None:
         kind = message["t"]
         if kind == protocol.OUT:
-            self.console.worker_line(int(message["r"]), message["s"], message["l"], message.get("ts"))
+            self.console.worker_line(int(message["r"]), message["s"], message["l"], message.get("ts"),
+                                     message.get("k", protocol.LINE))
         elif kind == protocol.EXIT:
             state = self.ranks[int(message["r"])]
             state.done, state.code, state.sig = True, message.get("code"), message.get("sig")
@@ -259,6 +269,7 @@ class Driver:
             state.exit_ts = float(message.get("ts") or time.time())
             log.info("rank %d exited: %s", state.slot.rank, procs.describe_exit(state.code, state.sig))
             self.stalls.rank_ended(state.slot.rank, procs.describe_exit(state.code, state.sig))
+            self.console.rank_done(state.slot.rank, failed=state.failed)
             if state.failed:
                 self._on_failure(state)
         elif kind == protocol.STARTED:
@@ -306,7 +317,18 @@ class Driver:
         others = sum(1 for r in self.ranks.values() if not r.done)
         self.console.flush()
         finished = [r.slot.rank for r in self.ranks.values() if r.done and r.code == 0 and not r.sig]
-        output.print_lines(output.failure_report(rank, host, how, list(self.console.tails[rank]), others, finished))
+        # the report shows the root cause's traceback once: ranks that raised the same error get one line in it,
+        # ranks that raised another one show theirs first, as they printed it
+        tb = output.traceback_of(list(self.console.tails[rank])) or []
+        self.console.take_held(rank)
+        same = [r for r in self.console.held_ranks() if output.same_error(self.console.held(r), tb)]
+        for r in self.console.held_ranks():
+            if r in same:
+                self.console.take_held(r)
+            else:
+                self.console.release(r)
+        output.print_lines(output.failure_report(rank, host, how, list(self.console.tails[rank]), others, finished,
+                                                 same))
         self._stop_all()
 
     def _on_agent_gone(self, agent: AgentHandle, code: int) -> None:
@@ -340,13 +362,17 @@ class Driver:
         self._stop_all()
 
     def _on_interrupt(self, signum: int) -> None:
-        if self.interrupted is not None:
-            output.note("second interrupt: killing every worker now")
+        running = sum(1 for r in self.ranks.values() if not r.done)
+        if self.interrupted is not None or self._stop_deadline is not None:
+            if self.interrupted is None:
+                self.interrupted = signum
+            output.note(f"interrupted again: killing the {running} rank(s) still running now (SIGKILL)"
+                        if running else "interrupted again: every rank has already exited; finishing")
             self._force_kill()
             return
         self.interrupted = signum
-        running = sum(1 for r in self.ranks.values() if not r.done)
-        output.note(f"interrupted ({procs.signal_name(signum)}): stopping {running} rank(s)")
+        output.note(f"interrupted ({procs.signal_name(signum)}): stopping {running} rank(s) "
+                    f"(SIGTERM, SIGKILL after {self.cfg.grace:g}s; press Ctrl-C again to kill them now)")
         self._stop_all()
 
     def _stop_all(self) -> None:
@@ -371,12 +397,19 @@ class Driver:
                 state.done, state.code, state.stopped = True, 1, True
 
     def _shutdown_agents(self) -> None:
+        """Let every agent finish (closing its stdin stops its workers); an interrupt here kills at once."""
         for agent in self.agents:
             agent.close_stdin()
+        signals = self._signals
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(a.proc.poll() is None for a in self.agents):
+            if self._signals != signals:
+                break
+            time.sleep(0.05)
+        if self._signals != signals:
+            output.note("interrupted while the hosts finished: killing their agents now (SIGKILL)")
         for agent in self.agents:
-            try:
-                agent.proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
+            if agent.proc.poll() is None:
                 procs.signal_groups([agent.proc.pid], signal.SIGKILL)
                 agent.proc.wait()
 
@@ -386,7 +419,10 @@ class Driver:
             output.note(f"job failed: {self.summary or procs.describe_exit(state.code, state.sig)}")
             return procs.exit_status(state.code, state.sig)
         if self.interrupted is not None:
-            return 128 + self.interrupted
+            status = 128 + self.interrupted
+            output.note(f"stopped after {procs.signal_name(self.interrupted)}: no rank is running; "
+                        f"exit code {status}")
+            return status
         return 0
 
 

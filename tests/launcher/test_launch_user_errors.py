@@ -1,0 +1,66 @@
+"""What a user reads when a collective fails under ``hora run``: the root cause once, in their terms.
+
+And hora's own warnings: ``hora: warning: ...`` on a line of their own, never on a progress bar's line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, hora_run, write_script
+
+MISMATCH = """
+import torch
+import hora as hvd
+
+hvd.init()
+t = torch.ones(4 + hvd.rank())
+hvd.allreduce(t)
+"""
+
+
+def test_a_mismatch_is_shown_once_naming_the_call_and_the_line(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "mm.py", MISMATCH)
+    result = hora_run(["-np", "2", PYTHON, script], tmp_path, timeout=120)
+    seen = result.stdout + result.stderr
+    assert result.returncode == 1, seen
+    cause = "hora.CollectiveMismatchError: hvd.allreduce(t) at mm.py:7: ranks disagree on shape."
+    assert seen.count(cause) == 1, seen  # not once per rank plus once in the report
+    assert "hora run: rank 1 failed with the same error" in result.stderr or \
+        "hora run: rank 0 failed with the same error" in result.stderr, seen
+    assert f'File "{script}", line 7' in seen  # the user's frame
+    for internal in ("noname", "hora/ops.py", "handles.py"):  # hora's names and frames stay out of sight
+        assert internal not in seen, seen
+    assert "hora run --verbose" in seen  # ... and how to see them
+
+
+def test_verbose_shows_hora_frames(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "mm.py", MISMATCH)
+    result = hora_run(["-np", "2", "--verbose", PYTHON, script], tmp_path, timeout=120)
+    assert result.returncode == 1
+    assert "hora/ops.py" in result.stderr and "CollectiveMismatchError" in result.stderr
+
+
+def test_hora_warnings_are_prefixed_and_never_on_a_bars_line(tmp_path: Path) -> None:
+    pytest.importorskip("tqdm")
+    script = write_script(tmp_path, "warn.py", """
+        import logging, time
+        from tqdm import tqdm
+        import hora as hvd
+        hvd.init()
+        bar = tqdm(total=10, desc="steps", mininterval=0)
+        for i in range(10):
+            bar.update(1)
+            if i == 5:
+                logging.getLogger("hora.optimizer").warning("something to know")  # as hora's modules log
+            time.sleep(0.01)
+        bar.close()
+        hvd.shutdown()
+    """)
+    result = hora_run(["-np", "1", PYTHON, script], tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert "[0]<stderr>:hora: warning: something to know" in lines, lines
+    assert [ln for ln in lines if "steps" in ln and "100%" in ln], lines  # the bar itself still shows
