@@ -45,7 +45,8 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	touch $(STAMP)
 
 # torch first, from the index of the chosen build; a matching wheel already on disk (pip's find-links) is used
-# without downloading it (its small dependencies come from the usual index). Later installs keep it: requirements-dev.txt and pyproject.toml only ask for torch>=2.1.
+# without downloading it (its small dependencies come from the usual index). Later installs keep it:
+# requirements-dev.txt and pyproject.toml only ask for torch>=2.1.
 torch:
 	@if $(BIN)/python -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$(TORCH_VERSION)' and (torch.version.cuda is None) == ('$(TORCH)' == 'cpu') else 1)" 2>/dev/null; then \
 		echo "torch $(TORCH_VERSION) ($(TORCH) build) is already installed"; \

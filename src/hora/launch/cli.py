@@ -36,6 +36,7 @@ USAGE_EXIT = 2
 DESCRIPTIONS: dict[str, str] = {
     "run": "run a training script on N processes, on this machine or several (horovodrun's flags)",
     "check": "show what this machine (or every host of -H/--hostfile) supports and whether versions agree",
+    "bench": "measure the hosts: allreduce bandwidth, a model's throughput and scaling (under hora run)",
 }
 
 
