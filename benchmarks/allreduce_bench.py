@@ -4,9 +4,11 @@ For each message size (4 KB to 256 MB, powers of 4) every rank times, alternatin
   raw       ``dist.all_reduce(t)`` on the default group (SUM, in place)
   hora      ``hvd.allreduce_(t, op=hvd.Sum)`` (in place, unnamed: the negotiated path a script takes)
   hora_oop  ``hvd.allreduce(t, op=hvd.Sum)`` (out of place: allocates its output)
+  raw_oop   ``u = t.clone(); dist.all_reduce(u)``: what a torch.distributed user writes for the same result
   raw_b     ``dist.all_reduce`` again, on a tensor of its own: an A/A control
 and reports bus bandwidth (busbw = bytes / time * 2(n-1)/n), the per-pair ratio hora/raw as a median with
-its spread, the microseconds hora adds per op (per-pair median of hora - raw time), the A/A ratio raw/raw_b
+its spread (in place against raw in place, out of place against raw clone + all_reduce), the microseconds
+hora adds per op (per-pair median of hora - raw time), the A/A ratio raw/raw_b
 (how far two identical variants drift apart on this machine: a hora/raw ratio inside that band is noise,
 not hora), and the latency of a 1-element op (raw, hora unnamed, hora with a reused name).
 Target: >= 0.95 of raw for >= 1 MB, tiny-op latency <= 2x raw.
@@ -45,7 +47,7 @@ from common import (
 
 FULL_SIZES = [4 * 1024 * 4**i for i in range(9)]  # 4 KB .. 256 MB
 QUICK_SIZES = [4 * 1024, 1024 * 1024, 16 * 1024 * 1024]
-VARIANTS = ("raw", "hora", "hora_oop", "raw_b")
+VARIANTS = ("raw", "hora", "hora_oop", "raw_oop", "raw_b")
 TINY_VARIANTS = ("raw", "hora", "hora_named")
 
 
@@ -56,8 +58,8 @@ def _iterations(sample_call: Any, target_s: float, max_iters: int) -> int:
 
     sample_call()
     times: list[float] = []
-    while len(times) < 5 and sum(times) < 0.3:  # the fastest of a few calls: one stray delay can't skew it
-        start = time.perf_counter()
+    for _ in range(3):  # the fastest of a few calls: one stray delay can't skew it. The same count on every
+        start = time.perf_counter()  # rank: a count decided by each rank's own clock let them fall out of step
         sample_call()
         times.append(time.perf_counter() - start)
     one = max(min(times), 1e-6)
@@ -87,11 +89,18 @@ def _measure(nbytes: int, repeats: int, target_s: float) -> tuple[int, dict[str,
     import hora as hvd
 
     n = nbytes // 4
-    raw_t, hora_t, oop_t, raw_b_t = (torch.zeros(n) for _ in VARIANTS)  # zeros: sums never overflow
+    raw_t, hora_t, oop_t, raw_oop_t, raw_b_t = (torch.zeros(n) for _ in VARIANTS)  # zeros: sums never overflow
+
+    def raw_oop() -> torch.Tensor:  # what a torch.distributed user writes for a result in a new tensor
+        out = raw_oop_t.clone()
+        dist.all_reduce(out)
+        return out
+
     calls = {
         "raw": lambda: dist.all_reduce(raw_t),
         "hora": lambda: hvd.allreduce_(hora_t, op=hvd.Sum),
         "hora_oop": lambda: hvd.allreduce(oop_t, op=hvd.Sum),
+        "raw_oop": raw_oop,
         "raw_b": lambda: dist.all_reduce(raw_b_t),
     }
     iters = _iterations(calls["raw"], target_s, 2000)
@@ -144,7 +153,7 @@ def analyse(raw: dict[str, Any], nranks: int) -> dict[str, Any]:
             **{f"{k}_s": s[k]["median"] for k in VARIANTS},
             **{f"{k}_busbw": busbw(nbytes, s[k]["median"], nranks) for k in VARIANTS},
             "ratio": ratio_summary(samples["raw"], samples["hora"]),  # busbw hora / busbw raw
-            "ratio_oop": ratio_summary(samples["raw"], samples["hora_oop"]),
+            "ratio_oop": ratio_summary(samples["raw_oop"], samples["hora_oop"]),  # vs clone + all_reduce
             "added_us": difference_summary(samples["hora"], samples["raw"]),  # µs per op
             "ratio_aa": ratio_summary(samples["raw"], samples["raw_b"]),  # A/A: what noise alone gives
         })
@@ -167,9 +176,11 @@ def to_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
     rows = [[human_bytes(r["bytes"]), f"{r['raw_busbw']:.3f}", f"{r['hora_busbw']:.3f}", _pct(r["ratio"]),
              _goal(r["ratio"]["median"] >= 0.95) if r["bytes"] >= 2**20 else "",
              f"{r['added_us']['median']:+.0f}", _pct(r["ratio_aa"]),
-             f"{r['hora_oop_busbw']:.3f}", _pct(r["ratio_oop"]), r["iters"]] for r in result["rows"]]
+             f"{r['raw_oop_busbw']:.3f}", f"{r['hora_oop_busbw']:.3f}", _pct(r["ratio_oop"]), r["iters"]]
+            for r in result["rows"]]
     table = markdown_table(["size", "raw busbw GB/s", "hora busbw GB/s", "hora/raw", ">= 0.95?", "hora adds µs/op",
-                            "A/A raw/raw", "hora out-of-place GB/s", "oop/raw", "iters/sample"], rows)
+                            "A/A raw/raw", "raw clone+all_reduce GB/s", "hora allreduce GB/s",
+                            "hora allreduce / raw clone+all_reduce", "iters/sample"], rows)
     t = result["tiny"]
     tiny = markdown_table(["1-element allreduce", "raw µs", "hora µs", "hora/raw time", "hora named µs",
                            "named/raw time"],
@@ -182,7 +193,9 @@ def to_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
             f"{m['utc']}, {m['cpu']} x{m['cpus']}, torch {m['torch']}, hora {m['hora']} ({m['git_commit']}); "
             f"median of {meta['repeats']} alternating samples (order rotated each cycle); ratio = per-pair raw "
             f"time / hora time (= busbw ratio), ± half the min-max spread; A/A = the same ratio between two "
-            f"identical raw variants (the noise band of this machine); {load}. "
+            f"identical raw variants (the noise band of this machine). In place: hora `allreduce_(t)` against "
+            f"raw `all_reduce(t)`; out of place (a new result tensor): hora `allreduce(t)` against raw "
+            f"`u = t.clone(); all_reduce(u)`; {load}. "
             f"Target: >= 0.95 for >= 1 MB; tiny latency <= 2x.\n\n"
             f"{table}\n{tiny}")
 
@@ -195,7 +208,8 @@ def plot(result: dict[str, Any]) -> Any:
     def draw(fig: Any) -> None:
         sizes = [r["bytes"] for r in result["rows"]]
         ax1, ax2 = fig.subplots(2, 1, sharex=True)
-        for key, label in (("raw", "torch.distributed"), ("hora", "hora allreduce_"), ("hora_oop", "hora allreduce")):
+        for key, label in (("raw", "all_reduce(t)"), ("hora", "hora allreduce_(t)"),
+                           ("raw_oop", "clone + all_reduce"), ("hora_oop", "hora allreduce(t)")):
             ax1.plot(sizes, [r[f"{key}_busbw"] for r in result["rows"]], marker="o", label=label)
         ax1.set_ylabel("bus bandwidth (GB/s)")
         ax1.set_yscale("log")
