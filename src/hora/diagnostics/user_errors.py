@@ -90,8 +90,8 @@ def user_message(exc: BaseException, call: traceback.FrameSummary | None) -> str
     text = str(exc)
     if isinstance(exc, CollectiveMismatchError) and call is not None:
         where = f"{(call.line or '').strip() or call.name} at {os.path.basename(call.filename)}:{call.lineno}"
-        rest = text.split(": ", 1)[1] if text.startswith("collective ") and ": " in text else text
-        return f"{where}: {rest}"
+        cut = text.find("ranks disagree")  # after hora's label of the op ("collective 'x'", "unnamed ...")
+        return f"{where}: {text[cut:] if cut >= 0 else text}"
     return text
 
 
