@@ -6,8 +6,8 @@ where: ``hvd.allreduce(t) at train.py:41``, not hora's internal sequence name (`
 ``HORA_FULL_TRACEBACKS=1`` (``hora run --verbose``) Python's full traceback is printed instead. Other
 exceptions are left to Python.
 
-hora's log records of level WARNING and above print as ``hora: warning: <message>`` on stderr, each on a line
-of its own: a progress bar being drawn on that stream is ended first (``\\r``; on a terminal the bar's line is
+hora's log records of level WARNING and above print as ``hora: warning: <message>`` (``hora: error: ...``) on
+stderr, each on a line of its own (a message with its own ``hora ...`` prefix, like a stall report, as it is): a progress bar being drawn on that stream is ended first (``\\r``; on a terminal the bar's line is
 also cleared), so the message never lands on the bar's line.
 
 Example (what a rank prints for a shape mismatch)::
@@ -105,7 +105,9 @@ class WarningHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            message = f"hora: {record.levelname.lower()}: {record.getMessage()}"
+            text = record.getMessage()
+            # a message that names hora itself ("hora stall: ...") keeps its own prefix
+            message = text if text.startswith(("hora ", "hora:")) else f"hora: {record.levelname.lower()}: {text}"
             if record.exc_info:
                 message += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
             start = "\r\x1b[K" if _isatty(self.stream) else "\r" if self._under_launcher else ""
