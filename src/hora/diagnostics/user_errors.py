@@ -7,8 +7,9 @@ where: ``hvd.allreduce(t) at train.py:41``, not hora's internal sequence name (`
 exceptions are left to Python.
 
 hora's log records of level WARNING and above print as ``hora: warning: <message>`` (``hora: error: ...``) on
-stderr, each on a line of its own (a message with its own ``hora ...`` prefix, like a stall report, as it is): a progress bar being drawn on that stream is ended first (``\\r``; on a terminal the bar's line is
-also cleared), so the message never lands on the bar's line.
+stderr, each on a line of its own (a message with its own ``hora ...`` prefix, like a stall report, as it
+is): a progress bar being drawn on that stream is ended first (``\\r``; on a terminal the bar's line is also
+cleared), so the message never lands on the bar's line.
 
 Example (what a rank prints for a shape mismatch)::
 
