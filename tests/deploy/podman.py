@@ -95,9 +95,13 @@ def _pip_mounts() -> list[str]:
 def ensure_image() -> str:
     """The CPU image of docker/Containerfile built from this checkout (cached layers reused)."""
     base = ensure_base()
+    before = podman("image", "inspect", "--format", "{{.Id}}", IMAGE, check=False).stdout.strip()
     podman("build", "--quiet", *LIMITS, "-f", "docker/Containerfile", "-t", IMAGE,
            "--build-arg", f"BASE={base}", "--build-arg", "TORCH_INDEX_URL=pip-config",
            "--build-arg", f"TORCH_SPEC={TORCH_SPEC}", *_pip_mounts(), str(ROOT), timeout=2400)
+    after = podman("image", "inspect", "--format", "{{.Id}}", IMAGE, check=False).stdout.strip()
+    if before and before != after:  # the previous build, now untagged: drop it (its shared layers stay)
+        podman("rmi", before, check=False)
     return IMAGE
 
 
@@ -107,7 +111,7 @@ def clean_stale() -> None:
     for name in out.stdout.split():
         m = _NAME_RE.match(name)
         if m and not Path(f"/proc/{m.group(1)}").exists():
-            podman("rm", "-f", "-t", "0", name, check=False)
+            podman("rm", "-f", "-v", "-t", "0", name, check=False)
     out = podman("pod", "ls", "--format", "{{.Name}}", check=False)
     for name in out.stdout.split():
         m = _NAME_RE.match(name)
@@ -143,7 +147,8 @@ class Container:
         return str(next(iter(nets.values()))["IPAddress"])
 
     def remove(self) -> None:
-        podman("rm", "-f", "-t", "0", self.name, check=False)
+        """Remove the container and its anonymous volumes (the image declares /data and /checkpoints)."""
+        podman("rm", "-f", "-v", "-t", "0", self.name, check=False)
 
     def wait_for_log(self, text: str, timeout: float = 120) -> str:
         deadline = time.monotonic() + timeout

@@ -35,3 +35,4 @@ def test_compose_cluster_runs_a_two_node_job(image: str) -> None:
         assert out.stdout.count("sum 2.0 2") == 2, out.stdout
     finally:
         subprocess.run([*base, "down", "-v"], env=env, capture_output=True, timeout=300)
+        pm.podman("network", "rm", "-f", f"{project}_hora", check=False)  # podman-compose 1.0.3 leaves it

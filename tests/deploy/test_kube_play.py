@@ -49,6 +49,9 @@ def play(image: str, tmp_path: Path) -> Iterator[tuple[Path, str, dict[str, str]
     finally:
         for line in pm.podman("pod", "ls", "--format", "{{.Name}}", check=False).stdout.split():
             if line.startswith(f"{pm.PREFIX}-"):
+                members = pm.podman("ps", "-a", "-q", "--filter", f"pod={line}", check=False).stdout.split()
+                if members:  # with their anonymous volumes
+                    pm.podman("rm", "-f", "-v", "-t", "0", *members, check=False)
                 pm.podman("pod", "rm", "-f", "-t", "0", line, check=False)
         for claim in ("hora-data", "hora-checkpoints"):
             pm.podman("volume", "rm", "-f", f"{pm.PREFIX}-{claim}", check=False)
