@@ -34,5 +34,7 @@ def test_compose_cluster_runs_a_two_node_job(image: str) -> None:
                          timeout=300, check=True)
         assert out.stdout.count("sum 2.0 2") == 2, out.stdout
     finally:
+        for service in ("keys", "node1", "node2"):  # with their anonymous volumes, which `down -v` leaves
+            pm.Container(f"{project}_{service}_1").remove()
         subprocess.run([*base, "down", "-v"], env=env, capture_output=True, timeout=300)
         pm.podman("network", "rm", "-f", f"{project}_hora", check=False)  # podman-compose 1.0.3 leaves it
