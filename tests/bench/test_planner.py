@@ -72,6 +72,10 @@ def test_bad_input_says_what_to_do() -> None:
         planner.fit_sweep({"kind": "model"})
     with pytest.raises(ConfigError, match="at least two sizes"):
         planner.fit_sweep(_sweep([1 << 20], hosts=2, per_host=1))
+    no_links = _sweep(parse_sizes("64KB..64MB"), hosts=2, per_host=2)
+    no_links["links"] = {}  # hora bench allreduce --no-links
+    with pytest.raises(ConfigError, match="without --no-links"):
+        planner.fit_sweep(no_links)
     with pytest.raises(ConfigError, match="positive"):
         parse_sizes("0KB")
 

@@ -100,7 +100,7 @@ class Plan:
         if link is None:
             other = self.intra if kind == "inter" else self.inter
             if other is None:
-                raise ConfigError("no link fitted")
+                raise ConfigError("no link was fitted: build the plan with fit_sweep() from a sweep record")
             return other  # the best estimate we have (a one-host sweep has no inter link)
         return link
 
@@ -154,6 +154,10 @@ def fit_sweep(sweep: dict[str, Any], min_bytes: int = 0) -> Plan:
         intra = LinkFit.fit(keep(_rows(links["intra"])))
     elif sweep.get("hosts", 1) == 1:
         intra = LinkFit.fit(keep(_rows(world)))
+    if inter is None and intra is None:
+        raise ConfigError("the sweep ran on several hosts with several ranks per host but has no per-link timings "
+                          "(it was run with --no-links), so neither link can be fitted; run `hora bench allreduce "
+                          "--json PATH` again without --no-links")
     return Plan(inter=inter, intra=intra)
 
 
