@@ -68,18 +68,32 @@ for step in range(100000):
 """
 
 
+def _wait_until_reachable(node: pm.Container, host: str, port: int, timeout: float = 60) -> None:
+    """Wait until ``node`` resolves ``host`` and connects to its port: a container that has just started can
+    log "Server listening" before the network's DNS answers for its name (hora run then fails preflight)."""
+    probe = f"import socket; socket.create_connection(({host!r}, {port}), 2).close()"
+    deadline = time.monotonic() + timeout
+    while node.exec(["python", "-c", probe], timeout=30).returncode != 0:
+        assert time.monotonic() < deadline, f"{node.name} cannot reach {host}:{port} after {timeout:.0f} s"
+        time.sleep(0.5)
+
+
 def test_killed_container_is_reported_with_its_host(image: str, pair: Pair) -> None:
     (pair.data / "loop.py").write_text(LOOP)
     victim = pm.run_container("node3", image, ["sshd"], network=pair.network,
                               volumes=[f"{pair.keys}:/etc/hora/ssh:ro", f"{pair.data}:/data"])
     try:
         victim.wait_for_log("Server listening")
+        _wait_until_reachable(pair.nodes[0], "node3", 2222)
         job = subprocess.Popen([*pm.PODMAN, "exec", pair.nodes[0].name, "hora", "run", "-np", "2", "-H",
                                 "node1:1,node3:1", "-p", "2222", "python", "/data/loop.py"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 240
         while not all((pair.data / f"ready-{r}").exists() for r in (0, 1)):
-            assert job.poll() is None and time.monotonic() < deadline, "the job never got going"
+            if job.poll() is not None or time.monotonic() > deadline:
+                job.kill()
+                output, _ = job.communicate(timeout=60)
+                raise AssertionError(f"the job never got going (exit {job.returncode}):\n{output[-3000:]}")
             time.sleep(0.5)
         pm.podman("kill", victim.name)
         output, _ = job.communicate(timeout=180)
