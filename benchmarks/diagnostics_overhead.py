@@ -94,7 +94,7 @@ def _micro(rank: int, size: int, pending: int, calls: int) -> dict[str, float]:
 
     import hora as hvd
     from hora import runtime
-    from hora.plan import Entry, Request
+    from hora.engine.plan import Entry, Request
 
     hvd.init()
     neg = runtime.state().negotiator

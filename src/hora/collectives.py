@@ -20,11 +20,11 @@ from hora import callsite, runtime
 from hora.callsite import Site
 from hora.compression import Compression, Compressor
 from hora.diagnostics import timeline
-from hora.dispatch import Launch, LocalOp
+from hora.engine.dispatch import Launch, LocalOp
+from hora.engine.plan import Request
 from hora.errors import InvalidCallError, UnsupportedDtypeError
 from hora.fusion import allreduce_async, wire_op
 from hora.handles import Handle
-from hora.plan import Request
 from hora.process_sets import ProcessSet, global_process_set
 from hora.reduce_ops import ReduceOp
 
@@ -450,7 +450,7 @@ class Join:
 
     @staticmethod
     def launch(call: Call, launch: Launch) -> None:
-        from hora.plan import last_joined
+        from hora.engine.plan import last_joined
 
         call.meta = last_joined(launch.entry)
 

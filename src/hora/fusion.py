@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hora import hierarchical
-from hora.plan import Entry, Request
+from hora.engine.plan import Entry, Request
 from hora.reduce_ops import ReduceOp
 
 MAX_FUSED_TENSOR_BYTES = 1 << 20  # larger tensors run alone: fusion would only add copies

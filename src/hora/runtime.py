@@ -130,7 +130,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         try:  # a failed init leaves nothing behind: is_initialized() stays False and init() can be retried
             for ps in sets:
                 rt.register_process_set(ps)
-            from hora.negotiator import Negotiator
+            from hora.engine.negotiator import Negotiator
 
             rt.negotiator = Negotiator(rt)
             rt.negotiator.start()

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from hora.control import make_control_plane
+from hora.engine.control import make_control_plane
+from hora.engine.mesh import Mesh, PeerLost, connect_mesh
 from hora.env import Knobs
 from hora.errors import CollectiveError, ConfigError
-from hora.mesh import Mesh, PeerLost, connect_mesh
 
 
 def _meshes(size: int, round_timeout: float = 30.0, before: Callable[[dist.Store], None] | None = None

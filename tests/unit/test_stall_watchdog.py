@@ -1,4 +1,4 @@
-"""The stall watchdog (hora.control.Watchdog): fires the armed round once its deadline passes, follows
+"""The stall watchdog (hora.engine.control.Watchdog): fires the armed round once its deadline passes, follows
 re-arming to an earlier or a later deadline, and never fires when disarmed."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from hora.control import Watchdog
+from hora.engine.control import Watchdog
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ from typing import Any
 
 from hora.diagnostics import where
 from hora.diagnostics.stall import StallAction, StallPolicy, format_stall_report
+from hora.engine.plan import JOIN, SHUTDOWN, Entry, Table
 from hora.errors import CollectiveTimeoutError
-from hora.plan import JOIN, SHUTDOWN, Entry, Table
 
 log = logging.getLogger(__name__)
 

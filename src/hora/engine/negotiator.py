@@ -1,11 +1,12 @@
 """The negotiator: matches collectives across ranks by name, then runs them in one agreed order.
 
 In each *round* every rank contributes the requests it submitted since the last round, in one allgather on
-the control plane (:mod:`hora.mesh`, or :class:`hora.control.GlooPlane` for very large jobs); every rank
-adds them to the same :class:`hora.plan.Table` and reaches the same decision (ready / mismatched, and the
-order to run them). Whichever thread runs the round (it holds the round lock) issues hora's data-plane
-collectives (:mod:`hora.dispatch`), in that order, on hora's own groups: the negotiator thread, or a thread
-about to wait for its own synchronous op (``drive``), which saves two thread hand-offs per op.
+the control plane (:mod:`hora.engine.mesh`, or :class:`hora.engine.control.GlooPlane` for very large
+jobs); every rank adds them to the same :class:`hora.engine.plan.Table` and reaches the same decision
+(ready / mismatched, and the order to run them). Whichever thread runs the round (it holds the round lock)
+issues hora's data-plane collectives (:mod:`hora.engine.dispatch`), in that order, on hora's own groups:
+the negotiator thread, or a thread about to wait for its own synchronous op (``drive``), which saves two
+thread hand-offs per op.
 
 Rounds are event-driven. Between rounds the negotiator thread blocks on the plane's bell: a local submit
 rings it, and on the mesh so does a peer's frame (a peer started a round). No busy loop, no fixed cycle, no
@@ -30,17 +31,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hora import fusion
-from hora.control import DeathWatch, Watchdog, advertised_address, make_control_plane
 from hora.diagnostics import stall as stall_mod
 from hora.diagnostics import timeline as timeline_mod
 from hora.diagnostics.board import Board
 from hora.diagnostics.stall_inspector import StallInspector
-from hora.dispatch import Dispatcher, LocalOp
+from hora.engine.control import DeathWatch, Watchdog, advertised_address, make_control_plane
+from hora.engine.dispatch import Dispatcher, LocalOp
+from hora.engine.mesh import Mesh, PeerLost
+from hora.engine.plan import JOIN, SHUTDOWN, Decision, Request, Table
+from hora.engine.response_cache import UNNAMED, ResponseCache
 from hora.errors import CollectiveError, CollectiveTimeoutError
 from hora.handles import Handle
-from hora.mesh import Mesh, PeerLost
-from hora.plan import JOIN, SHUTDOWN, Decision, Request, Table
-from hora.response_cache import UNNAMED, ResponseCache
 
 if TYPE_CHECKING:
     from hora.runtime import Runtime

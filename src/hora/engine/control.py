@@ -1,8 +1,8 @@
 """The negotiator's control plane: the per-round allgather, the bell idle negotiators wait on, and the
 watchdog that rings it when a pending collective stalls. Plumbing only; the logic is in negotiator.py.
 
-Two control planes share one interface (:class:`ControlPlane`): the TCP mesh (:mod:`hora.mesh`, the default
-up to 256 ranks: one round trip per round) and :class:`GlooPlane` (an allgather on a Gloo group, idle ranks
+Two control planes share one interface (:class:`ControlPlane`): the TCP mesh (:mod:`hora.engine.mesh`, the
+default up to 256 ranks: one round trip per round) and :class:`GlooPlane` (an allgather on a Gloo group, idle ranks
 woken through a store key, peers watched by :class:`DeathWatch`), which needs one connection per rank
 instead of one per pair."""
 
@@ -355,7 +355,7 @@ def make_control_plane(rt: Runtime) -> ControlPlane:
         return LocalPlane()
     if choice == "gloo" or (choice == "auto" and size > MESH_MAX_RANKS):
         return GlooPlane(rt)
-    from hora.mesh import connect_mesh
+    from hora.engine.mesh import connect_mesh
 
     # no fixed round timeout: a peer that does not answer is the stall inspector's (Negotiator._round_wait),
     # on the deadlines of --stall-check-warning-time-seconds / --stall-check-shutdown-time-seconds

@@ -17,9 +17,9 @@ import torch
 
 from hora import fusion
 from hora.diagnostics import timeline as timeline_mod
+from hora.engine.plan import Entry, Request
 from hora.errors import CollectiveError
 from hora.handles import Handle
-from hora.plan import Entry, Request
 
 
 @dataclass(eq=False)
