@@ -47,8 +47,9 @@ def test_local_and_cross_ranks_when_a_host_grows_after_others() -> None:
 
 
 def test_world_and_update_json_round_trip() -> None:
-    world = ep.assign_world(None, 7, _members("[::1]:0", "[::1]:1", "node-2:0"))
+    world = ep.assign_world(None, 7, _members("[::1]:0", "[::1]:1", "node-2:0"), updates=4)
     text = world.to_json()
+    assert ep.World.from_json(text).updates == 4
     assert ep.World.from_json(text) == world
     assert ep.World.from_json(text.encode()) == world
     assert '"gen":7' in text and '"size":3' in text

@@ -120,10 +120,16 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class World:
-    """World ``gen``: every member worker's placement, keyed by worker id."""
+    """World ``gen``: every member worker's placement, keyed by worker id.
+
+    ``updates`` is the value of the ``updates`` counter this world already reflects: a member starts
+    comparing the counter against it (so an update posted while it joined is not missed, and one the world
+    already took in does not interrupt it again).
+    """
 
     gen: int
     workers: Mapping[str, Placement] = field(default_factory=dict)
+    updates: int = 0
 
     @property
     def size(self) -> int:
@@ -147,14 +153,14 @@ class World:
         return None if placement is None else placement.rank
 
     def to_json(self) -> str:
-        return json.dumps({"gen": self.gen, "size": self.size,
+        return json.dumps({"gen": self.gen, "size": self.size, "updates": self.updates,
                            "workers": {wid: p.to_dict() for wid, p in self.ordered()}}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> World:
         d = json.loads(text)
         workers = {str(wid): Placement.from_dict(p) for wid, p in d["workers"].items()}
-        world = cls(gen=int(d["gen"]), workers=workers)
+        world = cls(gen=int(d["gen"]), workers=workers, updates=int(d.get("updates", 0)))
         if int(d.get("size", world.size)) != world.size or sorted(p.rank for p in workers.values()) != list(
                 range(world.size)):
             raise ValueError(f"elastic world {d.get('gen')}: ranks are not 0..size-1: {d!r}")
@@ -187,13 +193,14 @@ def skip_sync(updates: Iterable[Update]) -> bool:
     return all(u.skip_sync for u in updates)
 
 
-def assign_world(previous: World | None, gen: int, members: Iterable[tuple[str, str]]) -> World:
+def assign_world(previous: World | None, gen: int, members: Iterable[tuple[str, str]], updates: int = 0) -> World:
     """World ``gen`` for ``members`` (``(worker_id, hostname)`` pairs, new ones in the order to number them).
 
     Members that were in ``previous`` come first, in their old rank order; the others follow in the order
     given. ``local_rank`` is a worker's index among the members on its host (in rank order), ``cross_rank``
     its host's index among the hosts that have a member with that ``local_rank`` (hosts in order of first
     rank) — Horovod's numbering, as :func:`hora.topology.derive_topology` computes it for a fixed job.
+    ``updates``: see :class:`World`.
     """
     members = list(members)
     seen: set[str] = set()
@@ -215,4 +222,4 @@ def assign_world(previous: World | None, gen: int, members: Iterable[tuple[str, 
         peers = [h for h in host_order if len(on_host[h]) > local_rank]
         workers[wid] = Placement(rank=rank, local_rank=local_rank, local_size=len(on_host[host]),
                                  cross_rank=peers.index(host), cross_size=len(peers), hostname=host)
-    return World(gen=gen, workers=workers)
+    return World(gen=gen, workers=workers, updates=updates)
