@@ -10,8 +10,9 @@ below live in the driver's rendezvous store under ``hora/<job>/elastic/`` (:func
     ``"<gen>"``: the newest world. A worker waits for it to pass the last world it was in.
 ``ready/<worker_id>``
     ``"<last gen the worker was in, 0 if none>"``: set by a worker at its first ``hvd.init()`` and at every
-    reset, before it waits for a newer ``gen``. A worker absent from that newer world was removed: it logs one
-    line and exits 0.
+    reset, before it waits for a newer ``gen``. A worker that was in world ``L`` and is absent from the first
+    world after ``L`` it reads was removed: it logs one line and exits 0. A new worker (``"0"``) waits until a
+    world contains it (the driver stops it if none ever will).
 ``updates`` / ``update/<n>``
     a host change: the driver stores ``update/<n>`` (an :class:`Update` as JSON), then ``add``\\ s 1 to the
     ``updates`` counter (so ``n`` counts from 1). A worker compares the counter with what it saw at its last
