@@ -81,6 +81,11 @@ from hora.ops import (  # noqa: F401
     broadcast_,
     broadcast_async,
     broadcast_async_,
+    join,
+    reducescatter,
+    reducescatter_async,
+)
+from hora.grouped import (  # noqa: F401
     grouped_allgather,
     grouped_allgather_async,
     grouped_allreduce,
@@ -89,11 +94,8 @@ from hora.ops import (  # noqa: F401
     grouped_allreduce_async_,
     grouped_reducescatter,
     grouped_reducescatter_async,
-    join,
-    reducescatter,
-    reducescatter_async,
-    sparse_allreduce_async,
 )
+from hora.sparse import sparse_allreduce_async  # noqa: F401
 
 # --- helpers, optimizer, SyncBatchNorm (functions.py, optimizer.py, sync_batch_norm.py) ---------------
 from hora.functions import (  # noqa: F401

@@ -6,8 +6,9 @@ For two vectors::
 
 (a coefficient stays 1 when its vector's squared norm is below 1e-8, as in Horovod). Over ``2^k`` ranks
 the pairs combine as a binary tree: ranks differing in bit 0 first, then in bit 1, and so on, which is the
-order Horovod's recursive vector-halving uses. Here one allgather brings every rank's vector and each rank
-computes the tree locally: simple, exact, and fine for the gradient sizes Gloo carries.
+order Horovod's recursive vector-halving uses. ``hvd.allreduce(t, op=hvd.Adasum)`` is its own kind of
+collective (:class:`hora.kinds.Adasum`): one allgather brings every rank's vector and each rank computes the
+tree locally: simple, exact, and fine for the gradient sizes Gloo carries. This module is the arithmetic only.
 
 Example:
     >>> import torch
@@ -19,16 +20,9 @@ Example:
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
 import torch
 
-from hora import ops
 from hora.errors import UnsupportedCallError
-from hora.handles import synchronize
-
-log = logging.getLogger(__name__)
 
 _NORM_EPS = 1e-8
 
@@ -52,43 +46,3 @@ def adasum_tree(rows: torch.Tensor) -> torch.Tensor:
     while len(level) > 1:
         level = [adasum_pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
     return level[0]
-
-
-class AdasumHandle:
-    """An in-flight Adasum allreduce: an allgather now, the tree and the copy-out on ``wait()``."""
-
-    __slots__ = ("gather", "size", "tensor")
-
-    def __init__(self, tensor: torch.Tensor, gather: Any, size: int) -> None:
-        self.tensor, self.gather, self.size = tensor, gather, size
-
-    def wait(self) -> torch.Tensor:
-        rows = synchronize(self.gather).view(self.size, -1)  # (W, n)
-        self.tensor.copy_(adasum_tree(rows).view_as(self.tensor))
-        return self.tensor
-
-    def poll(self) -> bool:
-        return bool(self.gather.poll())
-
-
-def adasum_allreduce_async_(tensor: torch.Tensor, name: str | None, process_set: Any) -> AdasumHandle:
-    """Start an in-place Adasum allreduce of ``tensor`` over ``process_set`` (a power-of-two number of ranks)."""
-    size = process_set.size()
-    if size & (size - 1):
-        raise UnsupportedCallError(  # Horovod: NotImplementedError
-            f"op=hvd.Adasum needs a power-of-two number of ranks, got {size}: run with 2, 4, 8... ranks or use "
-            "op=hvd.Average"
-        )
-    gather = ops.allgather_async(tensor.reshape(-1).contiguous(), name=f"{name}.adasum" if name else None,
-                                 process_set=process_set)
-    return AdasumHandle(tensor, gather, size)
-
-
-def adasum_allreduce(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
-    """Adasum of ``tensor`` over ``process_set`` (default: all ranks), as a new tensor.
-
-    This is what ``hvd.allreduce(t, op=hvd.Adasum)`` runs.
-    """
-    from hora.process_sets import global_process_set
-
-    return adasum_allreduce_async_(tensor.clone(), name, process_set or global_process_set).wait()

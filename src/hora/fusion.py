@@ -10,60 +10,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hora import hierarchical
+from hora.dataplane import to_dtype, wire_op
 from hora.engine.plan import Entry, Request
 from hora.reduce_ops import ReduceOp
 
 MAX_FUSED_TENSOR_BYTES = 1 << 20  # larger tensors run alone: fusion would only add copies
 INLINE_MAX_BYTES = 64  # allreduces this small travel inside the negotiation round itself
-
-_WIRE_OPS = {
-    ReduceOp.AVERAGE: dist.ReduceOp.SUM,  # the division happens when the op finishes
-    ReduceOp.SUM: dist.ReduceOp.SUM,
-    ReduceOp.MIN: dist.ReduceOp.MIN,
-    ReduceOp.MAX: dist.ReduceOp.MAX,
-    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
-}
-
-
-def wire_op(op: int) -> Any:
-    """The c10d reduce op that carries a hora reduce op on the wire."""
-    wire = _WIRE_OPS.get(op)  # type: ignore[call-overload]  # an IntEnum key matches its int value
-    return wire if wire is not None else _WIRE_OPS[ReduceOp(op)]
-
-
-_OPTIONS: dict[int, Any] = {}  # reduce op -> c10d AllreduceOptions, built once: nothing allocated per op
-
-
-def allreduce_async(tensor: torch.Tensor, op: int, group: Any) -> Any:
-    """``dist.all_reduce(tensor, op, group, async_op=True)`` without its per-call Python checks, which cost more
-    than hora's whole round: hora validated the tensor at submit (never complex), and never coalesces on its
-    own groups. Returns the c10d Work. On the global group with hierarchical allreduce on, the three steps of
-    :mod:`hora.hierarchical` instead (the only place either path is chosen)."""
-    if hierarchical._active is not None and group is hierarchical._active.flat_group:
-        return hierarchical.allreduce_async(tensor, wire_op(op), group, lambda t: _flat(t, op, group))
-    return _flat(tensor, op, group)
-
-
-def _flat(tensor: torch.Tensor, op: int, group: Any) -> Any:
-    opts = _OPTIONS.get(op)
-    if opts is None:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = wire_op(op)
-        if hasattr(opts, "asyncOp"):
-            opts.asyncOp = True
-        opts = _OPTIONS.setdefault(op, opts)
-    return group.allreduce([tensor], opts)
-
-
-def to_dtype(name: str) -> torch.dtype:
-    """``"float32"`` -> ``torch.float32``."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 def request_nbytes(req: Request) -> int:
@@ -135,7 +89,7 @@ class FusionBuffers:
             else:
                 flat[offset : offset + n].copy_(wire.reshape(-1))
             offset += n
-        allreduce_async(flat, req.op, group).wait()
+        hierarchical.allreduce(flat, req.op, group).wait()
         offset = 0
         for wire, n in zip(wires, sizes):
             if wire is not None:

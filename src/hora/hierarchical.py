@@ -26,9 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hora import dataplane
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Hierarchy", "active", "allreduce_async", "build", "clear", "flat"]
+__all__ = ["Hierarchy", "active", "allreduce", "build", "clear", "flat"]
 
 
 @dataclass(eq=False)
@@ -153,9 +155,10 @@ CHUNK_BYTES = 4 * 2**20
 MAX_CHUNKS = 8
 
 
-def allreduce_async(tensor: torch.Tensor, wire_op: Any, group: Any, flat: Any) -> Any:
-    """Allreduce ``tensor`` in place on ``group``: hierarchically when that is the global group and the
-    hierarchy is on, else with ``flat(tensor)`` (the plain c10d call). Returns a Work.
+def allreduce(tensor: torch.Tensor, op: int, group: Any) -> Any:
+    """Allreduce ``tensor`` in place on ``group`` and return a Work: in three steps when ``group`` is the global
+    process set's and the hierarchy is on, else as one flat c10d allreduce. The only place either path is
+    chosen (single ops, fused batches and gradient buckets all come here).
 
     The three steps run as a pipeline over chunks: while the leaders allreduce chunk k across hosts, the
     host reduces chunk k+1 and broadcasts chunk k-1, so the fast intra-host steps hide behind the network.
@@ -164,23 +167,22 @@ def allreduce_async(tensor: torch.Tensor, wire_op: Any, group: Any, flat: Any) -
     """
     h = _active
     if h is None or group is not h.flat_group:
-        return flat(tensor)
+        return dataplane.allreduce(tensor, op, group)
     h.calls += 1
     chunks = chunks_of(tensor)
     local, cross = h.local_group, h.cross_group
-    reduces = [dist.reduce(c, dst=h.leader, op=wire_op, group=local, async_op=True) for c in chunks] \
-        if local is not None else []
+    reduces = [dataplane.reduce(c, h.leader, op, local) for c in chunks] if local is not None else []
     crossing = []
     if cross is not None:
         for i, c in enumerate(chunks):
             if reduces:
                 reduces[i].wait()
-            crossing.append(dist.all_reduce(c, op=wire_op, group=cross, async_op=True))
+            crossing.append(dataplane.allreduce(c, op, cross))
     if local is None:
         return _ChainWork(crossing)
     broadcasts = []
     for i, c in enumerate(chunks):
         if crossing:
             crossing[i].wait()
-        broadcasts.append(dist.broadcast(c, src=h.leader, group=local, async_op=True))
+        broadcasts.append(dataplane.broadcast(c, h.leader, local))
     return _ChainWork(broadcasts)

@@ -32,31 +32,17 @@ from typing import Any
 import torch
 
 from hora import handles, ops
-from hora.adasum import adasum_allreduce_async_
 from hora.buckets import FlatBucket, ParamSpec, plan_buckets
 from hora.compression import CastCompressor, Compressor, NoneCompressor, wire_dtype
 from hora.diagnostics import timeline
 from hora.env import Knobs
 from hora.errors import UnsupportedCallError
-from hora.reduce_ops import Adasum, Average, Sum
+from hora.reduce_ops import Adasum, Sum, bucket_scales
+from hora.sparse import sparse_allreduce_async
 
 log = logging.getLogger(__name__)
 
 _MB = 1024 * 1024
-
-
-def _scales(op: Any, predivide: float, size: int, uncompressed: bool) -> tuple[float, float]:
-    """Factors applied on the copy into the bucket and on the copy out, so Average costs no extra pass.
-
-    Uncompressed, the whole 1/size goes in (the copy out is then a plain copy).
-    On a compressed wire, Horovod's split is kept: 1/predivide before the sum, predivide/size after,
-    so fp16 sums do not overflow or underflow more than they would in Horovod.
-    """
-    if op is not Average:
-        return 1.0, 1.0
-    if uncompressed:
-        return 1.0 / size, 1.0
-    return 1.0 / predivide, predivide / size
 
 
 class GradientReducer:
@@ -165,7 +151,7 @@ class GradientReducer:
             self._world = world
             self._reduce = world[0] and world[1] > 1
             uncompressed = isinstance(self.compression, NoneCompressor)
-            self.scale_in, self.scale_out = _scales(self.op, self.predivide, world[1], uncompressed)
+            self.scale_in, self.scale_out = bucket_scales(self.op, world[1], self.predivide, uncompressed)
             self._plan_key = None  # new buckets under new names
         if self._reduce:
             self.ensure_plan()
@@ -225,14 +211,12 @@ class GradientReducer:
             if tl is not None:
                 tl.span(bucket.name, "compress", t0, time.perf_counter(), kind="allreduce", bytes=wire.nbytes)
         bucket.wire = wire
-        if self.op is Adasum:
-            bucket.handle = adasum_allreduce_async_(wire, bucket.name, self.process_set)
-            return
         # Average's division is folded into the copies in and out (scale_in, scale_out): a plain sum here
-        bucket.handle = ops.allreduce_async_(wire, name=bucket.name, op=Sum, process_set=self.process_set)
+        op = Adasum if self.op is Adasum else Sum
+        bucket.handle = ops.allreduce_async_(wire, name=bucket.name, op=op, process_set=self.process_set)
 
     def _submit_sparse(self, index: int, grad: torch.Tensor) -> None:
-        self.sparse[index] = ops.sparse_allreduce_async(
+        self.sparse[index] = sparse_allreduce_async(
             grad, name=f"{self.prefix}.sparse.{self.names[index]}", op=self.op, process_set=self.process_set
         )
 

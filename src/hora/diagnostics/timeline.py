@@ -42,8 +42,8 @@ from hora.diagnostics.merge import (
     rank_parts,
     rank_path,
 )
-from hora.diagnostics.where import UNNAMED_PREFIX
 from hora.errors import ConfigError  # generated names: these ops share a few pooled rows
+from hora.names import UNNAMED_PREFIX
 
 log = logging.getLogger(__name__)
 

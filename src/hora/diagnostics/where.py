@@ -26,6 +26,8 @@ import threading
 import traceback
 from types import FrameType
 
+from hora.names import parse_unnamed
+
 log = logging.getLogger(__name__)
 
 # Thread ident -> what that thread waits in: a description, or (kind, name) described only when read (the
@@ -33,7 +35,6 @@ log = logging.getLogger(__name__)
 # needs no lock; readers take a snapshot with dict.get.
 _waiting: dict[int, str | tuple[str, str]] = {}
 _get_ident = threading.get_ident
-UNNAMED_PREFIX = "noname."  # the negotiator's generated names for unnamed collectives
 
 _THIS_FILE = os.path.abspath(__file__)
 _HORA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,11 +49,11 @@ def _torch_dir() -> str | None:
 def describe_op(kind: str, name: str) -> str:
     """How a user reads a collective: ``allreduce 'loss'``, or ``unnamed allreduce #17`` for a generated
     name (``noname.ps0.17``: the 17th unnamed collective of process set 0), ``... #3 of process set 2``."""
-    if name.startswith(UNNAMED_PREFIX):
-        ps, _, n = name[len(UNNAMED_PREFIX):].partition(".")
-        if ps.startswith("ps") and n.isdigit():
-            where = "" if ps == "ps0" else f" of process set {ps[2:]}"
-            return f"unnamed {kind} #{n}{where}"
+    parsed = parse_unnamed(name)
+    if parsed is not None and name.count(".") == 2:
+        ps, n = parsed
+        where = "" if ps == 0 else f" of process set {ps}"
+        return f"unnamed {kind} #{n}{where}"
     return f"{kind} {name!r}"
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hora import fusion
+from hora import fusion, kinds
 from hora.diagnostics import timeline as timeline_mod
 from hora.engine.plan import Entry, Request
 from hora.errors import CollectiveError
@@ -28,20 +28,10 @@ class LocalOp:
 
     req: Request
     handle: Handle
-    launch: Callable[[Launch], Any]  # issues the c10d call on the round's thread; returns a Work or None
+    launch: Callable[[kinds.Launch], Any]  # issues the c10d call on the round's thread; returns a Work or None
     wire: torch.Tensor | None = None  # the buffer an allreduce sends: fusion may copy it into a fused buffer
     event: Any = None  # CUDA event recorded at submit on the user's stream
     submitted_at: float = 0.0
-
-
-@dataclass(eq=False)
-class Launch:
-    """What a launch needs beyond its own request: every member's request, and the group to run on."""
-
-    entry: Entry
-    group: Any
-    rank: int
-    joined: frozenset[int]
 
 
 class Dispatcher:
@@ -91,12 +81,10 @@ class Dispatcher:
     def _launch_one(self, entry: Entry, joined: frozenset[int]) -> None:
         op = self._take(entry.name)
         group = self._group_of(entry)
-        launch = Launch(entry, group, self.rank, joined)
+        launch = kinds.Launch(entry, group, self.rank)
         kind = entry.first.kind
         if op is None:  # this rank has joined: contribute zeros / nothing
-            from hora.collectives import launch_joined
-
-            work = launch_joined(launch)
+            work = kinds.launch_joined(launch)
             if work is not None:
                 self._joined_works.append(work)
             return

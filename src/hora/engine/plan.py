@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from hora.diagnostics.where import UNNAMED_PREFIX, describe_op
+from hora.diagnostics.where import describe_op
 from hora.errors import CollectiveError, CollectiveMismatchError, HoraError, PeerRejectedCallError
+from hora.names import UNNAMED_PREFIX
 
 JOIN = "join"
 SHUTDOWN = "shutdown"

@@ -1,0 +1,381 @@
+"""The kinds of collective, and what each does at its four steps.
+
+A :class:`Call` is one validated user call. Its :class:`Kind` says which collective it is; ``KINDS[kind]``
+holds that kind's steps:
+
+- ``prepare(call)``: on the caller's thread at submit, build the wire buffer (compress, prescale, cast a
+  dtype the backend lacks, copy when the caller's tensor must stay untouched);
+- ``launch(call, launch)``: on the thread that ran the negotiation round, once every member has submitted,
+  issue the one c10d call (:mod:`hora.dataplane`, or :func:`hora.hierarchical.allreduce`); returns its Work;
+- ``launch_joined(launch)``: the same collective for a rank that has called ``join()``: zeros or no rows;
+- ``finish(call)``: on the caller's thread in ``synchronize()``, after the Work completed: average,
+  postscale, decompress, copy out; returns what the user gets.
+
+Nothing here negotiates or knows about other calls: the engine decides when ``launch`` runs.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from hora import callsite, dataplane, hierarchical
+from hora.adasum import adasum_tree
+from hora.callsite import Site
+from hora.compression import Compression, Compressor
+from hora.dataplane import Work, to_dtype
+from hora.process_sets import ProcessSet
+from hora.reduce_ops import AVERAGE_WIRE, ReduceOp, finish_sum, scale_integers
+
+if TYPE_CHECKING:
+    from hora.engine.plan import Entry
+
+
+class Kind(str, enum.Enum):
+    """Which collective a call is. Compares (and hashes) equal to its value, the string on the wire."""
+
+    ALLREDUCE = "allreduce"
+    ADASUM = "adasum"  # an allreduce with op=hvd.Adasum: an allgather, then the Adasum tree on every rank
+    ALLGATHER = "allgather"
+    BROADCAST = "broadcast"
+    ALLTOALL = "alltoall"
+    REDUCESCATTER = "reducescatter"
+    BARRIER = "barrier"
+    JOIN = "join"
+
+    __hash__ = str.__hash__  # a plain "allreduce" finds Kind.ALLREDUCE in a dict or set, and the reverse
+
+    def __str__(self) -> str:
+        return self.value
+
+
+REDUCTIONS = frozenset({Kind.ALLREDUCE, Kind.REDUCESCATTER})  # the kinds that take op= and scale factors
+_NO_WIRE = torch.empty(0)  # a Call's wire until its kind's prepare sets it (never written to)
+# dtypes the backends lack travel as a wider type and are cast back when the op finishes
+_WIRE_CAST = {torch.int16: torch.int32}
+
+
+@dataclass(eq=False)
+class Call:
+    """One validated call: everything its kind's steps need."""
+
+    kind: Kind
+    tensor: torch.Tensor
+    name: str
+    ps: ProcessSet
+    op: ReduceOp = ReduceOp.SUM
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    splits: tuple[int, ...] | None = None
+    compression: Compressor = Compression.none
+    inplace: bool = False
+    wire: torch.Tensor = _NO_WIRE  # set by prepare
+    ctx: Any = None  # compression context
+    out: Any = None  # set by launch: the c10d output buffer
+    meta: Any = None  # set by launch: rows / splits / the last joined rank, which finish needs
+    members: int = 0  # the process set's size when the call was submitted (Average divides by it)
+    site: Site = callsite.UNKNOWN  # where the user called it (unnamed ops, when the check is on)
+    rejected: Exception | None = None  # found invalid while the call was built (raised at submit)
+
+    @property
+    def index(self) -> int:
+        return self.ps.rank()
+
+
+@dataclass(eq=False)
+class Launch:
+    """What a launch needs beyond its own call, from the engine: every member's request (the round's entry),
+    the group to run on, and this rank."""
+
+    entry: Entry
+    group: Any  # the process set's c10d ProcessGroup
+    rank: int
+
+
+class Steps(Protocol):
+    """A kind's four steps (see the module docstring)."""
+
+    def prepare(self, call: Call) -> None: ...
+
+    def launch(self, call: Call, launch: Launch) -> Work | None: ...
+
+    def launch_joined(self, launch: Launch) -> Work | None: ...
+
+    def finish(self, call: Call) -> Any: ...
+
+
+# --- the wire buffer ----------------------------------------------------------------------------------------
+def _to_wire(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    t = t.detach()  # same storage; autograd is handled by hora.ops' Functions, never on the wire
+    cast = _WIRE_CAST.get(t.dtype)
+    if cast is not None:
+        return t.to(cast)
+    return t.clone() if copy else t
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` is ``b``'s storage seen through another tensor object (e.g. ``b.detach()``)."""
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+
+
+def _from_wire(call: Call, result: torch.Tensor) -> torch.Tensor:
+    dtype = call.tensor.dtype
+    if result.dtype == dtype:
+        return result
+    widened = dtype in _WIRE_CAST or (call.op == ReduceOp.AVERAGE and dtype in AVERAGE_WIRE)
+    return result.to(dtype) if widened else result
+
+
+def _copy_out(call: Call, result: torch.Tensor) -> torch.Tensor:
+    """The user's result: ``result``, or for an in-place call the caller's tensor holding it."""
+    if not call.inplace:
+        return result
+    if not _same_memory(result, call.tensor):  # the wire was a copy (cast, compression)
+        call.tensor.copy_(result)
+    return call.tensor
+
+
+def _zeros_like_request(launch: Launch, rows: int | None = None) -> torch.Tensor:
+    """What a joined rank contributes: zeros of the members' dtype and shape (``rows`` rows, if given)."""
+    req = launch.entry.first
+    device = torch.device(req.device, torch.cuda.current_device()) if req.device == "cuda" else torch.device("cpu")
+    shape = req.shape if rows is None else (rows, *req.shape[1:])
+    return torch.zeros(shape, dtype=to_dtype(req.dtype), device=device)
+
+
+def _members(launch: Launch) -> int:
+    return len(launch.entry.first.ps)
+
+
+# --- reductions: allreduce, reducescatter -------------------------------------------------------------------
+def _prepare_reduction(call: Call) -> None:
+    compressed, call.ctx = call.compression.compress(call.tensor.detach())
+    # never write into the caller's tensor unless asked to (in-place)
+    wide = AVERAGE_WIRE.get(compressed.dtype) if call.op == ReduceOp.AVERAGE else None
+    if wide is not None:
+        call.wire = compressed.detach().to(wide)
+    else:
+        shared = compressed.data_ptr() == call.tensor.data_ptr()
+        copy = shared and not call.inplace and (call.kind is Kind.ALLREDUCE or call.prescale != 1.0)
+        call.wire = _to_wire(compressed, copy=copy)
+    if call.prescale != 1.0:
+        if call.wire.is_floating_point():
+            call.wire.mul_(call.prescale)
+        else:
+            scale_integers(call.wire, call.prescale)
+
+
+def _finish_reduction(call: Call, result: torch.Tensor) -> torch.Tensor:
+    # in the wire's type: an integer Average divides its wide sum; not call.ps.size(): a handle may be
+    # finished after shutdown() unbound the set
+    finish_sum(result, call.op, call.postscale, call.members)
+    if result.dtype != call.tensor.dtype and call.ctx is None:
+        result = _from_wire(call, result)
+    return _copy_out(call, call.compression.decompress(result, call.ctx))
+
+
+class Allreduce:
+    prepare = staticmethod(_prepare_reduction)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Work | None:
+        if call.wire.numel() == 0:  # the same shape everywhere: every rank skips it
+            return None
+        return hierarchical.allreduce(call.wire, call.op, launch.group)
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> Work | None:
+        req = launch.entry.first
+        if torch.Size(req.shape).numel() == 0:
+            return None  # the members skip empty tensors too
+        return hierarchical.allreduce(_zeros_like_request(launch), req.op, launch.group)
+
+    @staticmethod
+    def finish(call: Call) -> torch.Tensor:
+        return _finish_reduction(call, call.wire)
+
+
+class Reducescatter:
+    prepare = staticmethod(_prepare_reduction)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Work:
+        call.out, work = dataplane.scatter_rows(call.wire, _members(launch), call.index, call.op, launch.group)
+        return work
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> Work:
+        req = launch.entry.first
+        index = list(req.ps).index(launch.rank)
+        return dataplane.scatter_rows(_zeros_like_request(launch), len(req.ps), index, req.op, launch.group)[1]
+
+    @staticmethod
+    def finish(call: Call) -> torch.Tensor:
+        return _finish_reduction(call, call.out)
+
+
+class Adasum:
+    """``allreduce(op=hvd.Adasum)``: one allgather of every member's flattened tensor, then each rank combines
+    them with the same tree (:func:`hora.adasum.adasum_tree`), so every rank ends with the same result."""
+
+    @staticmethod
+    def prepare(call: Call) -> None:
+        flat = call.tensor.detach().reshape(-1)  # the allgather only reads it: no copy of the caller's tensor
+        if call.prescale != 1.0:
+            flat = flat * call.prescale
+        call.wire = _to_wire(flat, copy=False)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Work:
+        call.meta = n = _members(launch)
+        call.out, work = dataplane.gather_rows(call.wire, [call.wire.shape[0]] * n, launch.group)
+        return work
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> None:
+        return None  # never runs: the negotiation table fails Adasum while a rank has joined (plan.JOIN_OK)
+
+    @staticmethod
+    def finish(call: Call) -> torch.Tensor:
+        result = adasum_tree(call.out.view(call.meta, -1)).view(call.tensor.shape)  # (W, n) -> the tensor's shape
+        if result.dtype != call.tensor.dtype:
+            result = result.to(call.tensor.dtype)
+        if call.postscale != 1.0:
+            result.mul_(call.postscale)
+        return _copy_out(call, result)
+
+
+# --- data movement: allgather, broadcast, alltoall ----------------------------------------------------------
+def member_rows(launch: Launch) -> list[int]:
+    """Rows each member contributes to an allgather (a joined rank contributes none)."""
+    reqs = launch.entry.requests
+    return [reqs[r].shape[0] if r in reqs else 0 for r in launch.entry.first.ps]
+
+
+def received_rows(launch: Launch, index: int) -> list[int]:
+    """Rows member ``index`` of an alltoall receives from each member (a joined rank sends none)."""
+    reqs = launch.entry.requests
+    return [reqs[r].splits[index] if r in reqs else 0 for r in launch.entry.first.ps]  # type: ignore[index]
+
+
+class Allgather:
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = _to_wire(call.tensor, copy=False)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Work:
+        call.meta = rows = member_rows(launch)
+        call.out, work = dataplane.gather_rows(call.wire, rows, launch.group)
+        return work
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> Work:
+        return dataplane.gather_rows(_zeros_like_request(launch, rows=0), member_rows(launch), launch.group)[1]
+
+    @staticmethod
+    def finish(call: Call) -> torch.Tensor:
+        return _from_wire(call, dataplane.unpad_rows(call.out, call.meta))
+
+
+class Broadcast:
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = _to_wire(call.tensor, copy=not call.inplace)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Work | None:
+        if call.wire.numel() == 0:
+            return None
+        return dataplane.broadcast(call.wire, call.root, launch.group)
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> Work | None:
+        req = launch.entry.first
+        if torch.Size(req.shape).numel() == 0:
+            return None  # the members skip empty tensors too
+        return dataplane.broadcast(_zeros_like_request(launch), req.root, launch.group)
+
+    @staticmethod
+    def finish(call: Call) -> torch.Tensor:
+        return _copy_out(call, _from_wire(call, call.wire))
+
+
+class Alltoall:
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = _to_wire(call.tensor, copy=False)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Work:
+        call.meta = recv = received_rows(launch, call.index)
+        rest = tuple(call.wire.shape[1:])
+        call.out = torch.empty((sum(recv), *rest), dtype=call.wire.dtype, device=call.wire.device)
+        return dataplane.alltoall(call.out, call.wire, recv, list(call.splits or ()), launch.group)
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> Work:
+        """Sends no rows; receives (and drops) the rows the members send it."""
+        req = launch.entry.first
+        recv = received_rows(launch, list(req.ps).index(launch.rank))
+        out = _zeros_like_request(launch, rows=sum(recv))
+        return dataplane.alltoall(out, _zeros_like_request(launch, rows=0), recv, [0] * len(req.ps), launch.group)
+
+    @staticmethod
+    def finish(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        return _from_wire(call, call.out), torch.tensor(call.meta, dtype=torch.int32)
+
+
+# --- synchronisation: barrier, join ----------------------------------------------------------------------------
+class Barrier:
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = call.tensor
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Work:
+        return dataplane.barrier(launch.group)
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> Work:
+        return dataplane.barrier(launch.group)
+
+    @staticmethod
+    def finish(call: Call) -> None:
+        return None
+
+
+class Join:
+    """No data: ready once every rank has joined; the result is the rank whose join arrived last."""
+
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = call.tensor
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> None:
+        arrival = launch.entry.arrival  # rank -> the round its join arrived in; ties: the highest rank
+        call.meta = max(arrival, key=lambda r: (arrival[r], r))
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> None:
+        return None
+
+    @staticmethod
+    def finish(call: Call) -> int:
+        return int(call.meta)
+
+
+KINDS: dict[str, Steps] = {Kind.ALLREDUCE: Allreduce, Kind.ADASUM: Adasum, Kind.ALLGATHER: Allgather,  # type: ignore[dict-item]
+                           Kind.BROADCAST: Broadcast, Kind.ALLTOALL: Alltoall, Kind.REDUCESCATTER: Reducescatter,
+                           Kind.BARRIER: Barrier, Kind.JOIN: Join}
+
+
+def launch_joined(launch: Launch) -> Work | None:
+    """Take part in a ready collective for a rank that has called ``join()``: contribute zeros or nothing."""
+    steps = KINDS.get(launch.entry.first.kind)
+    return steps.launch_joined(launch) if steps is not None else None
