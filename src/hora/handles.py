@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hora.diagnostics import timeline, where
+from hora.diagnostics import inflight, timeline, where
 
 _UNSET = object()
 
@@ -91,6 +91,7 @@ class Handle:
                     tl.span(self.name, "copy_out", t0, time.perf_counter(), kind=self.kind)
                 return self._result
             finally:
+                inflight.finished(self)
                 self._on_done(self)
 
     def _wait_launched(self) -> None:

@@ -4,20 +4,20 @@ A rank that is stopped, stuck in a native call that holds the GIL, late to ``ini
 it forked holds its connections open: the ranks that wait for it report it on the configured deadlines (not
 after a fixed 120 s), the launcher says what its process is doing (its agent reads /proc), the headline names
 that rank rather than a waiting one, and nothing is left running. Processes a rank starts in a new session end
-with the job. The deadlines below are bounds far above the configured seconds and far below the old 120 s.
+with the job. A rank frozen in the middle of a large data transfer (not in a negotiation round) is found from
+the transfers its peers posted as unfinished. The tests assert what was reported (the seconds the reports
+state, the ranks and hosts they name), never how long a run took.
 """
 
 from __future__ import annotations
 
 import re
 import signal
-import time
 from pathlib import Path
 
 from conftest import PYTHON, alive, hora_run, wait_until, write_script
 
 FAST_STALL = ["--stall-check-warning-time-seconds", "2", "--stall-check-shutdown-time-seconds", "4"]
-BOUND_S = 90.0  # generous (a loaded 2-core machine): "about the configured seconds", never the old fixed 120 s
 
 PRELUDE = """
 import ctypes, os, signal, subprocess, sys, time
@@ -42,21 +42,19 @@ def _nothing_left(tmp_path: Path) -> None:
     assert wait_until(lambda: not any(alive(p) for p in pids), 15), [p for p in pids if alive(p)]
 
 
-def _run(tmp_path: Path, body: str, flags: list[str], np: int = 2) -> tuple[int, str, float]:
+def _run(tmp_path: Path, body: str, flags: list[str], np: int = 2) -> tuple[int, str]:
     script = write_script(tmp_path, "train.py", PRELUDE + body)
-    start = time.monotonic()
     result = hora_run(["-np", str(np), *flags, PYTHON, script, str(tmp_path)], tmp_path, timeout=150)
-    return result.returncode, result.stderr, time.monotonic() - start
+    return result.returncode, result.stderr
 
 
 def test_a_stopped_rank_is_reported_and_blamed_on_the_configured_deadlines(tmp_path: Path) -> None:
-    code, err, took = _run(tmp_path, """
+    code, err = _run(tmp_path, """
 if hvd.rank() == 1:
     os.kill(os.getpid(), signal.SIGSTOP)  # cannot run Python any more: its peers must speak for it
 hvd.allreduce(torch.ones(2), name="loss")
 """, FAST_STALL)
     assert code == 1, err
-    assert took < BOUND_S, err
     assert re.search(r"\[0\]<stderr>:hora stall: rank 1 on localhost has not answered rank 0's negotiation round "
                      r"for [23] s\. Its process cannot run Python", err), err
     assert re.search(r"hora run: stall: rank 1 on host localhost has not answered its peers for [23] s: its process is "
@@ -69,7 +67,7 @@ hvd.allreduce(torch.ones(2), name="loss")
 
 def test_a_native_call_holding_the_gil_is_reported_and_the_job_goes_on_when_it_returns(tmp_path: Path) -> None:
     # no shutdown time: a freeze of a few seconds is reported on time, then the job finishes normally
-    code, err, took = _run(tmp_path, """
+    code, err = _run(tmp_path, """
 if hvd.rank() == 1:
     ctypes.PyDLL(None).sleep(6)  # libc's sleep() through PyDLL: the GIL stays held for 6 s
 print("sum", hvd.allreduce(torch.ones(2), name="loss").tolist())
@@ -82,8 +80,67 @@ print("sum", hvd.allreduce(torch.ones(2), name="loss").tolist())
     _nothing_left(tmp_path)
 
 
+BIG = """
+big = torch.full((16 << 20,), float(hvd.rank() + 1))  # 64 MB: not on the wire long before the stop
+def on_the_wire(handle):  # negotiated: every rank launched the transfer
+    return "pending" not in repr(handle)
+"""
+
+
+def test_a_rank_stopped_in_the_middle_of_a_large_transfer_is_named_and_the_job_ends_at_the_shutdown_time(
+        tmp_path: Path) -> None:
+    code, err = _run(tmp_path, BIG + """
+if hvd.rank() == 1:
+    handle = hvd.allreduce_async(big, name="big")
+    while not on_the_wire(handle):
+        pass
+    os.kill(os.getpid(), signal.SIGSTOP)  # its peers are inside the backend now, not in a negotiation round
+hvd.allreduce(big, name="big")
+print("RETURNED", file=sys.stderr, flush=True)
+""", FAST_STALL, np=3)
+    assert code == 1, err
+    assert re.search(r"\[0\]<stderr>:hora stall: rank 0: allreduce 'big' \(64\.0 MB on ranks 0-2\) has been in the "
+                     r"communication backend for [23] s and has not finished\.", err), err
+    assert re.search(r"hora run: stall: rank 1 on host localhost has not finished allreduce 'big' \(64\.0 MB\), which "
+                     r"ranks 0, 2 have waited [23] s for in the communication backend: its process is stopped "
+                     r"\(state T: SIGSTOP, Ctrl-Z or a debugger\)", err), err
+    assert re.search(r"hora run: rank 1 on host localhost failed first: did not finish allreduce 'big' \(64\.0 MB\) "
+                     r"within --stall-check-shutdown-time-seconds 4 s while ranks 0, 2 waited for it in the "
+                     r"communication backend: its process is stopped \(state T", err), err
+    assert "hora run: job failed: rank 1 on host localhost: did not finish allreduce 'big'" in err, err
+    assert "RETURNED" not in err and "CollectiveTimeoutError" not in err, err
+    _nothing_left(tmp_path)
+
+
+def test_a_transfer_held_up_for_a_while_is_reported_and_goes_on_when_the_rank_resumes(tmp_path: Path) -> None:
+    # no shutdown time: the frozen rank is woken after 6 s (a helper sends SIGCONT), the transfer completes
+    code, err = _run(tmp_path, BIG + """
+if hvd.rank() == 1:
+    handle = hvd.allreduce_async(big, name="big")
+    while not on_the_wire(handle):
+        pass
+    subprocess.Popen(["sh", "-c", f"sleep 6; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
+    total = hvd.synchronize(handle)
+else:
+    total = hvd.allreduce(big, name="big")
+hvd.allreduce(torch.ones(2), name="after")
+print("sum", float(total[0]), float(total[-1]), file=sys.stderr, flush=True)
+""", ["--stall-check-warning-time-seconds", "2"])
+    assert code == 0, err
+    assert re.search(r"\[0\]<stderr>:hora stall: rank 0: allreduce 'big' \(64\.0 MB on ranks 0-1\) has been in the "
+                     r"communication backend for [23] s and has not finished\..*It waits on \(no "
+                     r"--stall-check-shutdown-time-seconds\)", err), err
+    assert re.search(r"hora run: stall: rank 1 on host localhost has not finished allreduce 'big' \(64\.0 MB\), which "
+                     r"rank 0 has waited [23] s for in the communication backend: its process is stopped", err), err
+    assert "failed first" not in err, err
+    assert "[0]<stderr>:sum 1.5 1.5" in err and "[1]<stderr>:sum 1.5 1.5" in err, err  # the average of 1 and 2
+    assert "[1]<stderr>:hora stall" not in err, err  # the rank that was stopped blames nobody once it resumes
+    _nothing_left(tmp_path)
+
+
 def test_a_rank_that_exited_while_a_forked_child_holds_its_sockets_is_noticed_at_once(tmp_path: Path) -> None:
-    code, err, took = _run(tmp_path, """
+    code, err = _run(tmp_path, """
 if hvd.rank() == 1:
     child = os.fork()
     if child == 0:  # inherits the rank's connections and keeps them open
@@ -95,7 +152,8 @@ if hvd.rank() == 1:
 hvd.allreduce(torch.ones(2), name="loss")
 """, [])
     assert code == 1, err
-    assert took < BOUND_S, err  # was 120 s and more: the agent saw rank 1's own process exit
+    # the agent saw rank 1's own process exit and said so on the board (was a round timeout of 120 s, blaming rank 0)
+    assert "rank 1's process has exited (exit code 0): a process it started holds the connection" in err, err
     assert re.search(r"hora run: rank 1 on host localhost failed first: exited \(exit code 0\) while its peers waited "
                      r"for it in a collective; a process it started \(fork, multiprocessing\) kept its connections "
                      r"open, hiding the exit \(rank 0 on host localhost waited for it and raised CollectiveError\)",
@@ -113,11 +171,9 @@ with open(f"{sys.argv[1]}/pid.{os.environ['HORA_RANK']}", "w") as fh:
     fh.write(str(os.getpid()))
 hvd.init()
 """)
-    start = time.monotonic()
     result = hora_run(["-np", "2", "--start-timeout", "3", PYTHON, script, str(tmp_path)], tmp_path, timeout=150)
-    err, took = result.stderr, time.monotonic() - start
+    err = result.stderr
     assert result.returncode == 1, err
-    assert took < BOUND_S, err
     assert "[0]<stderr>:hora.errors.CollectiveError: rank 0: rank 1 did not call hvd.init() within the start timeout " \
            "of 3 s (--start-timeout, HORA_START_TIMEOUT)" in err, err
     assert re.search(r"hora run: rank 1 on host localhost failed first: did not call hvd\.init\(\) within "
@@ -128,7 +184,7 @@ hvd.init()
 
 
 def test_processes_a_rank_started_in_a_new_session_end_with_the_job(tmp_path: Path) -> None:
-    code, err, _ = _run(tmp_path, """
+    code, err = _run(tmp_path, """
 if hvd.rank() == 1:
     daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
     with open(f"{out}/pid.daemon", "w") as fh:

@@ -72,3 +72,49 @@ def test_one_machine_listed_twice_is_refused_and_different_machines_pass() -> No
     with pytest.raises(LaunchError, match=r"hosts a and 10\.0\.0\.1 are the same machine: .* -H a:3$"):
         preflight.refuse_same_machine(remote, {"a", "10.0.0.1", "b"}, answers)
     preflight.refuse_same_machine(remote, {"a", "b"}, answers)  # -np left 10.0.0.1 without ranks
+
+
+def _transfer(age: float, expired: bool = False, ps: tuple[int, ...] = (0, 1, 2, 3)) -> dict[str, object]:
+    return {"ops": [{"kind": "allreduce", "name": "big", "op": "allreduce 'big'", "ps": list(ps), "bytes": 64 << 20,
+                     "age": age}], "waited": age, "expired": expired, "shutdown": 4.0}
+
+
+def test_a_member_that_posted_no_unfinished_transfer_is_frozen_in_it_and_named_at_the_shutdown_time() -> None:
+    watch = StallWatch(None, "", HOSTS)
+    assert watch.analyse({}, {r: _transfer(2.0) for r in (0, 1, 3)}) == ([2], [])
+    assert watch.shutdown_due() is None  # not past the shutdown time yet
+    assert watch.on_probe(2, "its process is stopped") == (
+        "stall: rank 2 on host n3 has not finished allreduce 'big' (64.0 MB), which ranks 0, 1, 3 have waited 2 s "
+        "for in the communication backend: its process is stopped")
+    assert watch.analyse({}, {r: _transfer(4.0, expired=True) for r in (0, 1, 3)}) == ([], [])  # probed once
+    found = watch.shutdown_due()
+    assert found is not None and found.rank == 2
+    assert found.how == ("did not finish allreduce 'big' (64.0 MB) within --stall-check-shutdown-time-seconds 4 s "
+                         "while ranks 0, 1, 3 waited for it in the communication backend: its process is stopped; "
+                         "hora run stopped the job")
+    assert watch.shutdown_due() is None  # once
+
+
+def test_members_of_other_process_sets_and_ranks_waiting_elsewhere_are_not_frozen() -> None:
+    watch = StallWatch(None, "", HOSTS)
+    waiting = {3: {"missing": [2], "round": 5, "waited": 2.0}}  # rank 3 waits in a negotiation round: alive
+    assert watch.analyse(waiting, {0: _transfer(2.0, ps=(0, 2, 3))}) == ([2], [])
+    assert 1 not in watch.held and 3 not in watch.held
+
+
+def test_a_withdrawn_transfer_ends_the_episode_and_a_later_freeze_is_reported_again() -> None:
+    watch = StallWatch(None, "", HOSTS)
+    assert watch.analyse({}, {0: _transfer(2.0, ps=(0, 1))}) == ([1], [])
+    assert watch.analyse({}, {0: {"ops": [], "waited": 0.0, "expired": False, "shutdown": 4.0}}) == ([], [])
+    assert watch.held == {} and watch.shutdown_due() is None
+    assert watch.analyse({}, {0: _transfer(2.0, ps=(0, 1))}) == ([1], [])
+
+
+def test_a_transfer_every_member_waits_for_ends_naming_the_network_not_a_rank() -> None:
+    watch = StallWatch(None, "", HOSTS)
+    assert watch.analyse({}, {r: _transfer(4.0, expired=True) for r in range(4)}) == ([], [])
+    found = watch.shutdown_due()
+    assert found is not None and found.rank == 0
+    assert found.how.startswith("allreduce 'big' (64.0 MB) did not finish within --stall-check-shutdown-time-seconds "
+                                "4 s, and every member (ranks 0, 1, 2, 3) waits for it in the communication backend "
+                                "and is running: the network between hosts n2, n3, n4 is slow or cut")

@@ -3,8 +3,9 @@
 A rank whose process cannot run Python (stopped, inside a native call that holds the GIL, cut off by the
 network) cannot say so itself; the ranks waiting for it can, and the launcher can look at its process from
 outside (its agent reads ``/proc``). Through these keys (names in :mod:`hora.launch.protocol`) a waiting
-rank posts whom it waits for, learns that a rank it waits for has already exited, and names the culprit of a
-failure so the launcher's headline blames that rank and not the one that waited.
+rank posts whom it waits for (or which of its data transfers have not finished), learns that a rank it
+waits for has already exited, and names the culprit of a failure so the launcher's headline blames that rank
+and not the one that waited.
 
 Only under ``hora run`` (other launchers have no driver reading the board): elsewhere every call does
 nothing. Store errors are swallowed: the board only adds information, it never decides a job's fate.
@@ -54,6 +55,20 @@ class Board:
             self._store.add(self._key(protocol.WAITS), 1)
         except Exception as e:  # the store went away with the launcher: nothing to tell
             log.debug("board: cannot post waiting: %s", e)
+
+    def post_inflight(self, ops: list[dict[str, Any]], waited_s: float, expired: bool, shutdown_s: float) -> None:
+        """Tell the launcher which data transfers of this rank have been on the wire for ``waited_s`` (each op:
+        ``kind``, ``name``, ``op`` in words, ``ps``, ``bytes``, ``age``); ``expired``: past the shutdown time.
+        An empty ``ops`` withdraws the post (they finished)."""
+        if self._store is None:
+            return
+        value = json.dumps({"ops": ops, "waited": round(waited_s, 1), "expired": expired, "shutdown": shutdown_s,
+                            "ts": time.time()})
+        try:
+            self._store.set(self._key(protocol.INFLIGHT, rank=self.rank), value)
+            self._store.add(self._key(protocol.WAITS), 1)
+        except Exception as e:
+            log.debug("board: cannot post transfers in flight: %s", e)
 
     def ended(self, ranks: Iterable[int]) -> dict[int, str]:
         """Of ``ranks``, those the launcher saw exit, with how (``"exit code 0"``)."""

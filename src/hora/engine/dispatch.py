@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hora import fusion, kinds
+from hora.diagnostics import inflight
 from hora.diagnostics import timeline as timeline_mod
 from hora.engine.plan import Entry, Request
 from hora.errors import CollectiveError
@@ -96,6 +97,7 @@ class Dispatcher:
             op.handle.fail(CollectiveError(f"{kind} {entry.name!r} could not start on rank {self.rank}: {e}"))
             return
         op.handle.launched(work)
+        inflight.launched(op.handle, (op.req,), work)
         self._trace(op, t_launch, work)
 
     def _launch_fused(self, entries: list[Entry]) -> None:
@@ -105,6 +107,7 @@ class Dispatcher:
                 self._wait_cuda(op)
         group = self._group_of(entries[0])
         t_launch = time.perf_counter()
+        inflight.blocking(entries, [e.first for e in entries])  # this thread waits for it below
         try:
             self._fused.allreduce([op.wire if op is not None else None for op in ops_], entries, group)
         except Exception as e:
@@ -113,6 +116,8 @@ class Dispatcher:
                 if op is not None:
                     op.handle.fail(err)
             return
+        finally:
+            inflight.finished(entries)
         for op in ops_:
             if op is not None:
                 op.handle.launched(None)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hora import fusion
+from hora.diagnostics import inflight
 from hora.diagnostics import stall as stall_mod
 from hora.diagnostics import timeline as timeline_mod
 from hora.diagnostics.board import Board
@@ -88,6 +89,7 @@ class Negotiator:
         self._board = Board(getattr(rt.store, "underlying_store", None),
                             rt.env.job_id if rt.env.source == "hora" else "", self.rank)
         self._round_warned = -1  # the round whose silent peers were reported
+        inflight.configure(self._board, self.rank, self._stall.policy)  # data transfers a frozen peer holds up
         if isinstance(self._plane, Mesh):
             self._plane.on_wait = self._round_wait
         # how long a rank may hold back its answer to a round it cannot advance (see _may_defer); well

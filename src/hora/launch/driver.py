@@ -246,6 +246,11 @@ class Driver:
             mine = [r for r in probe if r in agent.ranks and not self.ranks[r].done]
             if mine:
                 agent.send({"t": protocol.PROBE, "r": mine})
+        found = self.stalls.shutdown_due()
+        if found is not None and found.rank in self.ranks:
+            # a transfer is stuck past the stall shutdown time: its ranks wait inside the communication backend
+            # and cannot end themselves, so the job ends here, blaming the rank that froze in it
+            self._on_failure(RankState(self.ranks[found.rank].slot, done=True, code=1), found.how)
 
     def _handle(self, kind: str, index: int, value: Any) -> None:
         if kind == "msg":

@@ -11,7 +11,10 @@ negotiation round waits for peers that do not answer posts who it waits for (``w
 ``waits``); the driver posts which ranks have exited (``ended/<rank>``), so a rank waiting for one that exited
 (while a process it forked holds its connections open) stops waiting at once; the rank that knows the culprit
 of a failure names it (``culprit``), so the launcher's headline names that rank rather than a waiting one;
-every rank marks its arrival at ``init()`` (``arrived/<rank>``), so a late one is named.
+every rank marks its arrival at ``init()`` (``arrived/<rank>``), so a late one is named; a rank whose data
+transfers have been on the wire past the stall warning time posts them (``inflight/<rank>``, also counted in
+``waits``), so the driver finds the member frozen in the middle of a transfer and ends the job at the stall
+shutdown time.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ STOP, PING = "stop", "ping"
 # Keys of the board the ranks and the driver share in the store (see the module docstring).
 WAITING, WAITS, ENDED, CULPRIT, ARRIVED = "waiting/{rank}", "waits", "ended/{rank}", "culprit", "arrived/{gen}/{rank}"
 ENDS = "ends"  # how many ``ended/<rank>`` keys there are: a waiting rank reads only this, until it changes
+INFLIGHT = "inflight/{rank}"  # data transfers a rank launched that have not finished past the warning time
 
 
 def board_key(job_id: str, key: str, **fields: object) -> str:

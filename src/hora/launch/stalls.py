@@ -8,6 +8,12 @@ are cut off from each other by the network (the launcher still reaches both). Ea
 that only waited. The driver also posts every rank's exit, so ranks waiting for one that has exited (its
 connections held open by a process it forked) stop waiting at once.
 
+Ranks whose data transfers (a large allreduce on the wire) have not finished past the stall warning time post
+those too: the members of the transfer's process set that posted nothing froze in the middle of it (its
+agent says how). Those ranks cannot end the transfer (a c10d wait cannot be interrupted): once one posts that
+the stall shutdown time has passed, :meth:`StallWatch.shutdown_due` names the frozen rank and the driver ends
+the job with it as the root cause.
+
 Example:
     >>> watch = StallWatch(None, "", {0: "a", 1: "b"})
     >>> watch.analyse({0: {"missing": [1], "round": 7, "waited": 2.0}})
@@ -27,7 +33,8 @@ from hora.launch import protocol
 
 log = logging.getLogger(__name__)
 
-SETTLE_S = 1.5  # after a post, wait this long for the others' (every waiting rank posts within a second)
+SETTLE_S = 1.5  # after a first post, wait this long for the others' (every waiting rank posts within a second)
+PROBE_WAIT_S = 3.0  # at the shutdown time, wait at most this long for the agents' answers about frozen ranks
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -40,6 +47,26 @@ class Finding:
 
     rank: int
     how: str
+
+
+@dataclass
+class Held:
+    """A data transfer that ranks posted as not finished: what it is and who waits for it."""
+
+    op: str  # in words: "allreduce 'big'"
+    nbytes: int
+    waiting: list[int]  # the ranks that posted it
+    waited: float  # the longest any of them has waited
+
+    def describe(self) -> str:
+        return f"{self.op} ({_bytes(self.nbytes)})"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 @dataclass
@@ -57,6 +84,8 @@ class StallWatch:
     waited: dict[int, float] = field(default_factory=dict)
     findings: dict[int, Finding] = field(default_factory=dict)
     partition: Finding | None = None
+    held: dict[int, Held] = field(default_factory=dict)  # rank -> the transfer it holds up (its peers' posts)
+    _expired: tuple[float, Held | None, float] | None = None  # since when, the transfer, its shutdown time
 
     def _key(self, key: str, **fields: object) -> str:
         return protocol.board_key(self.job_id, key, **fields)
@@ -82,16 +111,17 @@ class StallWatch:
         now = time.monotonic()
         if count != self._seen:
             self._seen = count
-            self._due = now + SETTLE_S
+            if self._due is None:  # counted from the first post of a burst: ranks that keep posting (a
+                self._due = now + SETTLE_S  # transfer past the shutdown time) do not hold the report back
         if self._due is None or now < self._due:
             return [], []
         self._due = None
-        return self.analyse(self._read_waiting())
+        return self.analyse(self._read(protocol.WAITING), self._read(protocol.INFLIGHT))
 
-    def _read_waiting(self) -> dict[int, dict[str, Any]]:
+    def _read(self, key_format: str) -> dict[int, dict[str, Any]]:
         found = {}
         for rank in self.hosts:
-            key = self._key(protocol.WAITING, rank=rank)
+            key = self._key(key_format, rank=rank)
             try:
                 if self.store.check([key]):
                     found[rank] = json.loads(self.store.get(key))
@@ -99,9 +129,12 @@ class StallWatch:
                 continue
         return found
 
-    def analyse(self, waiting: Mapping[int, Mapping[str, Any]]) -> tuple[list[int], list[str]]:
-        """From the ranks' posts: the silent ranks not probed yet, and the partition lines not printed yet."""
+    def analyse(self, waiting: Mapping[int, Mapping[str, Any]],
+                inflight: Mapping[int, Mapping[str, Any]] | None = None) -> tuple[list[int], list[str]]:
+        """From the ranks' posts (negotiation rounds that wait, data transfers that have not finished): the silent
+        ranks not probed yet, and the partition lines not printed yet."""
         notes = []
+        frozen = self._transfers(waiting, inflight or {})
         for post in waiting.values():
             for peer in post.get("missing", []):
                 self.waited[peer] = max(self.waited.get(peer, 0.0), float(post.get("waited", 0.0)))
@@ -132,15 +165,83 @@ class StallWatch:
             notes.append(f"stall: hosts {host_a} and {host_b} cannot reach each other: {_ranks(sorted(side_a))} on "
                          f"{host_a} and {_ranks(sorted(side_b))} on {host_b} wait for each other and all are running "
                          "(a network partition; hora run still reaches both hosts)")
-        fresh = [r for r in silent if r not in self._probed]
+        fresh = [r for r in sorted(set(silent) | frozen) if r not in self._probed]
         self._probed.update(fresh)
         return fresh, notes
+
+    def _transfers(self, waiting: Mapping[int, Mapping[str, Any]], inflight: Mapping[int, Mapping[str, Any]]
+                   ) -> set[int]:
+        """The members of posted transfers that posted nothing themselves (frozen mid-transfer); notes whether a
+        transfer is past the shutdown time. All posts withdrawn: forget them (a later freeze is new)."""
+        posts = {r: p for r, p in inflight.items() if p.get("ops")}
+        if not posts:
+            for rank in self.held:
+                self._probed.discard(rank)
+            self.held.clear()
+            self._expired = None
+            return set()
+        alive = set(waiting) | set(posts)
+        frozen: set[int] = set()
+        first: Held | None = None
+        for rank, post in sorted(posts.items()):
+            for op in post["ops"]:
+                members = [int(m) for m in op.get("ps", [])]
+                for peer in members:
+                    if peer in alive:
+                        continue
+                    held = self.held.setdefault(peer, Held(str(op.get("op", "a transfer")), int(op.get("bytes", 0)),
+                                                           [], 0.0))
+                    if rank not in held.waiting:
+                        held.waiting.append(rank)
+                    held.waited = max(held.waited, float(op.get("age", 0.0)))
+                    self.waited[peer] = max(self.waited.get(peer, 0.0), held.waited)
+                    frozen.add(peer)
+                    first = first or held
+        expired = [p for p in posts.values() if p.get("expired")]
+        if expired and self._expired is None:
+            shutdown = max(float(p.get("shutdown", 0.0)) for p in expired)
+            if first is None:  # every member posted: all of them are alive and wait for each other
+                op = expired[0]["ops"][0]
+                first = Held(str(op.get("op", "a transfer")), int(op.get("bytes", 0)), sorted(posts), 0.0)
+            self._expired = (time.monotonic(), first, shutdown)
+        return frozen
+
+    def shutdown_due(self) -> Finding | None:
+        """Once a posted transfer is past the stall shutdown time: the root cause to end the job with (the frozen
+        rank, with what its agent saw; its answer is awaited for up to :data:`PROBE_WAIT_S`), else None."""
+        if self._expired is None:
+            return None
+        since, held, shutdown = self._expired
+        frozen = sorted(self.held)
+        if any(r not in self.findings for r in frozen) and time.monotonic() - since < PROBE_WAIT_S:
+            return None
+        self._expired = None
+        deadline = f"--stall-check-shutdown-time-seconds {shutdown:g}"
+        if held is None:
+            return None
+        if not frozen:
+            hosts = sorted({self.hosts.get(r, "?") for r in held.waiting})
+            return Finding(min(held.waiting), (
+                f"{held.describe()} did not finish within {deadline} s, and every member ({_ranks(held.waiting)}) "
+                f"waits for it in the communication backend and is running: the network between hosts "
+                f"{', '.join(hosts)} is slow or cut; hora run stopped the job"))
+        rank = frozen[0]
+        held, seen = self.held[rank], self.findings.get(rank)
+        return Finding(rank, (
+            f"did not finish {held.describe()} within {deadline} s while {_ranks(sorted(held.waiting))} waited for "
+            f"it in the communication backend: {seen.how if seen else 'its agent did not answer'}; hora run stopped "
+            "the job"))
 
     def on_probe(self, rank: int, how: str) -> str:
         """An agent's answer about a silent rank: remember it, and the line to print."""
         waited = self.waited.get(rank, 0.0)
         self.findings[rank] = Finding(rank, how)
         host = self.hosts.get(rank, "?")
+        held = self.held.get(rank)
+        if held is not None:
+            return (f"stall: rank {rank} on host {host} has not finished {held.describe()}, which "
+                    f"{_ranks(sorted(held.waiting))} {'has' if len(held.waiting) == 1 else 'have'} waited {waited:.0f} "
+                    f"s for in the communication backend: {how}")
         return f"stall: rank {rank} on host {host} has not answered its peers for {waited:.0f} s: {how}"
 
     def culprit(self) -> Finding | None:
