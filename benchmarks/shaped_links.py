@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -49,7 +50,7 @@ from hora.bench import planner  # noqa: E402
 log = logging.getLogger("shaped_links")
 WORKER = str(Path(__file__).resolve().parent / "shaped_worker.py")
 SYNTHETIC = str(Path(__file__).resolve().parent / "pytorch_synthetic_benchmark.py")
-PARTS = ("sweep", "ps", "compression", "optimizer", "hierarchical", "synthetic")
+PARTS = ("sweep", "ps", "compression", "wire16", "gradsync", "optimizer", "hierarchical", "synthetic")
 
 
 def _hosts_flag(cluster: netns.Cluster, count: int, slots: int) -> list[str]:
@@ -70,16 +71,22 @@ def _worker(cluster: netns.Cluster, hosts: int, slots: int, mode: str, work: Pat
     out = work / f"{mode}-{hosts}x{slots}.json"
     flags = _hosts_flag(cluster, hosts, slots) + [x for kv in (env or []) for x in ("-x", kv)]
     log.info("%s on %d host(s) x %d", mode, hosts, slots)
+    before = os.getloadavg()[0]
     _job(cluster, flags, [sys.executable, WORKER, mode, "--out", str(out), *args], work / f"{mode}{hosts}", timeout)
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
+    record: dict[str, Any] = json.loads(out.read_text())
+    record["load_avg"] = [round(before, 1), round(os.getloadavg()[0], 1)]  # 1-minute, at start and end
+    return record
 
 
 def run_sweep(cluster: netns.Cluster, ns: argparse.Namespace, work: Path) -> dict[str, Any]:
     out = work / "sweep.json"
     flags = _hosts_flag(cluster, 2, 1)
+    before = os.getloadavg()[0]
     _job(cluster, flags, [str(Path(sys.executable).parent / "hora"), "bench", "allreduce", "--sizes", ns.sweep_sizes,
                           "--repeats", str(ns.repeats), "--json", str(out)], work / "sweep", 400)
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
+    record: dict[str, Any] = json.loads(out.read_text())
+    record["load_avg"] = [round(before, 1), round(os.getloadavg()[0], 1)]
+    return record
 
 
 def run_synthetic(cluster: netns.Cluster, ns: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -164,6 +171,13 @@ def main() -> int:
         if "compression" in parts:
             res["compression"] = _worker(cluster, 2, 1, "compression", work,
                                          ["--bytes", str(ns.bytes), "--repeats", str(ns.repeats)])
+        if "wire16" in parts:
+            res["wire16"] = _worker(cluster, 2, 1, "wire16", work,
+                                    ["--bytes", str(ns.bytes), "--repeats", str(ns.repeats)])
+        if "gradsync" in parts:
+            res["gradsync"] = _worker(cluster, 2, 1, "gradsync", work,
+                                      ["--model", "mlp" if ns.quick else ns.opt_model, "--image-size",
+                                       str(ns.opt_image), "--repeats", str(ns.repeats)])
         if "optimizer" in parts:
             res["optimizer"] = _worker(cluster, 2, 1, "optimizer", work,
                                        ["--model", "mlp" if ns.quick else ns.opt_model, "--image-size",
@@ -282,8 +296,9 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
         rec = parts["compression"]
         fp16 = _ratio(rec["samples"]["none"], rec["samples"]["fp16"])
         bf16 = _ratio(rec["samples"]["none"], rec["samples"]["bf16"])
-        figures["compression"] = {"fp16_speedup": fp16, "bf16_speedup": bf16}
-        md.append(f"## compression, 2 hosts, {_mb(rec['bytes'])} allreduce (Average)\n")
+        figures["compression"] = {"fp16_speedup": fp16, "bf16_speedup": bf16, "load_avg": rec.get("load_avg")}
+        md.append(f"## compression, 2 hosts, `hvd.allreduce` (out-of-place, Average) of {_mb(rec['bytes'])}"
+                  f"{_load(rec)}\n")
         md.append(markdown_table(["variant", "median time", "speed-up against none"],
                                  [["none", f"{statistics.median(rec['samples']['none']):.3f} s", "1.00x"],
                                   ["fp16", f"{statistics.median(rec['samples']['fp16']):.3f} s",
@@ -291,32 +306,73 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
                                   ["bf16", f"{statistics.median(rec['samples']['bf16']):.3f} s",
                                    f"{bf16['median']:.2f}x ({bf16['spread']:.0%})"]]))
         if plan is not None:
-            validation.append([f"allreduce fp16, 2 hosts, {_mb(rec['bytes'])}", plan.allreduce(rec["bytes"] / 2, 2),
-                               statistics.median(rec["samples"]["fp16"])])
-            validation.append([f"allreduce none, 2 hosts, {_mb(rec['bytes'])}", plan.allreduce(rec["bytes"], 2),
-                               statistics.median(rec["samples"]["none"])])
+            for name in ("none", "fp16", "bf16"):
+                validation.append([f"hvd.allreduce {name}, Average, 2 hosts, {_mb(rec['bytes'])}",
+                                   plan.hora_allreduce(rec["bytes"], 2, compression=name, call="out_of_place",
+                                                       average=True),
+                                   statistics.median(rec["samples"][name]),
+                                   plan.allreduce(rec["bytes"] / (1 if name == "none" else 2), 2)])
+    if "wire16" in parts:
+        rec = parts["wire16"]
+        smp = rec["samples"]
+        figures["wire16"] = {k: _ratio(smp["fp32"], smp[k]) for k in smp if k != "fp32"}
+        figures["wire16"]["load_avg"] = rec.get("load_avg")
+        md.append(f"## where a 16-bit allreduce's time goes: raw in-place allreduce of {_mb(rec['bytes'])} "
+                  f"(as float32), 2 hosts{_load(rec)}\n")
+        md.append(markdown_table(["variant", "median time", "speed-up against float32"],
+                                 [[k, f"{statistics.median(v):.3f} s",
+                                   "1.00x" if k == "fp32" else f"{figures['wire16'][k]['median']:.2f}x "
+                                   f"({figures['wire16'][k]['spread']:.0%})"] for k, v in smp.items()]))
+        md.append("\n`*_gloo_sum`: `dist.all_reduce` of the 16-bit tensor (Gloo sums in 16 bits); `*_wire16`: "
+                  "benchmarks/wire16.py (alltoall of 16-bit chunks, float32 sum, allgather of 16-bit).\n")
+    if "gradsync" in parts:
+        rec = parts["gradsync"]
+        smp = rec["samples"]
+        sync = {k: [t - c for t, c in zip(smp[k], smp["local"])] for k in ("none", "fp16", "bf16")}
+        figures["gradsync"] = {"step": {k: _ratio(smp["none"], smp[k]) for k in ("fp16", "bf16")},
+                               "sync": {k: _ratio(sync["none"], sync[k]) for k in ("fp16", "bf16")},
+                               "load_avg": rec.get("load_avg")}
+        md.append(f"## gradient sync in training: DistributedOptimizer, 2 hosts, {rec['model']} "
+                  f"({_mb(rec['gradient_bytes'])} of gradients){_load(rec)}\n")
+        md.append(markdown_table(
+            ["variant", "median step", "step speed-up against none", "sync (step - no-sync step), median",
+             "sync speed-up against none"],
+            [[k, f"{statistics.median(smp[k]):.3f} s",
+              "" if k in ("none", "local") else f"{figures['gradsync']['step'][k]['median']:.2f}x "
+              f"({figures['gradsync']['step'][k]['spread']:.0%})",
+              f"{statistics.median(sync[k]):.3f} s" if k in sync else "-",
+              "" if k in ("none", "local") else f"{figures['gradsync']['sync'][k]['median']:.2f}x "
+              f"({figures['gradsync']['sync'][k]['spread']:.0%})"] for k in ("none", "fp16", "bf16", "local")]))
+        md.append("\n`local`: the same step with a plain optimizer and no sync (the compute); sync = step - local "
+                  "per cycle.\n")
     if "optimizer" in parts:
         rec = parts["optimizer"]
-        ratio = _ratio(rec["samples"]["hora"], rec["samples"]["ddp"])
-        figures["optimizer"] = {"hora_over_ddp": ratio}
+        smp = rec["samples"]
+        ratio = _ratio(smp["hora"], smp["ddp"])
+        figures["optimizer"] = {"hora_over_ddp": ratio, "load_avg": rec.get("load_avg")}
+        if "hora_one_bucket" in smp:
+            figures["optimizer"]["one_bucket_over_ddp"] = _ratio(smp["hora_one_bucket"], smp["ddp"])
         inputs = "" if rec["model"].endswith("mlp") else f" of {rec['image_size']}px images"
         md.append(f"## DistributedOptimizer against DDP, 2 hosts, {rec['model']} ({_mb(rec['gradient_bytes'])} "
-                  f"of gradients), batch {rec['batch_size']}{inputs}\n")
-        md.append(markdown_table(["variant", "median step", "hora / DDP"],
-                                 [["DDP", f"{statistics.median(rec['samples']['ddp']):.3f} s", ""],
-                                  ["hora DistributedOptimizer", f"{statistics.median(rec['samples']['hora']):.3f} s",
-                                   f"{ratio['median']:.2f}x ({ratio['spread']:.0%})"]]))
+                  f"of gradients), batch {rec['batch_size']}{inputs}{_load(rec)}\n")
+        names = {"ddp": "DDP", "hora": "hora DistributedOptimizer (25 MB buckets)",
+                 "hora_one_bucket": "hora, one bucket (HORA_BUCKET_CAP_MB=1000)", "local": "no sync (compute)"}
+        md.append(markdown_table(["variant", "median step", "time / DDP's"],
+                                 [[names.get(k, k), f"{statistics.median(v):.3f} s",
+                                   "" if k == "ddp" else f"{_ratio(v, smp['ddp'])['median']:.2f}x "
+                                   f"({_ratio(v, smp['ddp'])['spread']:.0%})"] for k, v in smp.items()]))
     if "hierarchical" in parts:
         rec = parts["hierarchical"]
         ratio = _ratio(rec["samples"]["flat"], rec["samples"]["hierarchical"])
-        figures["hierarchical"] = {"speedup": ratio}
-        md.append(f"## hierarchical against flat allreduce, 3 hosts x 2 ranks, {_mb(rec['bytes'])}\n")
+        figures["hierarchical"] = {"speedup": ratio, "load_avg": rec.get("load_avg")}
+        md.append(f"## hierarchical against flat allreduce, 3 hosts x 2 ranks, {_mb(rec['bytes'])}{_load(rec)}\n")
         model = ""
         if plan is not None:
             flat_p = plan.allreduce(rec["bytes"], 3, 2)
             validation.append([f"flat ring, 3 hosts x 2, {_mb(rec['bytes'])}", flat_p,
                                statistics.median(rec["samples"]["flat"])])
-            model = f"; the bandwidth model's bound is {(10 / 6) / (4 / 3):.2f}x (2(n-1)/n over 2(h-1)/h)"
+            model = (f"; the bandwidth bound is {(10 / 6) / (4 / 3):.2f}x: per host cable the flat ring on 6 "
+                     "ranks carries 2(6-1)/6 S = 1.67 S each way, the hierarchy 2(3-1)/3 S = 1.33 S")
         md.append(markdown_table(["variant", "median time", "speed-up"],
                                  [["flat", f"{statistics.median(rec['samples']['flat']):.3f} s", "1.00x"],
                                   ["hierarchical", f"{statistics.median(rec['samples']['hierarchical']):.3f} s",
@@ -334,12 +390,18 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
                                    f"{_ratio(v, rec['samples']['loopback_1_host'])['median']:.2f}x"]
                                   for k, v in rec["samples"].items()]))
     if validation:
-        errs = [abs(p - m) / m for _, p, m in validation]
-        figures["planner_validation"] = [{"config": c, "predicted_s": p, "measured_s": m, "error": abs(p - m) / m}
-                                         for c, p, m in validation]
+        rows_v = [(v[0], v[1], v[2], v[3] if len(v) > 3 else v[1]) for v in validation]
+        errs = [abs(p - m) / m for _, p, m, _ in rows_v]
+        figures["planner_validation"] = [{"config": c, "predicted_s": p, "measured_s": m, "error": abs(p - m) / m,
+                                          "wire_only_s": w, "wire_only_error": abs(w - m) / m}
+                                         for c, p, m, w in rows_v]
         md.append("## the planner on configurations it was not fitted on (fit: the 2-host sweep)\n")
-        md.append(markdown_table(["configuration", "predicted", "measured", "error"],
-                                 [[c, f"{p:.3f} s", f"{m:.3f} s", f"{abs(p - m) / m:.1%}"] for c, p, m in validation]))
+        md.append("The prediction is the alpha-beta wire time plus, for hvd.allreduce, the CPU passes hora adds "
+                  "(copies, casts, the division), timed by the sweep on each rank (`hora.bench.cpu`); the "
+                  "wire-only column is the prediction without them.\n")
+        md.append(markdown_table(["configuration", "predicted", "measured", "error", "wire only (error)"],
+                                 [[c, f"{p:.3f} s", f"{m:.3f} s", f"{abs(p - m) / m:.1%}",
+                                   f"{w:.3f} s ({abs(w - m) / m:.0%})"] for c, p, m, w in rows_v]))
         md.append(f"\nWorst error {max(errs):.1%}, median {statistics.median(errs):.1%}.\n")
 
     def plot(fig: Any) -> None:
@@ -378,6 +440,11 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
             ax2.axis("off")
 
     return {"figures": figures, "markdown": "\n".join(md), "plot": plot}
+
+
+def _load(rec: dict[str, Any]) -> str:
+    load = rec.get("load_avg")
+    return f" (load average {load[0]:g} -> {load[1]:g} on 2 cores)" if load else ""
 
 
 def _mb(n: float) -> str:

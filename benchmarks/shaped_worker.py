@@ -7,7 +7,9 @@ Each mode alternates its variants in one run, rotating which goes first every cy
                 receive posted at once, the data in chunks so the server sends chunk k back while chunk k+1
                 arrives; the sum with torch in place, no Python copies)
   compression   allreduce with compression none, fp16 and bf16
+  wire16        raw 16-bit allreduce summed by Gloo against benchmarks/wire16.py's float32 sum, raw float32
   optimizer     a DistributedOptimizer step against a DDP step on the same model and data
+  gradsync      DistributedOptimizer steps with compression none, fp16 and bf16, and the step without sync
   hierarchical  flat against hierarchical allreduce (started with HOROVOD_HIERARCHICAL_ALLREDUCE=1)
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,11 +25,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import wire16
 from torch import nn
 
 import hora as hvd
 from hora import hierarchical
-from hora.bench import models
+from hora.bench import cpu, models
 from hora.bench.timing import alternate
 
 
@@ -86,38 +90,94 @@ def mode_ps(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def mode_compression(ns: argparse.Namespace) -> dict[str, Any]:
+    """hvd.allreduce (out-of-place, Average) with compression none, fp16 and bf16, alternated; and this
+    host's CPU rates (hora.bench.cpu) for the planner's prediction."""
     t = torch.randn(ns.bytes // 4)
     variants = {name: timed(lambda c=c: hvd.allreduce(t, op=hvd.Average, compression=c))
                 for name, c in (("none", hvd.Compression.none), ("fp16", hvd.Compression.fp16),
                                 ("bf16", hvd.Compression.bf16))}
-    return {"bytes": t.numel() * 4, "samples": alternate(variants, ns.repeats, warmup=1)}
+    return {"bytes": t.numel() * 4, "samples": alternate(variants, ns.repeats, warmup=1),
+            "cpu": cpu.measure().as_dict()}
+
+
+def mode_wire16(ns: argparse.Namespace) -> dict[str, Any]:
+    """Where a 16-bit allreduce's time goes, in place with no hora on top: raw float32 (the reference), raw
+    16-bit summed by Gloo, and 16-bit through hora.sum16 (alltoall, float32 sum, allgather)."""
+    numel = ns.bytes // 4
+    f32 = torch.randn(numel)
+    f16 = {dt: torch.randn(numel).to(dt) for dt in (torch.float16, torch.bfloat16)}
+    group = dist.group.WORLD
+    variants = {"fp32": timed(lambda: dist.all_reduce(f32))}
+    for dt, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
+        variants[f"{name}_gloo_sum"] = timed(lambda t=f16[dt]: dist.all_reduce(t))
+        variants[f"{name}_wire16"] = timed(lambda t=f16[dt]: wire16.allreduce_async(t, group).wait())
+    return {"bytes": numel * 4, "samples": alternate(variants, ns.repeats, warmup=1)}
+
+
+def _step_fn(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    loss = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        opt.zero_grad()
+        loss(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _data(ns: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(ns.batch_size, *models.input_shape(ns.model, ns.image_size))
+    return x, torch.randint(0, models.classes(ns.model), (ns.batch_size,))
+
+
+def _hora_optimizer(model: nn.Module, bucket_mb: float | None = None, **kwargs: Any) -> torch.optim.Optimizer:
+    """A DistributedOptimizer; ``bucket_mb`` sets HORA_BUCKET_CAP_MB (read when it is built) for its buckets."""
+    saved = os.environ.get("HORA_BUCKET_CAP_MB")
+    if bucket_mb is not None:
+        os.environ["HORA_BUCKET_CAP_MB"] = str(bucket_mb)
+    try:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(), **kwargs)
+    finally:
+        if saved is None:
+            os.environ.pop("HORA_BUCKET_CAP_MB", None)
+        else:
+            os.environ["HORA_BUCKET_CAP_MB"] = saved
+    return opt
 
 
 def mode_optimizer(ns: argparse.Namespace) -> dict[str, Any]:
+    """A DistributedOptimizer step (25 MB buckets as DDP; and one 100 MB bucket: no overlap, fewer ops)
+    against a DDP step, same model and data; and the step without any sync (one rank's compute)."""
     torch.manual_seed(0)
-    hora_model, ddp_inner = models.build(ns.model), models.build(ns.model)
-    ddp_inner.load_state_dict(hora_model.state_dict())
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(hora_model.parameters(), lr=0.01),
-                                   named_parameters=hora_model.named_parameters())
-    ddp = nn.parallel.DistributedDataParallel(ddp_inner)
-    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    shape = models.input_shape(ns.model, ns.image_size)
-    x = torch.randn(ns.batch_size, *shape)
-    y = torch.randint(0, models.classes(ns.model), (ns.batch_size,))
-    loss = nn.CrossEntropyLoss()
+    nets = {k: models.build(ns.model) for k in ("hora", "hora_one_bucket", "ddp", "local")}
+    for net in nets.values():
+        net.load_state_dict(nets["hora"].state_dict())
+    ddp = nn.parallel.DistributedDataParallel(nets["ddp"])
+    x, y = _data(ns)
+    steps = {"hora": _step_fn(nets["hora"], _hora_optimizer(nets["hora"]), x, y),
+             "hora_one_bucket": _step_fn(nets["hora_one_bucket"], _hora_optimizer(nets["hora_one_bucket"], 1000.0),
+                                         x, y),
+             "ddp": _step_fn(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), x, y),
+             "local": _step_fn(nets["local"], torch.optim.SGD(nets["local"].parameters(), lr=0.01), x, y)}
+    samples = alternate({k: timed(v) for k, v in steps.items()}, ns.repeats, warmup=2)
+    return {"model": ns.model, "gradient_bytes": models.parameter_bytes(nets["hora"]), "image_size": ns.image_size,
+            "batch_size": ns.batch_size, "samples": samples}
 
-    def hora_step() -> None:
-        opt.zero_grad()
-        loss(hora_model(x), y).backward()
-        opt.step()
 
-    def ddp_step() -> None:
-        ddp_opt.zero_grad()
-        loss(ddp(x), y).backward()
-        ddp_opt.step()
-
-    samples = alternate({"hora": timed(hora_step), "ddp": timed(ddp_step)}, ns.repeats, warmup=2)
-    return {"model": ns.model, "gradient_bytes": models.parameter_bytes(hora_model), "image_size": ns.image_size,
+def mode_gradsync(ns: argparse.Namespace) -> dict[str, Any]:
+    """Gradient sync as training does it: DistributedOptimizer steps with compression none, fp16 and bf16
+    (reused buckets, the cast done on the copy into them), and the same step with no sync at all."""
+    torch.manual_seed(0)
+    variants = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16, "bf16": hvd.Compression.bf16}
+    nets = {k: models.build(ns.model) for k in [*variants, "local"]}
+    for net in nets.values():
+        net.load_state_dict(nets["none"].state_dict())
+    x, y = _data(ns)
+    steps = {k: _step_fn(nets[k], _hora_optimizer(nets[k], compression=c), x, y) for k, c in variants.items()}
+    steps["local"] = _step_fn(nets["local"], torch.optim.SGD(nets["local"].parameters(), lr=0.01), x, y)
+    samples = alternate({k: timed(v) for k, v in steps.items()}, ns.repeats, warmup=2)
+    return {"model": ns.model, "gradient_bytes": models.parameter_bytes(nets["none"]), "image_size": ns.image_size,
             "batch_size": ns.batch_size, "samples": samples}
 
 
@@ -137,8 +197,8 @@ def mode_hierarchical(ns: argparse.Namespace) -> dict[str, Any]:
     return {"bytes": t.numel() * 4, "samples": samples}
 
 
-MODES = {"ps": mode_ps, "compression": mode_compression, "optimizer": mode_optimizer,
-         "hierarchical": mode_hierarchical}
+MODES = {"ps": mode_ps, "compression": mode_compression, "wire16": mode_wire16, "gradsync": mode_gradsync,
+         "optimizer": mode_optimizer, "hierarchical": mode_hierarchical}
 
 
 def main() -> None:

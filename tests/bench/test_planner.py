@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hora.bench import planner
+from hora.bench.cpu import CpuRates
 from hora.bench.report import parse_sizes
 from hora.bench.sweep import bus_factor
 from hora.errors import ConfigError
@@ -88,3 +89,26 @@ def test_a_sweep_without_a_bandwidth_limit_says_so() -> None:
     fit = planner.LinkFit.fit([(4096, 2, 0.004), (65536, 2, 0.003)])  # noise: bigger was faster
     assert "sweep larger sizes" in fit.note
     assert planner.LinkFit.fit([(1e6, 2, 0.0105), (4e6, 2, 0.0405)]).note == ""
+
+
+def test_cpu_term_adds_hora_local_passes_to_the_wire() -> None:
+    sweep = _sweep(parse_sizes("64KB..64MB"), hosts=2, per_host=1)
+    rates = CpuRates(copy=3e-10, cast_down=2e-10, cast_up=2.5e-10, scale=1e-10)
+    sweep["cpu"] = rates.as_dict()
+    plan = planner.fit_sweep(sweep)
+    assert plan.cpu == rates
+    s = 100e6
+    # out-of-place Average, uncompressed: the wire, a copy into a fresh tensor, the division
+    assert plan.hora_allreduce(s, 2, call="out_of_place", average=True) == pytest.approx(
+        _ring(s, 2) + s * 3e-10 + s * 1e-10)
+    # fp16: half the wire, two casts, the division of the 16-bit wire
+    assert plan.hora_allreduce(s, 2, compression="fp16", call="out_of_place", average=True) == pytest.approx(
+        _ring(s / 2, 2) + s * 4.5e-10 + s / 2 * 1e-10)
+    # in place: the result is also copied back into the caller's tensor
+    assert plan.hora_allreduce(s, 2, compression="bf16") == pytest.approx(_ring(s / 2, 2) + s * 7.5e-10)
+    # without the sweep's CPU timings the prediction is the wire alone
+    assert planner.fit_sweep(_sweep(parse_sizes("64KB..64MB"), hosts=2, per_host=1)).hora_allreduce(
+        s, 4, compression="bf16") == pytest.approx(_ring(s / 2, 4))
+    # the DistributedOptimizer's reused buckets: no cast or copy of its own beyond backward's copy in
+    step = plan.step(0.0, s, 2, compression="fp16", bucket_bytes=s)
+    assert step["sync_s"] == pytest.approx(_ring(s / 2, 2))

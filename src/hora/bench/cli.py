@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--compute-ms", type=float, help="one rank's step time without sync (hora bench model, 1 rank)")
     pl.add_argument("--overlap", type=float, default=0.0, help="fraction of compute that hides sync (0..1)")
     pl.add_argument("--min-bytes", default="0", help="fit only sizes from this one up")
+    pl.add_argument("--compression", choices=sorted(sweep.COMPRESSIONS), default="none",
+                    help="predict hora's allreduce and step with this compression (default none)")
     pl.add_argument("--json", metavar="PATH", help="write the fit and predictions as JSON")
     return p
 
@@ -106,7 +108,7 @@ def _plan(ns: argparse.Namespace) -> int:
     fit = planner.fit_sweep(data, min_bytes=parse_size(ns.min_bytes))
     grad = parse_size(ns.model_bytes)
     compute = ns.compute_ms / 1e3 if ns.compute_ms is not None else None
-    rows = planner.predictions(fit, grad, ns.hosts, ns.ranks_per_host, compute, ns.overlap)
+    rows = planner.predictions(fit, grad, ns.hosts, ns.ranks_per_host, compute, ns.overlap, ns.compression)
     output.line(planner.markdown(fit, rows, grad).rstrip("\n"))
     if ns.json:
         write_json(ns.json, {"kind": "plan", "fit": planner.as_dict(fit), "gradient_bytes": grad, "rows": rows})

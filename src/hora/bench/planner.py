@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hora.bench.cpu import CpuRates, extra_seconds
 from hora.bench.report import human_bytes, markdown_table
 from hora.errors import ConfigError
 
@@ -94,6 +95,7 @@ class Plan:
 
     inter: LinkFit | None
     intra: LinkFit | None
+    cpu: CpuRates | None = None  # the sweep's timing of hora's local passes (copies, casts, scaling)
 
     def _link(self, kind: str) -> LinkFit:
         link = self.inter if kind == "inter" else self.intra
@@ -112,6 +114,16 @@ class Plan:
             return self._link("intra").ring(nbytes, per_host) + self._link("inter").ring(nbytes, hosts)
         return self._link("inter").ring(nbytes, hosts * per_host)
 
+    def hora_allreduce(self, nbytes: float, hosts: int, per_host: int = 1, compression: str = "none",
+                       call: str = "inplace", average: bool = False, hierarchical: bool = False) -> float:
+        """Seconds for hora's allreduce of ``nbytes`` of float32: the wire (half the bytes when compressed)
+        plus the CPU passes hora adds (:mod:`hora.bench.cpu`), when the sweep timed them."""
+        wire = nbytes / 2 if compression != "none" else nbytes
+        seconds = self.allreduce(wire, hosts, per_host, hierarchical)
+        if self.cpu is not None:
+            seconds += extra_seconds(self.cpu, nbytes, hosts * per_host, compression, call, average)
+        return seconds
+
     def parameter_server(self, nbytes: float, workers: int, chunks: int = 1) -> float:
         """Seconds for one gradient exchange through a server that is one of ``workers`` single-rank hosts."""
         link = self._link("inter")
@@ -120,12 +132,14 @@ class Plan:
         return (workers - 1) * nbytes * link.beta * (1 + 1 / chunks) + 2 * link.alpha * chunks
 
     def step(self, compute_s: float, grad_bytes: float, hosts: int, per_host: int = 1, bucket_bytes: float = 25e6,
-             overlap: float = 0.0, hierarchical: bool = False) -> dict[str, float]:
-        """Predicted step time and scaling efficiency of data-parallel training."""
+             overlap: float = 0.0, hierarchical: bool = False, compression: str = "none") -> dict[str, float]:
+        """Predicted step time and scaling efficiency of data-parallel training (the DistributedOptimizer's
+        buckets are reused: no copy beyond the casts of a compressed wire)."""
         if hosts * per_host < 2:
             return {"step_s": compute_s, "sync_s": 0.0, "efficiency": 1.0}
         buckets = max(1, math.ceil(grad_bytes / bucket_bytes))
-        sync = sum(self.allreduce(grad_bytes / buckets, hosts, per_host, hierarchical) for _ in range(buckets))
+        sync = sum(self.hora_allreduce(grad_bytes / buckets, hosts, per_host, compression, call="bucket",
+                                       hierarchical=hierarchical) for _ in range(buckets))
         step = compute_s + max(0.0, sync - overlap * compute_s) if overlap else compute_s + sync
         return {"step_s": step, "sync_s": sync, "efficiency": compute_s / step if step else 1.0}
 
@@ -158,20 +172,23 @@ def fit_sweep(sweep: dict[str, Any], min_bytes: int = 0) -> Plan:
         raise ConfigError("the sweep ran on several hosts with several ranks per host but has no per-link timings "
                           "(it was run with --no-links), so neither link can be fitted; run `hora bench allreduce "
                           "--json PATH` again without --no-links")
-    return Plan(inter=inter, intra=intra)
+    cpu = CpuRates.from_dict(sweep["cpu"]) if sweep.get("cpu") else None
+    return Plan(inter=inter, intra=intra, cpu=cpu)
 
 
 def predictions(plan: Plan, grad_bytes: float, hosts: Sequence[int], per_host: int, compute_s: float | None,
-                overlap: float) -> list[dict[str, Any]]:
+                overlap: float, compression: str = "none") -> list[dict[str, Any]]:
     out = []
     for h in hosts:
         row: dict[str, Any] = {"hosts": h, "ranks_per_host": per_host,
                                "allreduce_s": plan.allreduce(grad_bytes, h, per_host),
+                               "hora_allreduce_s": plan.hora_allreduce(grad_bytes, h, per_host, compression,
+                                                                       call="out_of_place", average=True),
                                "ps_s": plan.parameter_server(grad_bytes, h, chunks=8) if per_host == 1 else None}
         if per_host > 1 and h > 1:
             row["hierarchical_s"] = plan.allreduce(grad_bytes, h, per_host, hierarchical=True)
         if compute_s is not None:
-            row.update(plan.step(compute_s, grad_bytes, h, per_host, overlap=overlap))
+            row.update(plan.step(compute_s, grad_bytes, h, per_host, overlap=overlap, compression=compression))
         out.append(row)
     return out
 
@@ -183,11 +200,12 @@ def markdown(plan: Plan, rows: Sequence[dict[str, Any]], grad_bytes: float) -> s
             for name, fit in (("inter-host", plan.inter), ("intra-host", plan.intra)) if fit is not None]
     text += markdown_table(["link", "alpha", "bandwidth (1/beta)", "points", "worst fit error", "note"], fits)
     text += f"\npredictions for {human_bytes(grad_bytes)} of gradients\n\n"
-    headers = ["hosts", "ranks/host", "ring allreduce", "hierarchical", "parameter server (8 chunks)",
-               "step time", "scaling efficiency"]
+    headers = ["hosts", "ranks/host", "ring allreduce", "hvd.allreduce (Average, + CPU)", "hierarchical",
+               "parameter server (8 chunks)", "step time", "scaling efficiency"]
     table = []
     for r in rows:
         table.append([r["hosts"], r["ranks_per_host"], f"{r['allreduce_s'] * 1e3:.1f} ms",
+                      f"{r['hora_allreduce_s'] * 1e3:.1f} ms",
                       f"{r['hierarchical_s'] * 1e3:.1f} ms" if r.get("hierarchical_s") is not None else "-",
                       f"{r['ps_s'] * 1e3:.1f} ms" if r.get("ps_s") is not None else "-",
                       f"{r['step_s'] * 1e3:.1f} ms" if "step_s" in r else "-",
@@ -196,4 +214,5 @@ def markdown(plan: Plan, rows: Sequence[dict[str, Any]], grad_bytes: float) -> s
 
 
 def as_dict(plan: Plan) -> dict[str, Any]:
-    return {"inter": asdict(plan.inter) if plan.inter else None, "intra": asdict(plan.intra) if plan.intra else None}
+    return {"inter": asdict(plan.inter) if plan.inter else None, "intra": asdict(plan.intra) if plan.intra else None,
+            "cpu": plan.cpu.as_dict() if plan.cpu else None}

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import hora as hvd
 from hora import hierarchical, runtime
+from hora.bench import cpu
 from hora.bench.report import Progress, human_bytes, markdown_table
 from hora.bench.timing import alternate, ratio_summary, summarize
 from hora.compression import Compression, Compressor
@@ -171,6 +172,12 @@ def run(cfg: SweepConfig) -> dict[str, Any]:
         hosts = topo.hosts or ((0,),)
         n_links = (2 if len(hosts) > 1 and max(len(h) for h in hosts) > 1 else 1) if len(hosts) > 1 else 0
     progress = Progress(len(cfg.sizes) * (cfg.repeats + n_links), "allreduce", enabled=hvd.rank() == 0)
+    rates = cpu.measure()  # hora's local passes (copy, casts, scaling), for the planner
+    every: list[Any] = [None] * hvd.size()
+    dist.all_gather_object(every, rates.as_dict())
+    slowest = cpu.CpuRates.from_dict(every[0])
+    for other in every[1:]:
+        slowest = slowest.slowest(cpu.CpuRates.from_dict(other))
     rows = sweep_world(cfg, progress)
     links = sweep_links(cfg, progress) if cfg.links else {}
     progress.close()
@@ -178,7 +185,7 @@ def run(cfg: SweepConfig) -> dict[str, Any]:
     return {"kind": "allreduce", "ranks": hvd.size(), "hosts": len(topo.hosts) or 1,
             "ranks_per_host": [len(h) for h in topo.hosts], "dtype": cfg.dtype, "compression": cfg.compression,
             "hierarchical": hierarchical.active() is not None, "repeats": cfg.repeats, "rows": rows,
-            "links": links}
+            "links": links, "cpu": slowest.as_dict()}
 
 
 def markdown(result: dict[str, Any]) -> str:

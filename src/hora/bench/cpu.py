@@ -1,0 +1,102 @@
+"""The CPU side of an allreduce: what hora does to the bytes besides sending them, timed on this host.
+
+A wire model (alpha-beta) predicts a bare in-place allreduce; hora's other allreduces also copy, cast and
+scale the data on the CPU, serially before or after the wire:
+
+* out-of-place (``hvd.allreduce``): the input is copied into a fresh wire tensor;
+* compression (``fp16``/``bf16``): a cast of the float32 input down, a cast of the result back up;
+* Average: one multiply of the wire tensor.
+
+A fresh tensor of more than 32 MB is new memory from the kernel (glibc serves it with mmap), so each of those
+copies and casts also pays the page faults of touching it: :func:`measure` times them at 64 MB for that
+reason. The DistributedOptimizer reuses its buckets: its gradients are copied (or cast) into them during
+backward whatever the compression, so it pays none of these (``call="bucket"``). The 16-bit sum itself is
+Gloo's, on the wire: measured on 1 Gbit links it keeps up with the wire (docs/performance.md).
+
+``hora bench allreduce`` times each of these on every rank before the sweep (:func:`measure`) and stores
+the slowest rank's rates in its JSON; ``hora bench plan`` adds them to the wire time (:func:`extra_seconds`).
+
+Example:
+    >>> rates = CpuRates(copy=1e-10, cast_down=2e-10, cast_up=2e-10, scale=1e-10)
+    >>> round(extra_seconds(rates, 100e6, ranks=2, compression="fp16", call="out_of_place", average=True) * 1e3, 1)
+    45.0
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+__all__ = ["CpuRates", "extra_seconds", "measure"]
+
+
+@dataclass(frozen=True)
+class CpuRates:
+    """Seconds per byte (of the float32 tensor) of each local pass."""
+
+    copy: float  # clone of a float32 tensor
+    cast_down: float  # float32 -> 16-bit
+    cast_up: float  # 16-bit -> float32
+    scale: float  # in-place multiply
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CpuRates:
+        return cls(**{f.name: float(data[f.name]) for f in fields(cls)})
+
+    def slowest(self, other: CpuRates) -> CpuRates:
+        return CpuRates(**{f.name: max(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(nbytes: int = 64 * 2**20, repeats: int = 3) -> CpuRates:
+    """Time each pass on a ``nbytes`` float32 tensor on this host (median of ``repeats``)."""
+    x = torch.randn(nbytes // 4)
+    half = x.to(torch.float16)
+    scaled = x.clone()
+    n = float(x.numel() * 4)
+    return CpuRates(copy=_median_seconds(x.clone, repeats) / n,
+                    cast_down=_median_seconds(lambda: x.to(torch.float16), repeats) / n,
+                    cast_up=_median_seconds(lambda: half.to(torch.float32), repeats) / n,
+                    scale=_median_seconds(lambda: scaled.mul_(1.0), repeats) / n)
+
+
+def extra_seconds(rates: CpuRates, nbytes: float, ranks: int, compression: str = "none", call: str = "inplace",
+                  average: bool = False) -> float:
+    """CPU seconds hora adds to the wire time of an allreduce of ``nbytes`` (float32) on ``ranks`` ranks.
+
+    ``call``: ``inplace`` (``hvd.allreduce_``), ``out_of_place`` (``hvd.allreduce``: a fresh result) or
+    ``bucket`` (the DistributedOptimizer: gradients are copied into a reused bucket during backward whatever
+    the compression; a compressed bucket only changes that copy into a cast).
+    """
+    if ranks < 2:
+        return 0.0
+    compressed = compression != "none"
+    wire = nbytes / 2 if compressed else nbytes
+    extra = 0.0
+    if compressed:
+        if call != "bucket":
+            extra += nbytes * (rates.cast_down + rates.cast_up)
+        if call == "inplace":
+            extra += nbytes * rates.copy  # the decompressed result is copied into the caller's tensor
+    elif call == "out_of_place":
+        extra += nbytes * rates.copy
+    if average and call != "bucket":
+        extra += wire * rates.scale
+    return extra
