@@ -50,8 +50,9 @@ from hora.build import (  # noqa: F401
     nccl_built,
     rocm_built,
 )
-from hora.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set  # noqa: F401
+from hora.process_sets import ProcessSet, global_process_set  # noqa: F401
 from hora.runtime import (  # noqa: F401
+    add_process_set,
     cross_rank,
     cross_size,
     init,
@@ -60,11 +61,12 @@ from hora.runtime import (  # noqa: F401
     local_rank,
     local_size,
     rank,
+    remove_process_set,
     shutdown,
     size,
 )
 
-# --- collectives (ops.py, handles.py, reduce_ops.py) --------------------------------------------------
+# --- collectives (ops.py, grouped.py, sparse.py, handles.py, reduce_ops.py) ------------------------------
 from hora.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from hora.handles import Handle, poll, synchronize  # noqa: F401
 from hora.ops import (  # noqa: F401

@@ -148,28 +148,17 @@ def _announce(calls: list[Call], rt: Any, error: Exception) -> None:
     reqs = []
     for call in calls:
         if not call.name:
-            call.name = neg.unnamed(_sequence_id(call.ps, rt))
+            call.name = neg.unnamed(rt.process_sets.sequence_id(call.ps))
         reqs.append(Request(call.name, call.kind.value, "", (), ps=ranks, site=site.fingerprint, where=site.where,
                             error=reason))
     neg.reject(reqs)
 
 
-def _sequence_id(ps: Any, rt: Any) -> int:
-    """The registered process set whose sequence ``ps`` uses: itself, or (not registered: a ProcessSet
-    made but never added, on every rank alike) the registered set with the same ranks."""
-    sid = getattr(ps, "process_set_id", None)
-    if sid is not None and rt.process_sets.get(sid) is ps:
-        return int(sid)
-    ranks = list(getattr(ps, "ranks", None) or ())
-    return next(i for i, other in rt.process_sets.items() if other.ranks == ranks)
-
-
 def _member_ranks(ps: Any, rt: Any) -> tuple[int, ...] | None:
     """The ranks of ``ps`` if a call on it can be announced: it (or a set with its ranks) is registered and
     this rank is a member."""
-    try:
-        sid = _sequence_id(ps, rt)
-    except StopIteration:
+    sid = rt.process_sets.sequence_id(ps)
+    if sid is None:
         return None
     ranks = tuple(rt.process_sets[sid].ranks)
     return ranks if rt.topo.rank in ranks else None

@@ -23,7 +23,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from hora.diagnostics import user_errors
 from hora.diagnostics.board import Board
 from hora.env import Knobs, WorkerEnv
 from hora.errors import CollectiveError, ConfigError, NotInitializedError
-from hora.process_sets import ProcessSet, global_process_set
+from hora.process_sets import ProcessSet, ProcessSetTable, global_process_set
 from hora.topology import Topology, derive_topology
 
 log = logging.getLogger(__name__)
@@ -59,38 +59,9 @@ class Runtime:
     owns_default_group: bool
     ctrl_group: Any
     device: torch.device | None
-    process_sets: dict[int, ProcessSet] = field(default_factory=dict)
-    next_set_id: int = 1
+    process_sets: ProcessSetTable
     negotiator: Any = None
     connect_store: Callable[[], dist.Store] | None = None  # a fresh client connection (the negotiator's bell)
-
-    def register_process_set(self, ps: ProcessSet | Sequence[int]) -> ProcessSet:
-        ps = ps if isinstance(ps, ProcessSet) else ProcessSet(ps)
-        if ps.process_set_id is not None and self.process_sets.get(ps.process_set_id) is ps:
-            raise ValueError(f"{ps!r} is already registered")
-        bad = [r for r in ps.ranks if not 0 <= r < self.topo.size]
-        if bad or not ps.ranks:
-            raise ValueError(f"process set ranks {ps.ranks} must be a non-empty subset of 0..{self.topo.size - 1}")
-        for other in self.process_sets.values():
-            if other.ranks == ps.ranks:
-                raise ValueError(f"a process set with ranks {ps.ranks} already exists: {other!r}")
-        group = dist.new_group(ranks=ps.ranks, backend=self.backend)  # collective: every rank calls it
-        ps._bind(self.next_set_id, group, self.topo.rank)
-        self.process_sets[self.next_set_id] = ps
-        self.next_set_id += 1
-        return ps
-
-    def unregister_process_set(self, ps: ProcessSet) -> bool:
-        if ps is global_process_set:
-            raise ValueError("the global process set cannot be removed")
-        if ps.process_set_id is None or self.process_sets.get(ps.process_set_id) is not ps:
-            return False
-        del self.process_sets[ps.process_set_id]
-        if ps.group is not None and ps.included():
-            dist.destroy_process_group(ps.group)
-        ps._bind(None, None, -1)  # type: ignore[arg-type]
-        ps.process_set_id = None
-        return True
 
 
 def state(what: str = "this call") -> Runtime:
@@ -124,12 +95,12 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         logging.getLogger("hora").setLevel(knobs.log_level.upper())
         # Horovod's process_sets="dynamic" enables add/remove_process_set(); hora always allows them
         sets: list[Any] = [] if process_sets == "dynamic" else list(process_sets or ())
-        _check_process_sets(sets, env.size)
+        ProcessSetTable.check(sets, env.size)
         _generation += 1
         rt = _build(env, knobs, _generation)
         try:  # a failed init leaves nothing behind: is_initialized() stays False and init() can be retried
             for ps in sets:
-                rt.register_process_set(ps)
+                rt.process_sets.register(ps)
             from hora.engine.negotiator import Negotiator
 
             rt.negotiator = Negotiator(rt)
@@ -143,21 +114,6 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         log.info("hora initialised: rank %d of %d on %s (%s)", env.rank, env.size, env.hostname, rt.backend)
 
 
-def _check_process_sets(sets: list[Any], size: int) -> None:
-    """Refuse bad ``init(process_sets=...)`` before anything is built (every rank passes the same list)."""
-    seen: list[list[int]] = []
-    for ps in sets:
-        if not isinstance(ps, ProcessSet):
-            raise TypeError(f"hvd.init(process_sets=...) takes hvd.ProcessSet objects, got {ps!r}")
-        bad = [r for r in ps.ranks if not 0 <= r < size]
-        if bad or not ps.ranks:
-            raise ValueError(f"hvd.init(process_sets=...): {ps!r} must hold a non-empty subset of the ranks "
-                             f"0..{size - 1} (this job has {size}); ranks {bad} do not exist")
-        if ps.ranks in seen:
-            raise ValueError(f"hvd.init(process_sets=...): ranks {ps.ranks} are listed twice")
-        seen.append(ps.ranks)
-
-
 def _discard(rt: Runtime) -> None:
     """Undo a partly built runtime (``init()`` failed after ``_build``)."""
     try:
@@ -165,8 +121,6 @@ def _discard(rt: Runtime) -> None:
             rt.negotiator.stop(timeout=0.0)
     finally:
         _teardown_groups(rt)
-        global_process_set.ranks = []
-        global_process_set._bind(None, None, -1)  # type: ignore[arg-type]
 
 
 def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
@@ -214,20 +168,18 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
     try:
         ctrl = dist.new_group(backend="gloo", timeout=_control_timeout(knobs))
         topo = _topology(env, ctrl)
-        global_process_set.ranks = list(range(env.size))
-        global_process_set._bind(0, dist.new_group(backend=backend), env.rank)
+        sets = ProcessSetTable(env.size, env.rank, backend)
+        sets.add_global(dist.new_group(backend=backend))
         if knobs.hierarchical_allreduce and env.size > 1:
             hierarchical.build(topo.hosts, env.rank, global_process_set.group, backend)
     except BaseException:  # leave nothing half-built behind (init() may be retried)
         hierarchical.clear()
-        global_process_set.ranks = []
-        global_process_set._bind(None, None, -1)  # type: ignore[arg-type]
+        ProcessSetTable(env.size, env.rank, backend).unbind_all()
         if owns and dist.is_initialized():
             dist.destroy_process_group()
         raise
     rt = Runtime(env=env, knobs=knobs, store=base, topo=topo, backend=backend, owns_default_group=owns,
-                 ctrl_group=ctrl, device=device, connect_store=connect)
-    rt.process_sets[0] = global_process_set
+                 ctrl_group=ctrl, device=device, process_sets=sets, connect_store=connect)
     return rt
 
 
@@ -370,8 +322,6 @@ def _shutdown(peer_wait_s: float) -> None:
                 s.negotiator.stop(timeout=peer_wait_s)
         finally:
             _teardown_groups(s)
-            global_process_set.ranks = []
-            global_process_set._bind(None, None, -1)  # type: ignore[arg-type]
 
 
 def _teardown_groups(s: Runtime) -> None:
@@ -383,17 +333,37 @@ def _teardown_groups(s: Runtime) -> None:
         pass
     hierarchy = hierarchical.active()
     hierarchical.clear()
-    for ps in list(s.process_sets.values()):
-        if ps is not global_process_set:
-            ps._bind(None, None, -1)  # type: ignore[arg-type]
-            ps.process_set_id = None
-    if s.owns_default_group and dist.is_initialized():
-        dist.destroy_process_group()
-    elif dist.is_initialized():
-        extra = [hierarchy.local_group, hierarchy.cross_group] if hierarchy is not None else []
-        for g in [s.ctrl_group, global_process_set.group, *extra]:
-            if g is not None:
-                dist.destroy_process_group(g)
+    try:
+        if s.owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+        elif dist.is_initialized():
+            extra = [hierarchy.local_group, hierarchy.cross_group] if hierarchy is not None else []
+            for g in [s.ctrl_group, global_process_set.group, *extra]:
+                if g is not None:
+                    dist.destroy_process_group(g)
+    finally:
+        s.process_sets.unbind_all()
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a new process set. Every rank must call this, in the same order (a collective).
+
+    Args:
+        process_set: a ProcessSet or a list of global ranks.
+
+    Returns:
+        The registered ProcessSet.
+    """
+    return state("add_process_set()").process_sets.register(process_set)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set. Every rank must call this, in the same order.
+
+    Returns:
+        True when the set was registered and is now removed.
+    """
+    return state("remove_process_set()").process_sets.unregister(process_set)
 
 
 def is_initialized() -> bool:
