@@ -1,8 +1,9 @@
 """Faults across hosts that only the other ranks or the launcher can see (issue 17, items 2, 6 and 7).
 
-A network partition between two worker hosts (ssh to the launcher stays up), two hosts lost at once, and one
-machine listed under two names. Each test checks the line naming the culprit (host, rank), the exit status and
-that nothing is left on any host; the session cluster is shared with the other cluster tests.
+A network partition between two worker hosts (ssh to the launcher stays up), a rank on another host stopped in
+the middle of a large allreduce, two hosts lost at once, and one machine listed under two names. Each test
+checks the line naming the culprit (host, rank), the exit status and that nothing is left on any host; the
+session cluster is shared with the other cluster tests.
 """
 
 from __future__ import annotations
@@ -57,6 +58,45 @@ def test_partition_between_two_worker_hosts_is_named_as_such(
                      err), job.describe()
     assert re.search(r"hora run: rank 2 on host 10\.78\.0\.4 failed first: unreachable from host 10\.78\.0\.3: .*the "
                      r"network between hosts 10\.78\.0\.3 and 10\.78\.0\.4 is cut", err), job.describe()
+    assert jobs.leftovers(hosts, within=15) == {}
+
+
+FROZEN_MID_TRANSFER = """
+import os, signal
+import torch
+import hora as hvd
+
+hvd.init()
+hvd.allreduce(torch.ones(2), name="warmup")
+big = torch.full((16 << 20,), float(hvd.rank() + 1))  # 64 MB
+if hvd.rank() == 2:
+    handle = hvd.allreduce_async(big, name="big")
+    while "pending" in repr(handle):  # negotiated: every rank has launched the transfer
+        pass
+    os.kill(os.getpid(), signal.SIGSTOP)
+hvd.allreduce(big, name="big")
+print("RETURNED", flush=True)
+"""
+
+
+def test_a_rank_on_another_host_stopped_in_the_middle_of_a_transfer_is_named_by_its_agent(
+        hosts: netns.Cluster, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(FROZEN_MID_TRANSFER)
+    flags = ["-np", "3", "-H", THREE, *jobs.hora_ssh_flags(hosts),
+             "--stall-check-warning-time-seconds", "2", "--stall-check-shutdown-time-seconds", "5"]
+    code, job = jobs.run_job(hosts, flags, [jobs.PYTHON, str(script)], tmp_path, timeout=120)
+    err = job.stderr
+    assert code == 1, job.describe()
+    assert re.search(r"\[0\]<stderr>:hora stall: rank 0: allreduce 'big' \(64\.0 MB on ranks 0-2\) has been in the "
+                     r"communication backend for [23] s", err), job.describe()
+    assert re.search(r"hora run: stall: rank 2 on host 10\.78\.0\.4 has not finished allreduce 'big' \(64\.0 MB\), "
+                     r"which ranks 0, 1 have waited [23] s for in the communication backend: its process is stopped "
+                     r"\(state T", err), job.describe()
+    assert re.search(r"hora run: rank 2 on host 10\.78\.0\.4 failed first: did not finish allreduce 'big' \(64\.0 MB\) "
+                     r"within --stall-check-shutdown-time-seconds 5 s while ranks 0, 1 waited for it in the "
+                     r"communication backend: its process is stopped", err), job.describe()
+    assert "RETURNED" not in job.stdout, job.describe()
     assert jobs.leftovers(hosts, within=15) == {}
 
 
