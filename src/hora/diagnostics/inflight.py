@@ -61,7 +61,7 @@ class OpRequest(Protocol):
     def ps(self) -> tuple[int, ...]: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class _Op:
     reqs: Sequence[OpRequest]  # several for a fused batch
     work: Any  # the c10d Work (None: a thread waits for it, and calls finished(), see blocking())
