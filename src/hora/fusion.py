@@ -14,6 +14,7 @@ import torch
 from hora import hierarchical
 from hora.dataplane import to_dtype, wire_op
 from hora.engine.plan import Entry, Request
+from hora.kinds import Kind
 from hora.reduce_ops import ReduceOp
 
 MAX_FUSED_TENSOR_BYTES = 1 << 20  # larger tensors run alone: fusion would only add copies
@@ -34,7 +35,7 @@ def nbytes(entry: Entry) -> int:
 
 def _key(entry: Entry, threshold: int) -> tuple[object, ...] | None:
     req = entry.first
-    if req.kind != "allreduce" or threshold <= 0 or nbytes(entry) > min(threshold, MAX_FUSED_TENSOR_BYTES):
+    if req.kind != Kind.ALLREDUCE or threshold <= 0 or nbytes(entry) > min(threshold, MAX_FUSED_TENSOR_BYTES):
         return None
     return (req.dtype, int(wire_op(req.op)), req.ps, req.device)
 
@@ -100,7 +101,7 @@ class FusionBuffers:
 
 def inline_bytes(req: Request, wire: torch.Tensor | None) -> bytes | None:
     """The data of a tiny CPU allreduce, to send with its request (None when it goes on the data plane)."""
-    if wire is None or req.kind != "allreduce" or req.device != "cpu":
+    if wire is None or req.kind != Kind.ALLREDUCE or req.device != "cpu":
         return None
     size = wire.numel() * wire.element_size()
     if size > INLINE_MAX_BYTES:

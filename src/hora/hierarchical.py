@@ -45,10 +45,6 @@ class Hierarchy:
     hosts: tuple[tuple[int, ...], ...]
     calls: int = 0  # allreduces that took the three steps (diagnostics, tests)
 
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == self.leader
-
 
 class _ChainWork:
     """The Works of the last step (one per chunk); the earlier steps were issued before them."""

@@ -45,6 +45,7 @@ class Kind(str, enum.Enum):
     REDUCESCATTER = "reducescatter"
     BARRIER = "barrier"
     JOIN = "join"
+    SHUTDOWN = "shutdown"  # the engine's own request when a rank calls shutdown(): no data, no steps here
 
     __hash__ = str.__hash__  # a plain "allreduce" finds Kind.ALLREDUCE in a dict or set, and the reverse
 

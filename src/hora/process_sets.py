@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +35,7 @@ class ProcessSet:
         if len(set(self.ranks)) != len(self.ranks):
             raise ValueError(f"ProcessSet ranks {self.ranks} contain duplicates")
         self.process_set_id: int | None = None
-        self.group: ProcessGroup | None = None  # hora's data-plane c10d group for this set
+        self.group: dist.ProcessGroup | None = None  # hora's data-plane c10d group for this set
         self._my_rank: int = -1
 
     def _bind(self, set_id: int, group: Any, my_rank: int) -> None:

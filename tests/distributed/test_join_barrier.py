@@ -66,3 +66,22 @@ def _unnamed_after_join(rank: int, size: int) -> None:
 
 def test_unnamed_ops_after_join_still_match() -> None:
     run_ranks(_unnamed_after_join, 3, timeout=15)
+
+
+def _adasum_after_join(rank: int, size: int) -> str:
+    message = ""
+    if rank == 1:
+        hvd.join()
+    else:
+        try:  # Adasum's tree needs every member's vector: a joined rank has none to give
+            hvd.allreduce(torch.ones(3), op=hvd.Adasum, name="ada")
+        except hvd.HoraError as e:
+            message = str(e)
+        hvd.join()
+    close(hvd.allreduce(torch.ones(2), op=hvd.Adasum, name="ada2"), torch.ones(2), "Adasum once all are back")
+    return message
+
+
+def test_adasum_while_a_rank_has_joined_fails_saying_so() -> None:
+    messages = run_ranks(_adasum_after_join, 2, timeout=20)
+    assert "adasum 'ada' cannot run: rank(s) [1] already called join()" in messages[0], messages[0]

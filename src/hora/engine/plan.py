@@ -15,15 +15,17 @@ from typing import NamedTuple
 
 from hora.diagnostics.where import describe_op
 from hora.errors import CollectiveError, CollectiveMismatchError, HoraError, PeerRejectedCallError
-from hora.names import UNNAMED_PREFIX
+from hora.kinds import Kind
+from hora.names import JOIN_NAME, SHUTDOWN_NAME, UNNAMED_PREFIX
+from hora.reduce_ops import ReduceOp
 
-JOIN = "join"
-SHUTDOWN = "shutdown"
+JOIN = Kind.JOIN
+SHUTDOWN = Kind.SHUTDOWN
 UNNAMED = UNNAMED_PREFIX  # prefix of the sequence names of unnamed ops: noname.ps<set id>.<n>
 # kinds a joined rank takes part in: it contributes zeros to reductions, no rows to allgathers and alltoalls,
-# and receives broadcasts (every kind hora has, as in Horovod)
-JOIN_OK = frozenset({"allreduce", "allgather", "broadcast", "barrier", "reducescatter", "alltoall", JOIN,
-                     SHUTDOWN})
+# and receives broadcasts (every kind Horovod has; not Adasum, whose tree needs every member's vector)
+JOIN_OK = frozenset({Kind.ALLREDUCE, Kind.ALLGATHER, Kind.BROADCAST, Kind.BARRIER, Kind.REDUCESCATTER,
+                     Kind.ALLTOALL, JOIN, SHUTDOWN})
 
 
 class Request(NamedTuple):
@@ -52,7 +54,8 @@ class Request(NamedTuple):
 
 _FIELDS = ("kind", "dtype", "shape", "op", "root", "prescale", "postscale", "process_set", "device")
 CALL_SITE = "call site"
-_ROWS_MAY_DIFFER = frozenset({"allgather", "alltoall"})
+_ROWS_MAY_DIFFER = frozenset({Kind.ALLGATHER, Kind.ALLTOALL})
+_REDUCTIONS = frozenset({Kind.ALLREDUCE, Kind.ADASUM, Kind.REDUCESCATTER})  # described with their op
 
 
 def signature(req: Request) -> tuple[object, ...]:
@@ -64,13 +67,11 @@ def signature(req: Request) -> tuple[object, ...]:
 def describe(req: Request) -> str:
     """A request as a user would read it in an error message."""
     parts = [req.kind, f"dtype={req.dtype}", f"shape={list(req.shape)}"]
-    if req.kind in ("allreduce", "reducescatter"):
-        from hora.reduce_ops import ReduceOp
-
+    if req.kind in _REDUCTIONS:
         parts.append(f"op={ReduceOp(req.op).name.capitalize()}")
         if req.prescale != 1.0 or req.postscale != 1.0:
             parts.append(f"prescale={req.prescale} postscale={req.postscale}")
-    if req.kind == "broadcast":
+    if req.kind == Kind.BROADCAST:
         parts.append(f"root={req.root}")
     parts.append(f"process_set={list(req.ps)}")
     parts.append(f"device={req.device}")
@@ -128,7 +129,7 @@ class Table:
 
     @property
     def joined(self) -> frozenset[int]:
-        e = self.entries.get("__join__")
+        e = self.entries.get(JOIN_NAME)
         return frozenset(e.requests) if e is not None else frozenset()
 
     def add(self, rank: int, req: Request, round_no: int, now: float, decision: Decision,
@@ -158,7 +159,7 @@ class Table:
         joined = self.joined
         # the ranks leaving, as they stand when the round's requests are in: the shutdown entry itself may
         # complete (and leave the table) before the ops that wait for a leaving rank are looked at
-        bye = self.entries.get("__shutdown__")
+        bye = self.entries.get(SHUTDOWN_NAME)
         self._leaving = frozenset(bye.requests) if bye is not None else frozenset()
         for name, entry in list(self.entries.items()):
             required = self._required(entry, joined)
@@ -222,7 +223,7 @@ class Table:
                 f"{req.kind} {entry.name!r} cannot run: rank(s) {sorted(blocked)} already called join(). "
                 f"Only {', '.join(sorted(JOIN_OK - {JOIN, SHUTDOWN}))} work while ranks have joined."
             )
-        if blocked and req.kind == "broadcast" and req.root in blocked:
+        if blocked and req.kind == Kind.BROADCAST and req.root in blocked:
             return CollectiveError(
                 f"broadcast {entry.name!r} cannot run: its root rank {req.root} already called join(), so "
                 "nothing is there to send. Make the broadcast on every rank before any rank joins, or choose a "
