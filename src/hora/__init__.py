@@ -27,9 +27,11 @@ from hora.errors import (  # noqa: F401
     HorovodInternalError,
     HostsUpdatedInterrupt,
     InvalidCallError,
+    JobFailedError,
     PeerRejectedCallError,
     LaunchError,
     NotInitializedError,
+    SetupError,
     UnsupportedCallError,
     UnsupportedDtypeError,
 )

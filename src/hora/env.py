@@ -319,26 +319,33 @@ KNOBS: tuple[Knob, ...] = (
 )
 
 
+_DEFAULTS: dict[str, Any] = {k.name[len("HORA_"):].lower(): k.default for k in KNOBS}
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Knobs:
-    """Values of :data:`KNOBS` for this process (attribute = knob name without ``HORA_``, lower case)."""
+    """Values of :data:`KNOBS` for this process (attribute = knob name without ``HORA_``, lower case).
 
-    log_level: str = "WARNING"
-    start_timeout: float = 60.0
-    stall_check_disable: bool = False
-    stall_check_time_seconds: float = 60.0
-    stall_shutdown_time_seconds: float = 0.0
-    timeline: str = ""
-    timeline_mark_cycles: bool = False
-    fusion_threshold: int = 64 * 1024 * 1024
-    cycle_time: float = 0.0
-    disable_cache: bool = False
-    control_plane: str = "auto"
-    call_site_check: bool = True
-    bucket_cap_mb: float = 25.0
-    first_bucket_mb: float = 1.0
-    hierarchical_allreduce: bool = False
-    full_tracebacks: bool = False
+    The defaults are the table's (written once, there); the runtime reads the knobs once, at ``init()``,
+    and every part of hora takes them from it (``runtime.state().knobs``).
+    """
+
+    log_level: str = _DEFAULTS["log_level"]
+    start_timeout: float = _DEFAULTS["start_timeout"]
+    stall_check_disable: bool = _DEFAULTS["stall_check_disable"]
+    stall_check_time_seconds: float = _DEFAULTS["stall_check_time_seconds"]
+    stall_shutdown_time_seconds: float = _DEFAULTS["stall_shutdown_time_seconds"]
+    timeline: str = _DEFAULTS["timeline"]
+    timeline_mark_cycles: bool = _DEFAULTS["timeline_mark_cycles"]
+    fusion_threshold: int = _DEFAULTS["fusion_threshold"]
+    cycle_time: float = _DEFAULTS["cycle_time"]
+    disable_cache: bool = _DEFAULTS["disable_cache"]
+    control_plane: str = _DEFAULTS["control_plane"]
+    call_site_check: bool = _DEFAULTS["call_site_check"]
+    bucket_cap_mb: float = _DEFAULTS["bucket_cap_mb"]
+    first_bucket_mb: float = _DEFAULTS["first_bucket_mb"]
+    hierarchical_allreduce: bool = _DEFAULTS["hierarchical_allreduce"]
+    full_tracebacks: bool = _DEFAULTS["full_tracebacks"]
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Knobs:

@@ -2,6 +2,10 @@
 
 Horovod's names (``HorovodInternalError``, ``HostsUpdatedInterrupt``) are aliases of hora's own types, so
 ``except hvd.HorovodInternalError`` in an existing script catches what hora raises.
+
+Each type carries the exit code a ``hora`` command returns when that error ends it (``exit_code``): 2 for a
+usage or setup error (nothing was started), 1 for a job that went wrong, the job's own status for
+:class:`JobFailedError`. The commands print the message as one line and return ``exc.exit_code``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from collections.abc import Mapping
 
 class HoraError(Exception):
     """Base of every error hora raises on purpose."""
+
+    exit_code: int = 1  # what a ``hora`` command returns when this error ends it
 
 
 class NotInitializedError(HoraError, ValueError):
@@ -24,7 +30,9 @@ class NotInitializedError(HoraError, ValueError):
 
 
 class ConfigError(HoraError, ValueError):
-    """Bad configuration from the environment, a flag or a config file."""
+    """Bad configuration from the environment, a flag or a config file (exit code 2, as for a usage error)."""
+
+    exit_code = 2
 
 
 class CollectiveError(HoraError, RuntimeError):
@@ -94,11 +102,23 @@ class HostsUpdatedInterrupt(HoraError):
 
 
 class LaunchError(HoraError):
-    """The launcher could not start or finish the job. Carries the exit code to return."""
+    """The launcher could not start or finish the job (exit code 1)."""
 
-    def __init__(self, message: str, exit_code: int = 1) -> None:
+
+class SetupError(LaunchError):
+    """The launcher found a problem before starting anything: preflight, an agent that cannot start, a log
+    directory it cannot write (exit code 2; nothing was started)."""
+
+    exit_code = 2
+
+
+class JobFailedError(LaunchError):
+    """The job ended with a non-zero status; ``exit_code`` is that status (a rank's exit code, 128 + N for a
+    rank killed by signal N)."""
+
+    def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code = status
 
 
 # Horovod's names.
@@ -113,9 +133,11 @@ __all__ = [
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
     "InvalidCallError",
+    "JobFailedError",
     "LaunchError",
     "NotInitializedError",
     "PeerRejectedCallError",
+    "SetupError",
     "UnsupportedCallError",
     "UnsupportedDtypeError",
 ]

@@ -109,7 +109,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(a[:2]) for a, _ in CASES])
 def test_malformed_input_gives_one_exact_line_and_exit_code_2(
         argv: list[str], message: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from hora.launch.network import interface_addresses
+    from hora.network import interface_addresses
 
     code = main(["run", *argv])
     captured = capsys.readouterr()

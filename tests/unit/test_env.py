@@ -164,3 +164,10 @@ def test_knob_docs_list_every_knob() -> None:
     doc = knobs_markdown()
     for knob in KNOBS:
         assert f"`{knob.name}`" in doc
+
+
+def test_knob_defaults_are_written_once_in_the_table() -> None:
+    defaults = Knobs()
+    for knob in KNOBS:
+        value = getattr(defaults, knob.name[len("HORA_"):].lower())
+        assert value == knob.default and type(value) is knob.type, knob.name

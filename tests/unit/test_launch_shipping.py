@@ -1,4 +1,4 @@
-"""Shipping functions by value without cloudpickle (the fallback ``hora.run`` uses when it is missing)."""
+"""Shipping functions and their arguments to ``hora.run``'s workers (cloudpickle underneath)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import math
 import pickle
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from hora.errors import ConfigError
-from hora.launch.shipping import dumps_plain, loads
+from hora.launch.shipping import dumps, loads
 
 OFFSET = 100
 
@@ -33,35 +34,39 @@ def test_lambda_closure_and_module_global_survive() -> None:
         bias = 5
         return lambda x: x * scale + bias + OFFSET + math.floor(0.5)
 
-    assert loads(dumps_plain(outer()))(2) == 2 * 3 + 5 + 100
+    assert loads(dumps(outer()))(2) == 2 * 3 + 5 + 100
 
 
 def test_recursive_local_function() -> None:
     def fact(n: int) -> int:
         return 1 if n <= 1 else n * fact(n - 1)
 
-    assert loads(dumps_plain(fact))(5) == 120
+    assert loads(dumps(fact))(5) == 120
 
 
 def test_defaults_and_keyword_only_defaults() -> None:
     def f(a: int, b: int = 2, *, c: int = 3) -> int:
         return a + b * c
 
-    g = loads(dumps_plain(f))
+    g = loads(dumps(f))
     assert (g(1), g(1, c=10)) == (7, 21)
 
 
 def test_importable_functions_travel_by_reference() -> None:
-    assert b"shipping" not in dumps_plain(math.sqrt)
-    assert loads(dumps_plain(pickle.dumps)) is pickle.dumps
+    assert b"shipping" not in dumps(math.sqrt)
+    assert loads(dumps(pickle.dumps)) is pickle.dumps
 
 
 def test_a_lambda_runs_in_another_process() -> None:
     factor = 7
-    assert _round_trip_in_fresh_process(dumps_plain((lambda x: x * factor, (6,)))) == "42"
+    assert _round_trip_in_fresh_process(dumps((lambda x: x * factor, (6,)))) == "42"
 
 
-def test_class_defined_in_main_is_a_clear_error() -> None:
-    cls = type("Model", (), {"__module__": "__main__"})
-    with pytest.raises(ConfigError, match="class Model is defined in __main__"):
-        dumps_plain(cls)
+def test_class_defined_in_main_travels_by_value() -> None:
+    cls = type("Model", (), {"__module__": "__main__", "__call__": lambda self, x: x + 1})
+    assert _round_trip_in_fresh_process(dumps((cls(), (41,)))) == "42"
+
+
+def test_an_unpicklable_argument_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="cannot send the function"):
+        dumps((print, (threading.Lock(),)))

@@ -1,8 +1,10 @@
 """``hora check``: what hora, Python, torch, backends, CUDA and network this machine (or every host) has.
 
 ``hora check`` describes this machine; ``hora check -H a:4,b:4`` (or ``--hostfile``) runs the same on every
-host over ssh and adds reachability and version agreement. ``--json`` prints one JSON object instead of the
-table. The exit code is 0 when every host answered and hora, torch and Python agree, else 1.
+host over ssh and adds reachability and version agreement. Hosts are read, reached and run as
+``hora run``'s preflight does (:mod:`hora.launch.hosts`, :func:`hora.launch.preflight.run_on_host`).
+``--json`` prints one JSON object instead of the table. The exit code is 0 when every host answered and
+hora, torch and Python agree, else 1.
 
 Example:
     $ hora check --json | python -c 'import json,sys; print(json.load(sys.stdin)["hosts"][0]["torch"])'
@@ -11,14 +13,12 @@ Example:
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import logging
 import os
 import platform
 import shutil
 import socket
-import struct
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -26,23 +26,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hora.errors import ConfigError
+from hora.launch.hosts import HostSpec, hosts_from
+from hora.launch.preflight import SSH_FAILED, hora_version, run_on_host
+from hora.launch.transport import SshTransport, transport_for
+from hora.network import interface_addresses
 
 log = logging.getLogger(__name__)
 
 AGREE_KEYS = ("hora", "torch", "python")
-_SIOCGIFADDR = 0x8915
 RemoteRunner = Callable[[str, Sequence[str]], "tuple[int, str, str]"]  # host, argv -> rc, stdout, stderr
-
-
-def _hora_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("hora")
-    except Exception:  # noqa: BLE001 - running from a source tree
-        import hora
-
-        return str(getattr(hora, "__version__", "unknown"))
 
 
 def _backends() -> dict[str, Any]:
@@ -95,15 +87,6 @@ def _ip_json() -> list[dict[str, Any]] | None:
     ]
 
 
-def _ipv4(name: str) -> str | None:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            req = struct.pack("256s", name.encode()[:15])
-            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24])
-        except OSError:
-            return None
-
-
 def _sysfs_interfaces() -> list[dict[str, Any]]:
     v6: dict[str, list[str]] = {}
     try:
@@ -115,6 +98,7 @@ def _sysfs_interfaces() -> list[dict[str, Any]]:
     except OSError:
         pass
     out = []
+    v4s = interface_addresses()
     for name in sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []:
         def read(attr: str, name: str = name) -> str:
             try:
@@ -122,7 +106,7 @@ def _sysfs_interfaces() -> list[dict[str, Any]]:
                     return f.read().strip()
             except OSError:
                 return ""
-        v4 = _ipv4(name)
+        v4 = v4s.get(name)
         flags = int(read("flags") or "0", 16)
         out.append({"name": name, "up": bool(flags & 1), "mtu": int(read("mtu") or 0) or None,
                     "addresses": ([v4] if v4 else []) + v6.get(name, [])})
@@ -142,7 +126,7 @@ def local_info() -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
         "reachable": True,
-        "hora": _hora_version(),
+        "hora": hora_version(),
         "python": platform.python_version(),
         "python_executable": sys.executable,
         "torch": torch.__version__,
@@ -250,7 +234,7 @@ def _remote_info(host: str, run_remote: RemoteRunner) -> dict[str, Any]:
         return {"host": host, "reachable": False, "error": str(e)}
     if rc != 0:
         tail = (err.strip().splitlines() or [f"exit code {rc}"])[-1]
-        if rc == 255:  # ssh's own failure: cannot connect or authenticate
+        if rc == SSH_FAILED:  # ssh's own failure: cannot connect or authenticate
             return {"host": host, "reachable": False, "error": f"{tail} (check -p/-i and that ssh {host} works)"}
         hint = " (install the same hora there)" if "No module named" in tail else ""
         return {"host": host, "reachable": False, "error": f"`{' '.join(argv)}` failed: {tail}{hint}"}
@@ -284,34 +268,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def hosts_from_args(args: argparse.Namespace) -> list[str]:
-    """Host names from ``-H``/``--hostfile`` (parsed by the launcher's own parser); empty when neither."""
-    from hora.launch.hosts import parse_hostfile, parse_hosts
-
-    if args.hosts and args.hostfile:
-        raise ConfigError("hora check: give -H or --hostfile, not both")
-    if args.hosts:
-        return [h.name for h in parse_hosts(args.hosts)]
-    if args.hostfile:
-        return [h.name for h in parse_hostfile(args.hostfile)]
-    return []
+    """Host names from ``-H``/``--hostfile``, read as ``hora run`` reads them; empty when neither is given."""
+    if args.hosts is None and args.hostfile is None:
+        return []
+    return [h.name for h in hosts_from(args.hosts, args.hostfile)]
 
 
 def ssh_runner(args: argparse.Namespace, timeout_s: float = 60.0) -> RemoteRunner:
-    """Run argv on a host with the launcher's transports: locally for this machine's names, else ssh."""
-    from hora.launch.hosts import HostSpec
-    from hora.launch.transport import LocalTransport, SshTransport
-
-    ssh = SshTransport(port=args.ssh_port, identity_file=args.ssh_identity_file,
-                       options=tuple(args.ssh_option or ()), config_file=args.ssh_config_file)
+    """Run argv on a host as ``hora run``'s preflight does: locally for this machine's names, else over ssh."""
+    pick = transport_for(SshTransport(port=args.ssh_port, identity_file=args.ssh_identity_file,
+                                      options=tuple(args.ssh_option or ()), config_file=args.ssh_config_file))
 
     def run_remote(host: str, argv: Sequence[str]) -> tuple[int, str, str]:
-        transport = LocalTransport() if HostSpec(host, 1).is_local else ssh
-        cmd = transport.command(host, list(argv))
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
-        except subprocess.TimeoutExpired:
-            return 255, "", f"no answer within {timeout_s:.0f} s"
-        return done.returncode, done.stdout, done.stderr
+        code, out, err = run_on_host(host, pick(host, HostSpec(host, 1).is_local), list(argv), timeout_s)
+        return (SSH_FAILED, "", f"no answer within {timeout_s:.0f} s") if code is None else (code, out, err)
 
     return run_remote
 
@@ -322,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         hosts = hosts_from_args(args)
     except ConfigError as e:
         sys.stderr.write(f"hora check: {e}\n")
-        return 2
+        return e.exit_code
     report = collect(hosts, ssh_runner(args) if hosts else None)
     out = json.dumps(report, indent=2) if args.json else format_table(report)
     sys.stdout.write(out + "\n")

@@ -4,7 +4,7 @@ Driver (this process) -> one agent per host (local or over ssh) -> workers. The 
 
 * ``cli``: argparse, subcommands, flag suggestions; ``config``: the frozen :class:`RunConfig`.
 * ``hosts``: ``-H``/hostfile parsing and slot assignment (pure).
-* ``envvars``: what each worker's environment holds; ``network``: which address and interface to use.
+* ``envvars``: what each worker's environment holds (addresses and interfaces: :mod:`hora.network`).
 * ``transport``: how an agent is started on a host (local process or ssh); ``preflight``: host checks.
 * ``driver``: runs a job end to end; ``agent``: spawns and watches the workers on one host.
 * ``procs``: process groups and signals; ``protocol``: agent <-> driver messages; ``output``: console/logs.

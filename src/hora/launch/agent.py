@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from hora import env as hora_env
-from hora.launch import network, procs, protocol
+from hora import network
+from hora.launch import procs, protocol
 
 log = logging.getLogger(__name__)
 

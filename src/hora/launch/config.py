@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hora import env as hora_env
 from hora.errors import ConfigError
-from hora.launch.hosts import HostSpec, parse_hostfile, parse_hosts
+from hora.launch.hosts import HostSpec, hosts_from
 
 # horovodrun flags that become worker knobs: (argparse dest, knob variable, value -> text).
 FLAG_KNOBS: tuple[tuple[str, str, object], ...] = (
@@ -100,16 +100,6 @@ def _refuse_unsupported(ns: argparse.Namespace) -> None:
         if getattr(ns, name) is not None:
             raise ConfigError(f"--{name.replace('_', '-')}: elastic jobs are not supported by this `hora run` yet; "
                               "run with a fixed -np, or see docs/launcher.md")
-
-
-def _hosts(ns: argparse.Namespace) -> tuple[HostSpec, ...]:
-    if ns.hosts is not None and ns.hostfile is not None:
-        raise ConfigError("-H and --hostfile both given; use only one of them")
-    if ns.hosts is not None:
-        return parse_hosts(ns.hosts)
-    if ns.hostfile is not None:
-        return parse_hostfile(ns.hostfile)
-    return (HostSpec("localhost", ns.np or 1),)
 
 
 def _extra_env(pairs: list[str], environ: dict[str, str]) -> dict[str, str]:
@@ -226,7 +216,7 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         raise ConfigError("no command given; usage: hora run -np 2 python train.py")
     if ns.np is not None and ns.np < 1:
         raise ConfigError(f"-np {ns.np}: the number of processes must be at least 1")
-    hosts = _hosts(ns)
+    hosts = hosts_from(ns.hosts, ns.hostfile, ns.np)
     _check_numbers(ns)
     _check_files(ns)
     cwd = os.getcwd()

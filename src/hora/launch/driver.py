@@ -27,13 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hora.errors import LaunchError
-from hora.launch import envvars, network, output, preflight, procs, protocol, timeline_hook
+from hora import network
+from hora.errors import SetupError
+from hora.launch import envvars, output, preflight, procs, protocol, timeline_hook
 from hora.launch.config import RunConfig
 from hora.launch.failures import RankState, RootCause
 from hora.launch.hosts import SlotInfo, assign_slots
 from hora.launch.stalls import StallWatch
-from hora.launch.transport import LocalTransport, SshTransport, Transport, agent_argv
+from hora.launch.transport import SshTransport, Transport, agent_argv, transport_for
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def default_transport(cfg: RunConfig) -> Callable[[str, bool], Transport]:
                        config_file=cfg.ssh_config_file,
                        connect_timeout=max(1, int(min(cfg.start_timeout, 30))),
                        alive_interval=max(1, min(5, int(cfg.heartbeat_timeout // 3))))
-    return lambda host, is_local: LocalTransport() if is_local else ssh
+    return transport_for(ssh)
 
 
 class Driver:
@@ -151,8 +152,8 @@ class Driver:
             try:
                 proc = transport.start(host.name, agent_argv(self.cfg.python), self.cfg.cwd)
             except OSError as exc:  # e.g. no ssh client installed
-                raise LaunchError(f"host {host.name}: cannot start its agent ({exc.strerror or exc}); "
-                                  "install openssh-client or check the Python path", exit_code=2) from None
+                raise SetupError(f"host {host.name}: cannot start its agent ({exc.strerror or exc}); "
+                                  "install openssh-client or check the Python path") from None
             agent = AgentHandle(index, host.name, proc, [s.rank for s in mine])
             self.agents.append(agent)
             agent.send(self._spec(index, mine, addr, port))
@@ -203,9 +204,9 @@ class Driver:
             self.console.open_logs(range(self.cfg.np))
         except OSError as exc:  # e.g. a read-only filesystem, or the directory went away after the checks
             self.console.close()
-            raise LaunchError(f"--output-filename {self.cfg.output_filename}: cannot write the logs there "
+            raise SetupError(f"--output-filename {self.cfg.output_filename}: cannot write the logs there "
                               f"({exc.strerror or exc}: {exc.filename or self.cfg.output_filename}); give a writable "
-                              "directory", exit_code=2) from None
+                              "directory") from None
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._signals += 1

@@ -137,6 +137,24 @@ def parse_hostfile(path: str) -> tuple[HostSpec, ...]:
     return parse_hostfile_text(text, path)
 
 
+def hosts_from(hosts: str | None, hostfile: str | None, np: int | None = None,
+               flags: tuple[str, str] = ("-H", "--hostfile")) -> tuple[HostSpec, ...]:
+    """The job's hosts: ``-H``'s list, else the hostfile's, else this machine (``localhost`` with ``np`` slots).
+
+    ``flags``: how the caller names the two options in the error when both are given.
+
+    Raises:
+        ConfigError: both are given, or either cannot be read.
+    """
+    if hosts is not None and hostfile is not None:
+        raise ConfigError(f"{flags[0]} and {flags[1]} both given; use only one of them")
+    if hosts is not None:
+        return parse_hosts(hosts)
+    if hostfile is not None:
+        return parse_hostfile(hostfile)
+    return (HostSpec("localhost", np or 1),)
+
+
 def assign_slots(hosts: tuple[HostSpec, ...] | list[HostSpec], np: int) -> list[SlotInfo]:
     """Give ranks ``0..np-1`` to the hosts' slots in order, Horovod's way.
 

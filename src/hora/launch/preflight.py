@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
-from hora.errors import LaunchError
+from hora.errors import SetupError
 from hora.launch import output
 from hora.launch.hosts import HostSpec
 from hora.launch.transport import LocalTransport, Transport, describe
@@ -40,6 +40,7 @@ PROBE = (
     "'cpus':os.cpu_count(),'hostname':platform.node(),'machine':i()}))"
 )
 VERSION_KEYS = ("python", "torch", "hora")
+SSH_FAILED = 255  # ssh's exit code when it cannot connect or authenticate
 
 
 def _version(name: str) -> str | None:
@@ -77,7 +78,7 @@ def refuse_same_machine(hosts: Sequence[HostSpec], used: set[str], answers: Mapp
     Local entries are this machine; a remote one is identified by its probe's answer.
 
     Raises:
-        LaunchError: (exit code 2) after one line per machine listed more than once.
+        SetupError: (exit code 2) after one line per machine listed more than once.
     """
     mine = machine_identity()
     groups: dict[str, list[HostSpec]] = {}
@@ -100,11 +101,30 @@ def refuse_same_machine(hosts: Sequence[HostSpec], used: set[str], answers: Mapp
                         "as on separate hosts (each starting at local_rank 0, so two ranks on one GPU); list it once "
                         f"with all its slots, e.g. -H {same[0].name}:{total}")
     if len(problems) == 1:
-        raise LaunchError(problems[0], exit_code=2)
+        raise SetupError(problems[0])
     if problems:
         for problem in problems[:-1]:
             output.error_line("hora run", problem)
-        raise LaunchError(problems[-1], exit_code=2)
+        raise SetupError(problems[-1])
+
+
+def run_on_host(host: str, transport: Transport, argv: list[str], timeout: float) -> tuple[int | None, str, str]:
+    """Run ``argv`` on ``host`` within ``timeout`` s: (exit code, stdout, stderr). ``hora check`` uses it too.
+
+    The exit code is None when the command did not finish in time (it is killed). ssh's own exit code
+    :data:`SSH_FAILED` means it could not connect or authenticate.
+
+    Raises:
+        OSError: the command cannot start on this machine (no ssh client).
+    """
+    proc = transport.start(host, argv)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return None, "", ""
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
 def probe_host(host: str, transport: Transport, python: str, timeout: float) -> tuple[dict[str, Any] | None, str]:
@@ -112,26 +132,22 @@ def probe_host(host: str, transport: Transport, python: str, timeout: float) -> 
     argv = [python, "-c", PROBE]
     reproduce = describe(transport.command(host, [python, "-V"]))
     try:
-        proc = transport.start(host, argv)
+        code, out, err = run_on_host(host, transport, argv, timeout)
     except OSError as exc:
         return None, f"host {host}: cannot run {argv[0] if isinstance(transport, LocalTransport) else 'ssh'} " \
                      f"({exc.strerror or exc}); install openssh-client on this machine"
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+    if code is None:
         return None, f"host {host}: no answer within --start-timeout {timeout:g}s; try: {reproduce}"
-    last_err = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
-    if proc.returncode == 255:
+    last_err = err.strip().splitlines()[-1:] or [""]
+    if code == SSH_FAILED:
         return None, f"host {host}: cannot connect over ssh ({last_err[0] or 'exit 255'}); try: {reproduce}"
-    if proc.returncode == 127:
+    if code == 127:
         return None, (f"host {host}: {python} not found there; install the same Python environment at the "
                       "same path on every host")
     try:
-        answer = json.loads(out.decode(errors="replace").strip().splitlines()[-1])
+        answer = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return None, f"host {host}: the probe failed (exit {proc.returncode}: {last_err[0]}); try: {reproduce}"
+        return None, f"host {host}: the probe failed (exit {code}: {last_err[0]}); try: {reproduce}"
     return answer, ""
 
 
@@ -153,7 +169,7 @@ def check_hosts(cfg: RunConfig, transport_for: Callable[[str, bool], Transport],
     """Check every remote host (that gets ranks, when ``used`` is given) in parallel; return their answers.
 
     Raises:
-        LaunchError: (exit code 2) after printing one line per problem found.
+        SetupError: (exit code 2) after printing one line per problem found.
     """
     remote = [h for h in cfg.hosts if not h.is_local and (used is None or h.name in used)]
     results: dict[str, tuple[dict[str, Any] | None, str]] = {}
@@ -176,6 +192,6 @@ def check_hosts(cfg: RunConfig, transport_for: Callable[[str, bool], Transport],
     if problems:
         for problem in problems:
             output.error_line("hora run", problem)
-        raise LaunchError(f"preflight found {len(problems)} problem(s); nothing was started", exit_code=2)
+        raise SetupError(f"preflight found {len(problems)} problem(s); nothing was started")
     log.info("preflight passed for %s", ", ".join(h.name for h in remote))
     return {name: answer for name, (answer, _) in results.items() if answer is not None}

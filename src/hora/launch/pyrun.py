@@ -16,11 +16,11 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from hora.errors import ConfigError, HoraError, LaunchError
+from hora.errors import ConfigError, HoraError, JobFailedError
 from hora.launch import shipping
 from hora.launch.config import RunConfig
 from hora.launch.driver import Driver
-from hora.launch.hosts import HostSpec, parse_hostfile, parse_hosts
+from hora.launch.hosts import hosts_from
 from hora.launch.protocol import PYRUN_FN_KEY as FN_KEY
 from hora.launch.protocol import PYRUN_RESULT_KEY as RESULT_KEY
 
@@ -44,16 +44,6 @@ def _refuse_unsupported(**given: Any) -> None:
                           "with Gloo/NCCL); drop the argument")
     if given["use_gloo"] is False:
         raise ConfigError("hora.run(use_gloo=False): Gloo is hora's only controller; drop the argument")
-
-
-def _hosts(np: int, hosts: str | None, hostfile: str | None) -> tuple[HostSpec, ...]:
-    if hosts and hostfile:
-        raise HoraError("hora.run: give hosts= or hostfile=, not both")
-    if hosts:
-        return parse_hosts(hosts)
-    if hostfile:
-        return parse_hostfile(hostfile)
-    return (HostSpec("localhost", np),)
 
 
 def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, np: int = 1,
@@ -89,14 +79,15 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str,
 
     Raises:
         The exception a rank raised (the first to fail), chained to a :class:`RemoteTraceback` with that
-        rank's traceback; :class:`~hora.errors.LaunchError` if a rank died without raising (a signal).
+        rank's traceback; :class:`~hora.errors.JobFailedError` if a rank died without raising (a signal).
     """
     _refuse_unsupported(min_np=min_np, max_np=max_np, slots=slots, reset_limit=reset_limit,
                         cooldown_range=cooldown_range, use_gloo=use_gloo, use_mpi=use_mpi, mpi_args=mpi_args)
     payload = shipping.dumps((func, tuple(args), dict(kwargs or {})))
     cfg = RunConfig(
         command=(executable or sys.executable, "-m", "hora.launch.pyworker"), np=np,
-        hosts=_hosts(np, hosts, hostfile), ssh_port=ssh_port, ssh_identity_file=ssh_identity_file,
+        hosts=hosts_from(hosts or None, hostfile or None, np, flags=("hosts=", "hostfile=")),
+        ssh_port=ssh_port, ssh_identity_file=ssh_identity_file,
         ssh_options=tuple(ssh_options), network_interfaces=(network_interface,) if network_interface else (),
         start_timeout=30.0 if start_timeout is None else float(start_timeout), env=dict(env or {}),
         prefix_timestamp=prefix_output_with_timestamp, output_filename=output_filename,
@@ -129,9 +120,9 @@ def _collect(driver: Driver, code: int) -> list[Any]:
     if failed is not None:
         from hora.launch.procs import describe_exit
 
-        raise LaunchError(f"hora.run: rank {failed.slot.rank} on host {failed.slot.hostname} failed: "
-                          f"{describe_exit(failed.code, failed.sig)}", exit_code=code)
-    raise LaunchError(f"hora.run: the job ended with status {code} before every rank returned", exit_code=code)
+        raise JobFailedError(f"hora.run: rank {failed.slot.rank} on host {failed.slot.hostname} failed: "
+                          f"{describe_exit(failed.code, failed.sig)}", code)
+    raise JobFailedError(f"hora.run: the job ended with status {code} before every rank returned", code)
 
 
 def _reraise(rank: int, host: str, record: tuple[Any, ...]) -> None:

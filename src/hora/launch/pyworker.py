@@ -34,7 +34,7 @@ def _error_record(exc: BaseException) -> bytes:
         pickle.loads(exc_blob)
     except Exception:  # noqa: BLE001 - any failure to round-trip means: send the text only
         exc_blob = None  # an exception that does not survive pickling: its text still travels
-    return b"P" + pickle.dumps(("error", exc_blob, type(exc).__qualname__, str(exc), text))
+    return pickle.dumps(("error", exc_blob, type(exc).__qualname__, str(exc), text))
 
 
 def main() -> int:
@@ -47,7 +47,7 @@ def main() -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
         record = _error_record(exc)
         store.set(RESULT_KEY.format(rank=env.rank), record)
-        sys.stderr.write(pickle.loads(record[1:])[4])
+        sys.stderr.write(pickle.loads(record)[4])
         return 1
     try:
         record = shipping.dumps(("ok", value))

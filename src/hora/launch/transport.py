@@ -14,6 +14,7 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -112,6 +113,12 @@ class SshTransport:
 
     def start(self, host: str, argv: list[str], cwd: str | None = None) -> subprocess.Popen[bytes]:
         return _popen(self.command(host, argv, cwd), None)
+
+
+def transport_for(ssh: SshTransport) -> Callable[[str, bool], Transport]:
+    """``(host, is_local) -> Transport``: local hosts run as child processes, the others over ``ssh``."""
+    local = LocalTransport()
+    return lambda host, is_local: local if is_local else ssh
 
 
 def describe(argv: list[str]) -> str:

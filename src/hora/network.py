@@ -1,7 +1,10 @@
-"""Addresses and interfaces: which address of the launcher the hosts reach, which interface a host uses.
+"""Addresses and interfaces, in one place for the launcher, the workers and ``hora check``.
 
-Standard library only (the agent imports this). Linux interface addresses come from ``ioctl``; elsewhere
-the functions return what they can and callers fall back to the defaults.
+Which address of the launcher the hosts reach (the rendezvous store's), which interface a host uses towards
+the store, which address a worker advertises to its peers, each interface's IPv4 address.
+
+Standard library only (the agent imports this without hora's core). Linux interface addresses come from
+``ioctl``; elsewhere the functions return what they can and callers fall back to the defaults.
 """
 
 from __future__ import annotations
@@ -36,10 +39,13 @@ def interface_addresses() -> dict[str, str]:
     return found
 
 
-def route_source(target: str) -> str | None:
-    """The local address the kernel would use to reach ``target`` (nothing is sent), or None."""
+def route_source(target: str, family: int = socket.AF_UNSPEC) -> str | None:
+    """The local address the kernel would use to reach ``target`` (nothing is sent), or None.
+
+    ``family``: ``socket.AF_INET`` for an IPv4 address only; by default whatever ``target`` resolves to.
+    """
     try:
-        infos = socket.getaddrinfo(target.strip("[]"), 9, type=socket.SOCK_DGRAM)
+        infos = socket.getaddrinfo(target.strip("[]"), 9, family, type=socket.SOCK_DGRAM)
     except OSError:
         return None
     for family, _, _, _, sockaddr in infos:
@@ -50,6 +56,15 @@ def route_source(target: str) -> str | None:
         except OSError:
             continue
     return None
+
+
+def advertised_address(peer: str) -> str:
+    """This host's IPv4 address on the route to ``peer``: the one ``peer`` (and hosts beside it) reach us at.
+
+    Workers advertise it to each other (the negotiators' mesh, the death watch) with the store host as peer.
+    Without a route, the address this host's name resolves to.
+    """
+    return route_source(peer, socket.AF_INET) or socket.gethostbyname(socket.gethostname())
 
 
 def interface_of(address: str) -> str | None:
