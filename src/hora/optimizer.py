@@ -3,7 +3,8 @@
 The wrapper is an instance of a dynamic subclass of the wrapped optimizer's class, sharing its parameter
 groups, state and defaults: ``isinstance`` checks, LR schedulers, ``state_dict()``/``load_state_dict()``,
 gradient clipping and AMP's ``GradScaler`` keep working. The reduction itself lives in
-:mod:`hora.reducer` (buckets filled by gradient hooks, overlapped with backward).
+:mod:`hora.reducer` (buckets filled by gradient hooks, overlapped with backward), or for ``op=hvd.Adasum``
+in :mod:`hora.adasum_reducer`.
 
 Example:
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())  # doctest: +SKIP
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import warnings
 from collections.abc import Iterable, Iterator
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from hora.adasum_reducer import AdasumReducer
 from hora.buckets import split_groups
 from hora.compression import Compression, Compressor
 from hora.process_sets import global_process_set
@@ -32,7 +33,6 @@ from hora.reducer import GradientReducer
 
 log = logging.getLogger(__name__)
 
-_instance_ids = itertools.count()
 _classes: dict[type, type] = {}
 
 # Horovod's warning, word for word (scripts and tests match on it). hora does not reduce twice in this case
@@ -226,19 +226,16 @@ def DistributedOptimizer(
     wrapped._hora_should_sync = True
     # Horovod's attribute: {parameter: name}; the names the reducer uses in errors and stall reports
     wrapped._parameter_names = parameter_names
-    wrapped._hora_reducer = GradientReducer(
-        params,
-        names,
-        _group_of(params, num_groups, groups),
-        prefix=f"hora.opt{next(_instance_ids)}",
-        compression=compression,
-        op=op,
-        gradient_predivide_factor=gradient_predivide_factor,
-        sparse_as_dense=sparse_as_dense,
-        process_set=process_set,
-        backward_passes_per_step=backward_passes_per_step,
-    )
-    if op is Adasum:
-        wrapped._hora_reducer.local_step = functools.partial(_local_step, wrapped)
+    reducer_args: dict[str, Any] = {
+        "compression": compression, "sparse_as_dense": sparse_as_dense, "process_set": process_set,
+        "backward_passes_per_step": backward_passes_per_step,
+    }
+    params_names_groups = (params, names, _group_of(params, num_groups, groups))
+    if op is Adasum:  # chosen once: Adasum reduces each parameter's local update (hora.adasum_reducer)
+        wrapped._hora_reducer = AdasumReducer(*params_names_groups, **reducer_args,
+                                              local_step=functools.partial(_local_step, wrapped))
+    else:
+        wrapped._hora_reducer = GradientReducer(*params_names_groups, **reducer_args, op=op,
+                                                gradient_predivide_factor=gradient_predivide_factor)
     wrapped._hora_reducer.register_hooks()  # buckets are planned at the first backward
     return wrapped

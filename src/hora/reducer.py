@@ -1,11 +1,11 @@
-"""The gradient reducer behind :class:`hora.DistributedOptimizer`.
+"""The gradient reducer behind :class:`hora.DistributedOptimizer` (Average and Sum; Adasum: :mod:`hora.adasum_reducer`).
 
 Per step, in three visible phases:
 
 1. **fill** (during backward): a post-accumulate-grad hook copies each gradient into its slice of a
    preallocated flat bucket (casting on the copy when compression is a cast); the moment a bucket's last
-   gradient arrives its async allreduce is submitted under a fixed name (``hora.opt<k>.g<gen>.bucket.<i>``),
-   which the negotiator matches across ranks and caches after the first step.
+   gradient arrives its async allreduce is submitted under a fixed name (:mod:`hora.bucket_names`), which the
+   negotiator matches across ranks and caches after the first step.
 2. **finish** (``synchronize()``): buckets that never filled (parameters without a gradient this step) are
    completed with zeros or whatever ``p.grad`` holds, as Horovod does, and submitted; then every handle is
    waited on.
@@ -15,34 +15,55 @@ Per step, in three visible phases:
 
 Average's division costs no pass of its own: uncompressed, ``1/size`` is applied on the copy in; on a
 compressed wire Horovod's split is kept (``1/predivide`` in, ``predivide/size`` out). The collective itself
-is a plain sum.
+is a plain sum, submitted through the private entry :func:`hora.collectives.submit` (no public wrapper).
 
-The plan is rebuilt (a new generation of names) only when the set of parameters requiring grad changes.
+Where a step stands is one :class:`Step` value. The plan is rebuilt (a new generation of names) only when
+the set of parameters requiring grad, or the process set's size, changes. Bucket sizes come from the
+runtime's knobs (``HORA_FIRST_BUCKET_MB``, ``HORA_BUCKET_CAP_MB``), read when the plan is built.
 """
 
 from __future__ import annotations
 
-import gc
+import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from hora import handles, ops
+from hora import collectives, handles, runtime
+from hora.bucket_names import BucketNames
 from hora.buckets import FlatBucket, ParamSpec, plan_buckets
 from hora.compression import CastCompressor, Compressor, NoneCompressor, wire_dtype
+from hora.ddp_watch import DdpWatch
 from hora.diagnostics import timeline
-from hora.env import Knobs
-from hora.errors import UnsupportedCallError
-from hora.reduce_ops import Adasum, Sum, bucket_scales
+from hora.kinds import Call, Kind
+from hora.reduce_ops import ReduceOp, Sum, bucket_scales
 from hora.sparse import sparse_allreduce_async
 
 log = logging.getLogger(__name__)
 
 _MB = 1024 * 1024
+
+
+class Step(enum.Enum):
+    """Where the reducer is in a training step. The transitions, and what causes each::
+
+        IDLE    --first gradient hook of a backward-->  FILLING
+        FILLING --synchronize() (from step() or by hand)-->  SYNCED
+        SYNCED  --step() applied the gradients-->  IDLE
+        SYNCED  --a gradient hook (another backward before step())-->  FILLING
+        IDLE    --synchronize() with no hook run (gradients set by hand)-->  SYNCED
+
+    ``synchronize()`` in SYNCED does nothing (the gradients are already reduced); ``step()`` in SYNCED
+    without ``skip_synchronize()`` warns as Horovod does.
+    """
+
+    IDLE = "idle"
+    FILLING = "filling"
+    SYNCED = "synced"
 
 
 class GradientReducer:
@@ -54,7 +75,6 @@ class GradientReducer:
         names: Sequence[str],
         groups: Sequence[int],
         *,
-        prefix: str,
         compression: Compressor,
         op: Any,
         gradient_predivide_factor: float,
@@ -65,7 +85,6 @@ class GradientReducer:
         self.params = list(params)
         self.names = list(names)
         self.groups = list(groups)
-        self.prefix = prefix
         self.compression = compression
         self.op = op
         self.sparse_as_dense = sparse_as_dense
@@ -73,18 +92,10 @@ class GradientReducer:
         self.bpps = backward_passes_per_step
         self.predivide = gradient_predivide_factor
         self._cast_only = isinstance(compression, (NoneCompressor, CastCompressor))
-        knobs = Knobs.from_environ()
-        if op is Adasum:  # Adasum is defined per tensor: one bucket per parameter
-            self._caps = (0, 0)
-            size = process_set.size()
-            if size & (size - 1):
-                raise UnsupportedCallError(f"op=hvd.Adasum needs a power-of-two number of ranks, got {size}: run "
-                                           "with 2, 4, 8... ranks or use op=hvd.Average")
-        else:
-            self._caps = (int(knobs.first_bucket_mb * _MB), int(knobs.bucket_cap_mb * _MB))
+        self.naming = BucketNames(self.names, lambda: process_set.ranks)
+        self.state = Step.IDLE
         self._world: tuple[bool, int] | None = None  # (included, size) the plan and scales were made for
         self._group: Any = None  # the process set's group when we last looked: a new one means a new init()
-        self._reduce = False
         self.scale_in = self.scale_out = 1.0
         self.passes = [0] * len(self.params)
         self.slots: list[tuple[FlatBucket, int] | None] = [None] * len(self.params)
@@ -94,20 +105,39 @@ class GradientReducer:
         self._hooks: dict[int, Any] = {}
         self._plan_key: tuple[tuple[bool, ...], int] | None = None
         self._generation = -1
-        self._ddp_checked = False
+        self._ddp_watch: DdpWatch | None = DdpWatch()  # until the first step: DDP modules that ran forward
         self._ddp: dict[int, int] = {}  # param index -> world size of the DDP module that reduces it
-        self._active = False  # a gradient arrived since the last synchronize()
-        # Adasum, as in Horovod: each parameter's local optimizer step runs in its hook and the *update* is
-        # reduced; synchronize() applies it. The optimizer wrapper supplies the one-parameter step.
-        self.local_step: Callable[[torch.Tensor], None] | None = None
-        self._starts: dict[int, torch.Tensor] = {}  # Adasum: parameter values before the local step
         self._retired: list[torch.Tensor] = []  # gradients replaced by bucket slices, freed at zero_grad()
         self._lock = threading.Lock()
-        self.synced = False
+
+    @property
+    def prefix(self) -> str:
+        """The names' common prefix (``hora.opt.<fingerprint>``), for log lines and sparse ops."""
+        return self.naming.prefix
+
+    @property
+    def synced(self) -> bool:
+        """True between ``synchronize()`` and the next ``step()`` or backward."""
+        return self.state is Step.SYNCED
+
+    @property
+    def updates_params(self) -> bool:
+        """True when synchronize() applies the update itself (Adasum): step() must not step again."""
+        return False
+
+    @property
+    def _reduce(self) -> bool:
+        """This rank takes part and there is someone to reduce with."""
+        return self._world is not None and self._world[0] and self._world[1] > 1
+
+    def _caps(self) -> tuple[int, int]:
+        """(first bucket, later buckets) in bytes, from the runtime's knobs."""
+        knobs = runtime.state("DistributedOptimizer's first backward").knobs
+        return int(knobs.first_bucket_mb * _MB), int(knobs.bucket_cap_mb * _MB)
 
     # -- phase 1: fill, from the hooks ------------------------------------------------------------------
     def _on_grad(self, index: int) -> None:
-        if not self._active:
+        if self.state is not Step.FILLING:
             self._begin_step()
         if not self._reduce:
             return
@@ -135,40 +165,31 @@ class GradientReducer:
 
     def _begin_step(self) -> None:
         with self._lock:  # CPU and CUDA gradients' hooks run on different autograd threads
-            if self._active:
+            if self.state is Step.FILLING:
                 return
             self._refresh()
-            self.synced = False
-            self._active = True
+            self.state = Step.FILLING
 
     def _refresh(self) -> None:
         """Re-read the process set (elastic jobs change its size) and the parameters requiring grad."""
-        if not self._ddp_checked:
-            self._check_ddp()
+        if self._ddp_watch is not None:
+            self._take_ddp(self._ddp_watch.stop())
+            self._ddp_watch = None
         self._drop_if_reinitialized()
         world = (self.process_set.included(), self.process_set.size())
         if world != self._world:
             self._world = world
-            self._reduce = world[0] and world[1] > 1
             uncompressed = isinstance(self.compression, NoneCompressor)
             self.scale_in, self.scale_out = bucket_scales(self.op, world[1], self.predivide, uncompressed)
             self._plan_key = None  # new buckets under new names
         if self._reduce:
             self.ensure_plan()
 
-    @property
-    def updates_params(self) -> bool:
-        """True when synchronize() applies the update itself (Adasum): step() must not step again."""
-        return self.op is Adasum and self.local_step is not None
-
     def _fill(self, bucket: FlatBucket, k: int, index: int) -> None:
         view = bucket.views[k]
         grad = self.params[index].grad
         if grad is None:
             view.zero_()
-            return
-        if self.updates_params:
-            self._fill_update(view, index)
             return
         if grad.is_sparse:
             if not self.sparse_as_dense:
@@ -190,18 +211,6 @@ class GradientReducer:
             tl.span(bucket.name, "copy_in", t0, time.perf_counter(), kind="allreduce", param=self.names[index],
                     bytes=view.nbytes)
 
-    @torch.no_grad()
-    def _fill_update(self, view: torch.Tensor, index: int) -> None:
-        """Adasum: put this parameter's local update (after - before its own optimizer step) in its slot."""
-        p = self.params[index]
-        start = self._starts.get(index)
-        if start is None:
-            start = self._starts[index] = torch.empty_like(p)
-        start.copy_(p)
-        self.local_step(p)  # type: ignore[misc]
-        torch.sub(p.reshape(-1), start.reshape(-1), out=view)
-        p.copy_(start)  # unchanged until synchronize() adds the combined update
-
     def _submit(self, bucket: FlatBucket) -> None:
         wire = bucket.buffer
         if not self._cast_only:
@@ -211,9 +220,12 @@ class GradientReducer:
             if tl is not None:
                 tl.span(bucket.name, "compress", t0, time.perf_counter(), kind="allreduce", bytes=wire.nbytes)
         bucket.wire = wire
-        # Average's division is folded into the copies in and out (scale_in, scale_out): a plain sum here
-        op = Adasum if self.op is Adasum else Sum
-        bucket.handle = ops.allreduce_async_(wire, name=bucket.name, op=op, process_set=self.process_set)
+        bucket.handle = self._launch(bucket.name, wire)
+
+    def _launch(self, name: str, wire: torch.Tensor) -> Any:
+        """Start the bucket's collective. Average's division is folded into the copies in and out
+        (scale_in, scale_out): a plain in-place sum here."""
+        return collectives.submit(Call(Kind.ALLREDUCE, wire, name, self.process_set, op=ReduceOp.SUM, inplace=True))
 
     def _submit_sparse(self, index: int, grad: torch.Tensor) -> None:
         self.sparse[index] = sparse_allreduce_async(
@@ -223,9 +235,9 @@ class GradientReducer:
     # -- phase 2 and 3: finish and write back -----------------------------------------------------------
     def synchronize(self) -> None:
         """Submit what never fired, wait for every bucket, write the reduced gradients back."""
-        if self.synced and not self._active:
+        if self.state is Step.SYNCED:
             return  # nothing arrived since the last synchronize(): the gradients are already reduced
-        if not self._active:  # no hook ran (gradients set by hand): plan now; never re-plan mid-step
+        if self.state is Step.IDLE:  # no hook ran (gradients set by hand): plan now; never re-plan mid-step
             self._refresh()
         if self._reduce:
             self._retired.clear()  # normally empty already: zero_grad() freed them; bounds it if not called
@@ -243,16 +255,9 @@ class GradientReducer:
             self.sparse.clear()
         self._scale_ddp_sums()
         self.passes = [0] * len(self.params)
-        self._active = False
-        self.synced = True
+        self.state = Step.SYNCED
 
     def _write_back(self, bucket: FlatBucket, out: torch.Tensor) -> None:
-        if self.updates_params:
-            with torch.no_grad():
-                for k, index in enumerate(bucket.plan.params):
-                    p = self.params[index]
-                    p.add_(out.narrow(0, bucket.plan.offsets[k], bucket.plan.numels[k]).view_as(p))
-            return
         scale = self.scale_out
         tl = timeline.active()  # diagnostics: decompress and copy_out slices of the bucket
         t0 = time.perf_counter() if tl is not None else 0.0
@@ -312,7 +317,8 @@ class GradientReducer:
 
     def stepped(self) -> None:
         """The optimizer applied the gradients; the next synchronize() reduces afresh."""
-        self.synced = False
+        if self.state is Step.SYNCED:
+            self.state = Step.IDLE
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         if passes < 1:
@@ -344,8 +350,8 @@ class GradientReducer:
         self._generation += 1
         self.slots = [None] * len(self.params)
         self.buckets = []
-        for b, plan in enumerate(plan_buckets(specs, *self._caps)):
-            name = f"{self.prefix}.g{self._generation}.bucket.{b}"
+        for b, plan in enumerate(plan_buckets(specs, *self._caps())):
+            name = self.naming.bucket(self._generation, b)
             bucket = FlatBucket(plan, name, wire_dtype(self.compression, plan.dtype) if self._cast_only else plan.dtype)
             self.buckets.append(bucket)
             for k, index in enumerate(plan.params):
@@ -354,18 +360,12 @@ class GradientReducer:
             log.info("%s: parameters requiring grad changed; rebuilt %d buckets", self.prefix, len(self.buckets))
 
     # -- a model also wrapped in DistributedDataParallel ------------------------------------------------
-    def _check_ddp(self) -> None:
-        """Find DDP modules that already reduce some of our parameters, once, at the first backward."""
-        self._ddp_checked = True
-        from torch.nn.parallel import DistributedDataParallel
-
+    def _take_ddp(self, modules: list[Any]) -> None:
+        """Leave to DDP the parameters of the DDP modules that ran forward before our first step."""
         index_of = {id(p): i for i, p in enumerate(self.params)}
-        for obj in gc.get_objects():
-            # not isinstance(): on every live object it trips torch.distributed.reduce_op's FutureWarning
-            if DistributedDataParallel not in type(obj).__mro__:
-                continue
-            world = obj.process_group.size() if obj.process_group is not None else 1
-            for p in getattr(obj, "_module_parameters", None) or list(obj.module.parameters()):
+        for module in modules:
+            world = module.process_group.size() if module.process_group is not None else 1
+            for p in getattr(module, "_module_parameters", None) or list(module.module.parameters()):
                 if id(p) in index_of:
                     self._ddp[index_of[id(p)]] = world
         if self._ddp:

@@ -101,7 +101,9 @@ class SyncBatchNorm(_BatchNorm):
                  track_running_stats: bool = True, process_set: ProcessSet = global_process_set) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self.process_set = process_set
-        self._hora_name = f"hora.sync_batch_norm.{next(_layer_ids)}"
+        # named at its first synchronized forward, in the order every rank's forward runs the layers: the name
+        # does not depend on how many layers a process built before (one built and never run claims nothing)
+        self._hora_name: str | None = None
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -112,6 +114,8 @@ class SyncBatchNorm(_BatchNorm):
         use_batch_stats = self.training or not self.track_running_stats
         if not use_batch_stats or self.process_set.size() == 1:
             return super().forward(input)
+        if self._hora_name is None:
+            self._hora_name = f"hora.sync_batch_norm.{next(_layer_ids)}"
         y, mean, var, total = _SyncBatchNormFn.apply(
             input, self.weight, self.bias, self.eps, self._hora_name, self.process_set
         )

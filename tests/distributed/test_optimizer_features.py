@@ -366,3 +366,44 @@ def _manual_ranks(rank: int, size: int) -> list[float]:
 def test_gradients_set_by_hand_are_averaged_too() -> None:
     for w in run_tensors(_manual_ranks, 2):
         assert w == [-1.5, -1.5, -1.5]  # mean of 1 and 2
+
+
+# --- collective names do not depend on what a process built before ---------------------------------------
+class BnNet(nn.Module):
+    def __init__(self, norm: type[nn.Module]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(6, 8)
+        self.bn = norm(8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+def _extra_objects_ranks(rank: int, size: int) -> list[torch.Tensor]:
+    if rank == 0:  # an evaluation copy and an EMA copy: optimizers and a SyncBatchNorm built, never stepped
+        spare = BnNet(hvd.SyncBatchNorm)
+        hvd.DistributedOptimizer(torch.optim.SGD(spare.parameters(), lr=0.1), named_parameters=spare.named_parameters())
+        ema = BnNet(hvd.SyncBatchNorm)  # the same parameter names as the model below
+        hvd.DistributedOptimizer(torch.optim.SGD(ema.parameters(), lr=0.1), named_parameters=ema.named_parameters())
+    model = BnNet(hvd.SyncBatchNorm)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = shard(step, 0, rank, size)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return _params(model)
+
+
+def test_a_rank_that_built_an_extra_optimizer_and_sync_batch_norm_still_pairs_with_its_peers() -> None:
+    model = BnNet(nn.BatchNorm1d)  # SyncBatchNorm over 2 shards = BatchNorm over the whole batch
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, 0, 2 * ROWS_PER_RANK)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    _same_everywhere_and_close(run_tensors(_extra_objects_ranks, 2, timeout=60), _params(model), tol=1e-4)
