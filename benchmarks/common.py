@@ -15,20 +15,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing
 import os
 import platform
 import socket
 import subprocess
 import sys
-import time
-import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
+import hora
 from hora.bench.report import human_bytes, markdown_table
 from hora.bench.timing import alternate, difference_summary, ratio_summary, summarize
+from hora.testing import run_ranks
 
 __all__ = ["RESULTS", "alternate", "difference_summary", "fork_ranks", "human_bytes", "machine_info",
            "markdown_table", "ratio_summary", "summarize", "write_results"]
@@ -55,14 +56,6 @@ def output_dir(args: argparse.Namespace) -> Path:
 
 def machine_info() -> dict[str, Any]:
     """What a reader needs to judge the numbers: host, CPU, memory, versions, commit."""
-    import torch
-
-    try:
-        import hora
-
-        hora_version = hora.__version__
-    except Exception:  # noqa: BLE001 - a benchmark still runs (and says so) without hora importable
-        hora_version = "unavailable"
     cpu = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -85,7 +78,7 @@ def machine_info() -> dict[str, Any]:
         "memory_gib": mem_gib,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
-        "hora": hora_version,
+        "hora": hora.__version__,
         "git_commit": _git_commit(),
         "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],  # other work on the machine skews timings
         "utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -129,66 +122,11 @@ def fork_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float =
                env: Mapping[str, str] | None = None) -> list[Any]:
     """Run ``fn(rank, size, *args)`` on ``nprocs`` fork-started ranks with hora's launcher variables.
 
-    The rendezvous store runs in its own process (as ``hora run``'s driver hosts it), never in this forking
-    parent: a child forked while the store's server thread holds a c10d lock could deadlock. Returns the
-    values in rank order and raises RuntimeError with every failed rank's traceback.
+    The tests' fork harness (:func:`hora.testing.run_ranks`), with torch's default threads and no
+    ``hora.init()`` around ``fn`` (the benchmark's ranks init themselves). Returns the values in rank order
+    and raises RuntimeError with every failed rank's traceback.
     """
-    ctx = multiprocessing.get_context("fork")
-    store = subprocess.Popen(
-        [sys.executable, "-c", "import sys, torch.distributed as d\n"
-         "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
-         "print(s.port, flush=True)\nsys.stdin.read()\n"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert store.stdout is not None and store.stdin is not None
-    port = int(store.stdout.readline())
-    base = {"HORA_SIZE": str(nprocs), "HORA_LOCAL_SIZE": str(nprocs), "HORA_CROSS_RANK": "0",
-            "HORA_CROSS_SIZE": "1", "HORA_STORE_ADDR": "127.0.0.1", "HORA_STORE_PORT": str(port),
-            "HORA_JOB_ID": f"bench-{os.getpid()}-{time.time_ns()}", **(env or {})}
-    pipes, procs = [], []
-    for rank in range(nprocs):
-        recv, send = ctx.Pipe(duplex=False)
-        rank_env = {**base, "HORA_RANK": str(rank), "HORA_LOCAL_RANK": str(rank)}
-        proc = ctx.Process(target=_bench_child, args=(fn, rank, nprocs, args, rank_env, send))
-        proc.start()
-        send.close()
-        pipes.append(recv)
-        procs.append(proc)
-    results: list[Any] = [None] * nprocs
-    errors = []
-    deadline = time.monotonic() + timeout
-    for rank, (recv, proc) in enumerate(zip(pipes, procs)):
-        if not recv.poll(max(0.0, deadline - time.monotonic())):
-            errors.append(f"rank {rank}: no result within {timeout} s")
-            continue
-        try:
-            ok, value = recv.recv()
-        except EOFError:
-            ok, value = False, f"rank {rank} exited with code {proc.exitcode} without a result"
-        if ok:
-            results[rank] = value
-        else:
-            errors.append(f"rank {rank}:\n{value}")
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-        proc.join()
-    store.stdin.close()  # the store process ends when its stdin does
-    store.wait(timeout=30)
-    if errors:
-        raise RuntimeError("benchmark ranks failed:\n" + "\n".join(errors))
-    return results
-
-
-def _bench_child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: Mapping[str, str],
-                 conn: Any) -> None:
-    code = 0
     try:
-        os.environ.update(env)
-        conn.send((True, fn(rank, size, *args)))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        code = 1
-        conn.send((False, traceback.format_exc()))
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        return run_ranks(fn, nprocs, *args, timeout=timeout, env=env, init=False, threads=None)
+    except AssertionError as exc:
+        raise RuntimeError(f"benchmark ranks failed:\n{exc}") from None

@@ -1,16 +1,18 @@
-"""Run a function on N fork-started ranks with real process groups, from a pytest process.
+"""Run a function on N fork-started ranks with real process groups: the one fork harness of hora's tests
+(``tests/distributed``) and benchmarks (``benchmarks/common.py``), usable for your own tests too.
 
-The pytest parent never initialises a process group, and never runs c10d threads: the rendezvous store
-(what ``hora run``'s driver hosts) lives in a separate store process, started once per session, because a
-child forked while the store's server thread holds a c10d lock would deadlock creating its own client. The
-parent gives each child the launcher's variables (``HORA_RANK`` ...), so ``hora.init()`` in a child takes
-the same path as under the real launcher; every job has its own key prefix (``HORA_JOB_ID``).
+The parent (a pytest process, a benchmark) never initialises a process group, and never runs c10d threads:
+the rendezvous store (what ``hora run``'s driver hosts) lives in a separate store process, started once per
+session, because a child forked while the store's server thread holds a c10d lock would deadlock creating its
+own client. The parent gives each child the launcher's variables (``HORA_RANK`` ...), so ``hora.init()`` in
+a child takes the same path as under the real launcher; every job has its own key prefix (``HORA_JOB_ID``).
 
 Each rank reports its return value, or its exception with traceback and wall-clock time. On failure one
 AssertionError shows the earliest failure first (a follow-on Gloo error on another rank can mask the root
 cause), then the others, then the ranks that hung. A deadline SIGKILLs hung ranks' process groups.
 
 Example:
+    >>> import hora as hvd, torch
     >>> def fn(rank, size):
     ...     return hvd.allreduce(torch.tensor([rank]), op=hvd.Sum).item()
     >>> run_ranks(fn, 2)  # doctest: +SKIP
@@ -38,6 +40,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+import hora
 
 # After one rank fails, the others get this long to report (their own error or a follow-on one).
 FAILURE_GRACE_S = 3.0
@@ -83,6 +87,7 @@ def run_ranks(
     timeout: float = 60.0,
     env: Mapping[str, str | None] | None = None,
     init: bool = True,
+    threads: int | None = 1,
 ) -> list[Any]:
     """Run ``fn(rank, size, *args)`` on ``nprocs`` fork-started ranks; return the values in rank order.
 
@@ -93,6 +98,8 @@ def run_ranks(
         timeout: seconds for the whole job; ranks still running then are killed and named.
         env: extra environment for the children; a value of None removes the variable.
         init: whether the harness initialises and shuts down hora around ``fn``.
+        threads: torch's intra-op threads in each rank (1: tests share 2 cores among up to 4 ranks); None
+            leaves torch's default (benchmarks).
 
     Raises:
         AssertionError: a rank raised, crashed or hung. The message shows the earliest failure first.
@@ -109,7 +116,7 @@ def run_ranks(
         "HORA_JOB_ID": f"test-{os.getpid()}-{next(_calls)}-{uuid.uuid4().hex[:8]}",
         **(env or {}),
     }
-    procs, conns = _start(fn, nprocs, args, job_env, init, stacks)
+    procs, conns = _start(fn, nprocs, args, job_env, init, threads, stacks)
     try:
         reports, unfinished = _collect(procs, conns, time.monotonic() + timeout)
         where = _where_hung(procs, unfinished, stacks)
@@ -128,14 +135,14 @@ def run_ranks(
 
 
 def _start(fn: Callable[..., Any], nprocs: int, args: tuple, job_env: Mapping[str, str | None], init: bool,
-           stacks: str) -> tuple[list, list[Connection]]:
+           threads: int | None, stacks: str) -> tuple[list, list[Connection]]:
     ctx = multiprocessing.get_context("fork")
     procs, conns = [], []
     for rank in range(nprocs):
         recv, send = ctx.Pipe(duplex=False)
         rank_env = {"HORA_RANK": str(rank), "HORA_LOCAL_RANK": str(rank), **job_env}
         stack_file = os.path.join(stacks, f"rank{rank}.stack")
-        proc = ctx.Process(target=_child, args=(fn, rank, nprocs, args, rank_env, init, send, stack_file),
+        proc = ctx.Process(target=_child, args=(fn, rank, nprocs, args, rank_env, init, threads, send, stack_file),
                            name=f"rank{rank}")
         proc.start()
         send.close()  # the child holds the only sending end: EOF means it is gone
@@ -165,7 +172,7 @@ def _where_hung(procs: list, unfinished: Mapping[int, str], stacks: str) -> dict
 
 
 def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: Mapping[str, str | None],
-           init: bool, conn: Connection, stack_file: str) -> None:
+           init: bool, threads: int | None, conn: Connection, stack_file: str) -> None:
     os.setpgrp()  # the deadline kills this rank's whole process group
     code = 0
     dump = open(stack_file, "w")  # noqa: SIM115 - must stay open for faulthandler until os._exit
@@ -176,10 +183,9 @@ def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: Mappi
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        torch.set_num_threads(1)  # 2 cores shared by up to 4 ranks
+        if threads is not None:
+            torch.set_num_threads(threads)
         if init:
-            import hora
-
             hora.init()
         value = fn(rank, size, *args)
         if init:
