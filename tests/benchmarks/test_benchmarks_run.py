@@ -8,6 +8,7 @@ temporary directory: the committed results in ``benchmarks/results`` are left al
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,19 @@ def test_a_quick_run_leaves_the_published_results_alone(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "out" / "bench-quick" / "op_overhead.md").is_file()
     assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before
+
+
+def test_compare_commits_runs_a_benchmark_from_two_commits_and_prints_ratios(tmp_path: Path) -> None:
+    """Both sides HEAD (an A/A run): each run imports hora from its own temporary worktree, the table has
+    hora's figures with a ratio, and the worktrees are gone afterwards."""
+    if not (BENCHMARKS.parent / ".git").exists():
+        pytest.skip("not a git checkout")
+    before = subprocess.run(["git", "-C", str(BENCHMARKS), "worktree", "list"], capture_output=True, text=True).stdout
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "compare_commits.py"), "--old", "HEAD", "--quick",
+                           "--out", str(tmp_path), "op_overhead.py"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "new/old" in proc.stdout and "| hora us/call |" in proc.stdout
+    report = json.loads((tmp_path / "compare_commits.json").read_text())
+    assert report["ratios"]["hora us/call"] > 0 and len(report["runs"]["old"]) == len(report["runs"]["new"]) == 1
+    after = subprocess.run(["git", "-C", str(BENCHMARKS), "worktree", "list"], capture_output=True, text=True).stdout
+    assert after == before
