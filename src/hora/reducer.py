@@ -17,9 +17,8 @@ Average's division costs no pass of its own: uncompressed, ``1/size`` is applied
 compressed wire Horovod's split is kept (``1/predivide`` in, ``predivide/size`` out). The collective itself
 is a plain sum, submitted through the private entry :func:`hora.collectives.submit` (no public wrapper).
 
-Where a step stands is one :class:`Step` value. The plan is rebuilt (a new generation of names) only when
-the set of parameters requiring grad, or the process set's size, changes. Bucket sizes come from the
-runtime's knobs (``HORA_FIRST_BUCKET_MB``, ``HORA_BUCKET_CAP_MB``), read when the plan is built.
+Where a step stands is one :class:`Step`. The plan (bucket sizes: the runtime's knobs) is rebuilt, under a
+new generation of names, only when the parameters requiring grad or the process set's size change.
 """
 
 from __future__ import annotations
@@ -57,8 +56,7 @@ class Step(enum.Enum):
         SYNCED  --a gradient hook (another backward before step())-->  FILLING
         IDLE    --synchronize() with no hook run (gradients set by hand)-->  SYNCED
 
-    ``synchronize()`` in SYNCED does nothing (the gradients are already reduced); ``step()`` in SYNCED
-    without ``skip_synchronize()`` warns as Horovod does.
+    ``synchronize()`` in SYNCED does nothing; ``step()`` in SYNCED without ``skip_synchronize()`` warns.
     """
 
     IDLE = "idle"

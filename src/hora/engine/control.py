@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hora.errors import ConfigError
+from hora.network import advertised_address
 
 if TYPE_CHECKING:
     from hora.runtime import Runtime
@@ -132,16 +133,6 @@ class DeathWatch:
             reason = str(e)
         if not self._closed:
             self._lost(self.peer, reason)
-
-
-def advertised_address(store_host: str) -> str:
-    """This host's address on the route to the store host: the one peers can reach us at."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((store_host, 9))  # no packet is sent: this only picks the route
-            return str(s.getsockname()[0])
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
 
 
 class Exchange:
