@@ -4,8 +4,8 @@ A DistributedOptimizer whose model is also in DDP must not reduce those gradient
 optimizer's creation until its first step, a global module forward pre-hook notes every DDP module that runs
 forward (DDP is itself a module, so its own call is seen). The first backward follows the first forward, so
 by the optimizer's first step the DDP modules of that forward are known; the hook is then removed and
-modules run at full speed (with no global hook, torch takes its fast call path). A watch whose optimizer is
-dropped unused removes its hook when it is garbage-collected.
+modules run at full speed (with no global hook, torch takes its fast call path). An optimizer built and never
+stepped keeps its watch (one small Python call per module call) until it is garbage-collected.
 """
 
 from __future__ import annotations

@@ -386,12 +386,6 @@ def knobs_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-def cuda_visible(environ: Mapping[str, str] | None = None) -> str | None:
-    """``CUDA_VISIBLE_DEVICES`` as set, or None."""
-    env = os.environ if environ is None else environ
-    return env.get("CUDA_VISIBLE_DEVICES")
-
-
 def launcher_environ() -> dict[str, str]:
     """A copy of this process's environment, for the launcher to forward to workers."""
     return dict(os.environ)

@@ -5,7 +5,8 @@
 * :mod:`hora.diagnostics.timeline`: Chrome-trace timeline per rank, merged at job end.
 * :mod:`hora.diagnostics.check`: ``hora check``.
 
-Nothing here imports torch at module level, so the launcher can import these modules cheaply.
+Nothing here but ``check`` (which reports torch's build) imports torch at module level, so the launcher can
+import these modules cheaply.
 """
 
 from __future__ import annotations

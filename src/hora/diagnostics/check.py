@@ -25,6 +25,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from hora.errors import ConfigError
 from hora.launch.hosts import HostSpec, hosts_from
 from hora.launch.preflight import SSH_FAILED, hora_version, run_on_host
@@ -38,9 +41,6 @@ RemoteRunner = Callable[[str, Sequence[str]], "tuple[int, str, str]"]  # host, a
 
 
 def _backends() -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
     out: dict[str, Any] = {"distributed": dist.is_available()}
     if not dist.is_available():
         return out | {"gloo": False, "nccl": False, "mpi": False, "ucc": False}
@@ -57,8 +57,6 @@ def _backends() -> dict[str, Any]:
 
 
 def _cuda() -> dict[str, Any]:
-    import torch
-
     info: dict[str, Any] = {"built": torch.version.cuda, "available": torch.cuda.is_available(), "devices": []}
     if info["available"]:
         for i in range(torch.cuda.device_count()):
@@ -121,8 +119,6 @@ def network_interfaces() -> list[dict[str, Any]]:
 
 def local_info() -> dict[str, Any]:
     """This machine's facts as a JSON-able dict (one entry of ``hora check --json``'s ``hosts``)."""
-    import torch
-
     return {
         "host": socket.gethostname(),
         "reachable": True,

@@ -21,6 +21,9 @@ from typing import Any, NoReturn
 from hora.errors import ConfigError, HoraError
 from hora.launch import config as run_config
 from hora.launch import output
+from hora.launch.config_file import load_config_file
+from hora.launch.driver import Driver
+from hora.launch.preflight import hora_version
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +127,6 @@ def parse_run_args(argv: Sequence[str]) -> argparse.Namespace:
     if unknown:
         raise _unknown_flag(parser, unknown[0])
     if ns.config_file:
-        from hora.launch.config_file import load_config_file
-
         values = load_config_file(ns.config_file, parser)
         for dest, value in values.items():
             if getattr(ns, dest) is None:
@@ -147,8 +148,6 @@ def run_main(argv: Sequence[str]) -> int:
         if ns.check_build:
             return _check_build()
         cfg = run_config.from_args(ns)
-        from hora.launch.driver import Driver
-
         return Driver(cfg).run()
     except HoraError as exc:  # a usage or setup error (2), or the job's failure: the type carries the code
         output.error_line("hora run", str(exc))
@@ -191,8 +190,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         output.line(_help() if args else _usage())
         return 0 if args else USAGE_EXIT
     if args[0] == "--version":
-        from hora.launch.preflight import hora_version
-
         output.line(f"hora {hora_version()}")
         return 0
     if args[0].startswith("-"):  # horovodrun habit: `hora -np 2 python train.py` means `hora run ...`

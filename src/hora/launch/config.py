@@ -81,13 +81,6 @@ class RunConfig:
         return all(h.is_local for h in self.hosts)
 
 
-def _one_of(ns: argparse.Namespace, *names: str) -> None:
-    given = [n for n in names if getattr(ns, n.lstrip("-").replace("-", "_"), None)]
-    if len(given) > 1:
-        flags = " and ".join(f"--{n.replace('_', '-')}" if len(n) > 1 else f"-{n}" for n in given)
-        raise ConfigError(f"{flags} both given; use only one of them")
-
-
 def _refuse_unsupported(ns: argparse.Namespace) -> None:
     if ns.mpi or ns.mpi_args is not None:
         flag = "--mpi" if ns.mpi else "--mpi-args"

@@ -16,6 +16,8 @@ import argparse
 import difflib
 from typing import Any
 
+import yaml
+
 from hora.errors import ConfigError
 
 # Horovod's sectioned keys -> argparse dests.
@@ -73,8 +75,6 @@ def load_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, An
     Raises:
         ConfigError: the file is missing, not YAML, not a mapping, or has an unknown key or a bad value.
     """
-    import yaml
-
     try:
         with open(path) as fh:
             data = yaml.safe_load(fh)

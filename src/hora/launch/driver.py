@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hora import env as hora_env
 from hora import network
 from hora.errors import SetupError
 from hora.launch import envvars, output, preflight, procs, protocol, timeline_hook
@@ -114,7 +115,8 @@ class Driver:
     def _start_store(self, used: set[str]) -> tuple[str, int]:
         remote = [h.name for h in self.cfg.hosts if not h.is_local and h.name in used]
         addr = network.store_address(remote, self.cfg.network_interfaces)
-        from torch.distributed import TCPStore  # the only torch import of the launch side
+        # the launch side's only torch import, here so that usage errors and --help answer without loading torch
+        from torch.distributed import TCPStore
 
         self.store = TCPStore(addr, 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=max(self.cfg.start_timeout, 60)))
@@ -139,8 +141,6 @@ class Driver:
 
     @staticmethod
     def _environ() -> dict[str, str]:
-        from hora import env as hora_env
-
         return hora_env.launcher_environ()
 
     def _start_agents(self, slots: list[SlotInfo], addr: str, port: int) -> None:

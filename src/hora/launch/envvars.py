@@ -62,8 +62,3 @@ def rank_env(slot: SlotInfo, *, store_addr: str, store_port: int, job_id: str) -
         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
     })
     return env
-
-
-def unset_names(environ: Mapping[str, str]) -> list[str]:
-    """Names the agent removes from its own host's environment before applying the forwarded one."""
-    return [k for k in environ if k in RANK_VARIABLES]

@@ -21,6 +21,7 @@ from hora.launch import shipping
 from hora.launch.config import RunConfig
 from hora.launch.driver import Driver
 from hora.launch.hosts import hosts_from
+from hora.launch.procs import describe_exit
 from hora.launch.protocol import PYRUN_FN_KEY as FN_KEY
 from hora.launch.protocol import PYRUN_RESULT_KEY as RESULT_KEY
 
@@ -118,8 +119,6 @@ def _collect(driver: Driver, code: int) -> list[Any]:
         if record is not None and record[0] == "error":
             _reraise(rank, driver.ranks[rank].slot.hostname, record)
     if failed is not None:
-        from hora.launch.procs import describe_exit
-
         raise JobFailedError(f"hora.run: rank {failed.slot.rank} on host {failed.slot.hostname} failed: "
                           f"{describe_exit(failed.code, failed.sig)}", code)
     raise JobFailedError(f"hora.run: the job ended with status {code} before every rank returned", code)

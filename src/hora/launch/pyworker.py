@@ -13,6 +13,8 @@ import sys
 import traceback
 from typing import Any
 
+from torch.distributed import TCPStore
+
 from hora.env import WorkerEnv
 from hora.launch import shipping
 from hora.launch.protocol import PYRUN_FN_KEY as FN_KEY
@@ -20,8 +22,6 @@ from hora.launch.protocol import PYRUN_RESULT_KEY as RESULT_KEY
 
 
 def _store(env: WorkerEnv) -> Any:
-    from torch.distributed import TCPStore
-
     return TCPStore(env.store_addr, env.store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
 
 
