@@ -26,6 +26,8 @@ SECTIONS: dict[str, str] = {
     "hora.runtime": "Start, stop and topology",
     "hora.process_sets": "Process sets",
     "hora.ops": "Collectives",
+    "hora.grouped": "Grouped collectives",
+    "hora.sparse": "Sparse allreduce",
     "hora.handles": "Asynchronous handles",
     "hora.reduce_ops": "Reduction operations",
     "hora.optimizer": "DistributedOptimizer",
