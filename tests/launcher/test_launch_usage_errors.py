@@ -82,8 +82,15 @@ CASES: list[tuple[list[str], str]] = [
      "'ERROR', 'CRITICAL', 'TRACE')")),
     (["--network-interface", "nosuch0", *OK], ("--network-interface nosuch0: no IPv4 address on this machine for "
      "that interface (interfaces: {ifaces}); pick one of them")),
-    (["--min-np", "2", *OK], ("--min-np: elastic jobs are not supported by this `hora run` yet; run with a fixed "
-     "-np, or see docs/launcher.md")),
+    (["--min-np", "2", "--max-np", "1", *OK], "--max-np 1 is less than --min-np 2"),
+    (["-np", "1", "--min-np", "2", *OK], "-np 1 is less than --min-np 2; -np is the number of slots to wait for "
+     "before starting"),
+    (["--min-np", "1", "--blacklist-cooldown-range", "5", "1", *OK], ("--blacklist-cooldown-range 5 1: give MIN MAX "
+     "seconds with 0 <= MIN <= MAX")),
+    (["--host-discovery-script", "d.sh", "-H", "a:1", *OK], ("--host-discovery-script and -H/--hostfile both given; "
+     "an elastic job takes its hosts from one of them")),
+    (["--reset-limit", "2", *OK], ("elastic flags without --host-discovery-script or --min-np: give --min-np N (with "
+     "-H/--hostfile) or a --host-discovery-script")),
     (["--timeline-filename", "ok.py/t.json", *OK], "--timeline-filename ok.py/t.json: {cwd}/ok.py is not a directory"),
 ]
 

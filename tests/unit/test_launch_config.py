@@ -19,7 +19,8 @@ FLAGS = [
     "--blacklist-cooldown-range", "--check-build", "--config-file", "--cycle-time-ms", "--disable-cache",
     "--elastic-timeout", "--fusion-threshold-mb", "--gloo", "--heartbeat-timeout", "--help", "--hierarchical-allreduce",
     "--host-discovery-script", "--hostfile",
-    "--hosts", "--jsrun", "--log-level", "--max-np", "--min-np", "--mpi", "--mpi-args", "--network-interface",
+    "--hosts", "--jsrun", "--log-level", "--max-np", "--max-num-proc", "--min-np", "--min-num-proc", "--mpi",
+    "--mpi-args", "--network-interface",
     "--network-interfaces", "--no-stall-check", "--num-proc", "--output-filename", "--prefix-output-with-timestamp",
     "--reset-limit", "--slots-per-host", "--ssh-config-file", "--ssh-identity-file", "--ssh-option", "--ssh-port",
     "--stall-check-shutdown-time-seconds", "--stall-check-warning-time-seconds", "--start-timeout",
@@ -131,3 +132,19 @@ def test_timeline_directory_is_created_if_missing(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(run_config.ConfigError, match="is not a directory"):
         _cfg(["-np", "1", "--timeline-filename", str(tmp_path / "file" / "t.json"), sys.executable, "-V"])
+
+
+def test_elastic_flags_make_an_elastic_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("")
+    cfg = _cfg(["--min-num-proc", "2", "--max-num-proc", "6", "-np", "4", "-H", "a:2,b:2,c:2", "--reset-limit", "3",
+                "--blacklist-cooldown-range", "10", "100", "python", "t.py"], {"HOROVOD_ELASTIC_TIMEOUT": "90"})
+    assert cfg.elastic is not None and cfg.np == 4
+    assert (cfg.elastic.min_np, cfg.elastic.max_np, cfg.elastic.reset_limit) == (2, 6, 3)
+    assert cfg.elastic.cooldown == (10.0, 100.0) and cfg.elastic.elastic_timeout == 90.0  # from the environment
+    assert cfg.elastic.discovery_script is None and [h.name for h in cfg.hosts] == ["a", "b", "c"]
+    cfg = _cfg(["--host-discovery-script", "./d.sh", "--slots-per-host", "4", "--elastic-timeout", "30",
+                "python", "t.py"], {"HOROVOD_ELASTIC_TIMEOUT": "90"})
+    assert cfg.elastic is not None and cfg.elastic.discovery_script == "./d.sh"
+    assert (cfg.np, cfg.elastic.min_np, cfg.elastic.slots_per_host, cfg.elastic.elastic_timeout) == (1, 1, 4, 30.0)
+    assert _cfg(["-np", "2", sys.executable, "t.py"]).elastic is None

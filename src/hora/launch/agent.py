@@ -206,6 +206,23 @@ class Agent:
             time.sleep(0.05)
         self.kill_all()
 
+    def stop_some(self, grace: float, ranks: list[int]) -> None:
+        """SIGTERM the process groups of the workers ``ranks`` (an elastic job lets them go), SIGKILL after
+        ``grace`` seconds; the other workers go on."""
+        chosen = [w for r, w in self.workers.items() if r in ranks and w.proc.poll() is None]
+        for worker in chosen:
+            worker.stopped = True
+        groups = [w.proc.pid for w in chosen]
+        procs.signal_groups(groups, signal.SIGTERM)
+        procs.signal_groups(groups, signal.SIGCONT)
+
+        def kill_left() -> None:
+            procs.signal_groups([w.proc.pid for w in chosen if w.proc.poll() is None], signal.SIGKILL)
+
+        timer = threading.Timer(grace, kill_left)
+        timer.daemon = True
+        timer.start()
+
     def kill_all(self) -> None:
         """SIGKILL every worker's process group, then every process left below this agent: what a worker
         started in a new session (setsid, a daemon) is re-parented here (:func:`procs.become_subreaper`)."""
@@ -251,6 +268,8 @@ class Agent:
                 last_ping = time.monotonic()
             elif kind == "stop":
                 self.stop(float(value))
+            elif kind == "stop_some":
+                self.stop_some(*value)
             elif kind == "eof" or (timeout and time.monotonic() - last_ping > timeout):
                 log.warning("%s: stopping this host's workers", "the launcher is gone" if kind == "eof"
                             else f"no word from the launcher for {timeout:g}s")
@@ -279,7 +298,9 @@ class Agent:
             message = protocol.decode(raw)
             if message is None:
                 continue
-            if message["t"] == protocol.STOP:
+            if message["t"] == protocol.STOP and message.get("r") is not None:  # some workers only (elastic)
+                self.events.put(("stop_some", (float(message.get("grace", 5.0)), [int(r) for r in message["r"]])))
+            elif message["t"] == protocol.STOP:
                 self.events.put(("stop", message.get("grace", 5.0)))
             elif message["t"] == protocol.PING:
                 self.events.put(("ping", None))
@@ -309,7 +330,12 @@ def main() -> int:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda s, _f: _on_signal(agent, s))
     agent.start_workers()
-    return agent.run()
+    code = agent.run()
+    # the command reader may sit in a read of stdin (an elastic job's driver keeps it open after this host's
+    # workers left): end here rather than let interpreter shutdown trip over that thread's lock
+    out.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

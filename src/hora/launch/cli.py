@@ -23,6 +23,7 @@ from hora.launch import config as run_config
 from hora.launch import output
 from hora.launch.config_file import load_config_file
 from hora.launch.driver import Driver
+from hora.launch.elastic_driver import ElasticDriver
 from hora.launch.preflight import hora_version
 
 log = logging.getLogger(__name__)
@@ -93,10 +94,20 @@ def _add_horovod_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-stall-check", action="store_true", default=None, help="turn the stall inspector off")
     p.add_argument("--stall-check-warning-time-seconds", type=float, help="stall report after (default 60)")
     p.add_argument("--stall-check-shutdown-time-seconds", type=float, help="stop a stalled job after (0=never)")
-    for flag, kind in (("--min-np", int), ("--max-np", int), ("--slots-per-host", int),
-                       ("--host-discovery-script", str), ("--elastic-timeout", int), ("--reset-limit", int),
-                       ("--blacklist-cooldown-range", str)):
-        p.add_argument(flag, type=kind, help="elastic (not supported yet)")
+    e = p.add_argument_group("elastic (docs/elastic.md)")
+    e.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
+                   help="elastic: fewest workers to run with (below it, wait up to --elastic-timeout)")
+    e.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, help="elastic: most workers to run")
+    e.add_argument("--slots-per-host", type=int, help="elastic: slots of a discovered host printed without :slots")
+    e.add_argument("--host-discovery-script", metavar="SCRIPT",
+                   help="elastic: prints the available hosts ('host' or 'host:slots' lines); run every second")
+    e.add_argument("--elastic-timeout", type=float,
+                   help="elastic: seconds to wait for --min-np slots or for a reset (default 600, "
+                        "or HOROVOD_ELASTIC_TIMEOUT)")
+    e.add_argument("--reset-limit", type=int, help="elastic: fail the job after more than this many resets")
+    e.add_argument("--blacklist-cooldown-range", nargs=2, type=float, metavar=("MIN", "MAX"),
+                   help="elastic: a failed host comes back after MIN..MAX seconds (doubling per failure); "
+                        "default: blacklisted for good")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +159,8 @@ def run_main(argv: Sequence[str]) -> int:
         if ns.check_build:
             return _check_build()
         cfg = run_config.from_args(ns)
+        if cfg.elastic is not None:
+            return ElasticDriver(cfg).run()
         return Driver(cfg).run()
     except HoraError as exc:  # a usage or setup error (2), or the job's failure: the type carries the code
         output.error_line("hora run", str(exc))

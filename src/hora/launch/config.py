@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hora import env as hora_env
 from hora.errors import ConfigError
+from hora.launch.elastic_hosts import DEFAULT_ELASTIC_TIMEOUT, ElasticConfig
 from hora.launch.hosts import HostSpec, hosts_from
 
 # horovodrun flags that become worker knobs: (argparse dest, knob variable, value -> text).
@@ -63,6 +64,7 @@ class RunConfig:
     cwd: str = field(default_factory=os.getcwd)
     grace: float = 5.0  # seconds between SIGTERM and SIGKILL when stopping workers
     heartbeat_timeout: float = 30.0  # an agent that hears nothing for this long stops its workers
+    elastic: ElasticConfig | None = None  # an elastic job (--min-np, --host-discovery-script ...)
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -89,10 +91,31 @@ def _refuse_unsupported(ns: argparse.Namespace) -> None:
     if ns.jsrun:
         raise ConfigError("--jsrun: hora cannot launch through jsrun; use -H/--hostfile (ssh), or start ranks "
                           "with jsrun yourself and let hora.init() read their environment")
-    for name in ELASTIC_FLAGS:
-        if getattr(ns, name) is not None:
-            raise ConfigError(f"--{name.replace('_', '-')}: elastic jobs are not supported by this `hora run` yet; "
-                              "run with a fixed -np, or see docs/launcher.md")
+
+
+def _elastic(ns: argparse.Namespace, environ: dict[str, str]) -> ElasticConfig | None:
+    """The elastic settings, when any elastic flag is given (``--min-np``, ``--host-discovery-script`` ...)."""
+    if all(getattr(ns, name) is None for name in ELASTIC_FLAGS):
+        return None
+    if ns.host_discovery_script is not None and (ns.hosts is not None or ns.hostfile is not None):
+        raise ConfigError("--host-discovery-script and -H/--hostfile both given; an elastic job takes its hosts "
+                          "from one of them")
+    if ns.host_discovery_script is None and ns.min_np is None:
+        raise ConfigError("elastic flags without --host-discovery-script or --min-np: give --min-np N (with "
+                          "-H/--hostfile) or a --host-discovery-script")
+    timeout = ns.elastic_timeout
+    if timeout is None:
+        text = environ.get("HOROVOD_ELASTIC_TIMEOUT") or environ.get("HORA_ELASTIC_TIMEOUT")
+        try:
+            timeout = float(text) if text else DEFAULT_ELASTIC_TIMEOUT
+        except ValueError:
+            raise ConfigError(f"HOROVOD_ELASTIC_TIMEOUT={text!r}: not a number of seconds") from None
+    min_np = ns.min_np if ns.min_np is not None else (ns.np if ns.np is not None else 1)
+    cooldown = ns.blacklist_cooldown_range
+    return ElasticConfig(min_np=min_np, max_np=ns.max_np, slots_per_host=ns.slots_per_host,
+                         discovery_script=ns.host_discovery_script, elastic_timeout=float(timeout),
+                         reset_limit=ns.reset_limit,
+                         cooldown=(float(cooldown[0]), float(cooldown[1])) if cooldown is not None else None)
 
 
 def _extra_env(pairs: list[str], environ: dict[str, str]) -> dict[str, str]:
@@ -209,17 +232,29 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         raise ConfigError("no command given; usage: hora run -np 2 python train.py")
     if ns.np is not None and ns.np < 1:
         raise ConfigError(f"-np {ns.np}: the number of processes must be at least 1")
-    hosts = hosts_from(ns.hosts, ns.hostfile, ns.np)
+    elastic = _elastic(ns, environ)
+    if elastic is not None and ns.host_discovery_script is not None:
+        hosts: tuple[HostSpec, ...] = (HostSpec("localhost", 1),)  # placeholder: the script names the hosts
+    else:
+        hosts = hosts_from(ns.hosts, ns.hostfile, ns.np)
     _check_numbers(ns)
     _check_files(ns)
     cwd = os.getcwd()
-    if all(h.is_local for h in hosts):
+    if all(h.is_local for h in hosts) and (elastic is None or elastic.discovery_script is None):
         command = _check_command(command, environ.get("PATH", os.defpath), cwd)
     env = _knob_env(ns)
     env.update(_extra_env(ns.x or [], environ))
     ifaces = tuple(i for spec in (ns.network_interfaces or []) for i in spec.split(",") if i)
+    np = ns.np if ns.np is not None else sum(h.slots for h in hosts)
+    if elastic is not None:
+        np = ns.np if ns.np is not None else elastic.min_np
+        if np < elastic.min_np:
+            raise ConfigError(f"-np {np} is less than --min-np {elastic.min_np}; -np is the number of slots to "
+                              "wait for before starting")
+        if elastic.max_np is not None and np > elastic.max_np:
+            raise ConfigError(f"-np {np} is more than --max-np {elastic.max_np}")
     return RunConfig(
-        command=command, np=ns.np if ns.np is not None else sum(h.slots for h in hosts), hosts=hosts,
+        command=command, np=np, hosts=hosts, elastic=elastic,
         ssh_port=ns.ssh_port, ssh_identity_file=ns.ssh_identity_file, ssh_options=tuple(ns.ssh_option or ()),
         ssh_config_file=ns.ssh_config_file, network_interfaces=ifaces,
         start_timeout=float(ns.start_timeout) if ns.start_timeout is not None else 30.0,

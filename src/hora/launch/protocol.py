@@ -25,7 +25,7 @@ from typing import Any
 
 # Agent -> driver message kinds (PROBE also goes the other way: the question, then the answer).
 STARTED, OUT, EXIT, DONE, PROBE = "started", "out", "exit", "done", "probe"
-# Driver -> agent commands.
+# Driver -> agent commands (a STOP with "r": [ranks] stops only those workers: an elastic job lets them go).
 STOP, PING = "stop", "ping"
 # Keys of the board the ranks and the driver share in the store (see the module docstring).
 WAITING, WAITS, ENDED, CULPRIT, ARRIVED = "waiting/{rank}", "waits", "ended/{rank}", "culprit", "arrived/{gen}/{rank}"

@@ -1,0 +1,181 @@
+"""The hosts of an elastic job: its settings, host discovery, and the blacklist with cooldown and backoff.
+
+An elastic job's hosts come from ``--host-discovery-script`` (run about once a second; each line of its output
+is ``host`` or ``host:slots``) or from a fixed ``-H``/``--hostfile``. A host whose worker failed is
+blacklisted: for good, or, with ``--blacklist-cooldown-range MIN MAX``, for a cooldown that doubles with each
+failure of that host (from MIN seconds, at most MAX, with up to 25 % random jitter so hosts that failed
+together do not come back together).
+
+Example:
+    >>> parse_discovery_output("a:2\\n# comment\\nb\\n", default_slots=4, script="d.sh")
+    (HostSpec(name='a', slots=2), HostSpec(name='b', slots=4))
+    >>> hm = HostManager(cooldown=None)
+    >>> hm.update(parse_hosts("a:2,b:2"))
+    (['a', 'b'], [])
+    >>> hm.blacklist("b", now=0.0)  # no cooldown range: for good
+    inf
+    >>> [h.name for h in hm.available(now=1.0)]
+    ['a']
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from hora.errors import ConfigError
+from hora.launch.hosts import HostSpec, _parse_entry, parse_hosts  # noqa: F401 - parse_hosts for the doctest
+
+log = logging.getLogger(__name__)
+
+DISCOVERY_INTERVAL = 1.0  # seconds between two runs of the discovery script
+DISCOVERY_TIMEOUT = 30.0  # a discovery run that takes longer is killed (and counts as a failed run)
+DEFAULT_ELASTIC_TIMEOUT = 600.0  # horovodrun's default --elastic-timeout
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ElasticConfig:
+    """The elastic settings of a ``hora run`` job (see docs/elastic.md).
+
+    ``np`` (the job's ``-np``) is the number of slots to wait for before the first world starts; the job then
+    starts with every available slot up to ``max_np``.
+    """
+
+    min_np: int
+    max_np: int | None = None
+    slots_per_host: int | None = None  # slots of a discovered host printed without ":slots"
+    discovery_script: str | None = None  # None: the fixed hosts of -H/--hostfile
+    elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT
+    reset_limit: int | None = None
+    cooldown: tuple[float, float] | None = None  # --blacklist-cooldown-range MIN MAX; None: blacklisted for good
+
+    def __post_init__(self) -> None:
+        if self.min_np < 1:
+            raise ConfigError(f"--min-np {self.min_np}: must be at least 1")
+        if self.max_np is not None and self.max_np < self.min_np:
+            raise ConfigError(f"--max-np {self.max_np} is less than --min-np {self.min_np}")
+        if self.slots_per_host is not None and self.slots_per_host < 1:
+            raise ConfigError(f"--slots-per-host {self.slots_per_host}: must be at least 1")
+        if self.elastic_timeout <= 0:
+            raise ConfigError(f"--elastic-timeout {self.elastic_timeout:g}: must be more than 0 seconds")
+        if self.reset_limit is not None and self.reset_limit < 0:
+            raise ConfigError(f"--reset-limit {self.reset_limit}: must not be negative")
+        if self.cooldown is not None:
+            low, high = self.cooldown
+            if low < 0 or high < low:
+                raise ConfigError(f"--blacklist-cooldown-range {low:g} {high:g}: give MIN MAX seconds with "
+                                  "0 <= MIN <= MAX")
+
+
+def parse_discovery_output(text: str, default_slots: int | None, script: str) -> tuple[HostSpec, ...]:
+    """The hosts a discovery script printed: ``host`` or ``host:slots`` lines (blank lines, ``#`` comments
+    skipped). A host without slots gets ``default_slots`` (``--slots-per-host``), else 1.
+
+    Raises:
+        ConfigError: a line that is not a host, or a host printed twice.
+    """
+    hosts: list[HostSpec] = []
+    seen: set[str] = set()
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"--host-discovery-script {script}: output line {lineno}"
+        spec = _parse_entry(line, where)
+        if ":" not in line.rsplit("]", 1)[-1] and default_slots is not None:
+            spec = HostSpec(spec.name, default_slots)
+        if spec.name in seen:
+            raise ConfigError(f"{where}: host {spec.name!r} printed twice; print each host once")
+        seen.add(spec.name)
+        hosts.append(spec)
+    return tuple(hosts)
+
+
+class DiscoveryError(Exception):
+    """One run of the discovery script failed (the job keeps its last hosts and tries again)."""
+
+
+def run_discovery(script: str, default_slots: int | None, cwd: str | None = None,
+                  timeout: float = DISCOVERY_TIMEOUT) -> tuple[HostSpec, ...]:
+    """Run the discovery script once (through the shell, as horovodrun does) and parse what it printed.
+
+    Raises:
+        DiscoveryError: it failed, timed out or printed something that is not a host list.
+    """
+    try:
+        done = subprocess.run(script, shell=True, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                              stdin=subprocess.DEVNULL, check=False)
+    except subprocess.TimeoutExpired:
+        raise DiscoveryError(f"--host-discovery-script {script}: did not finish within {timeout:g}s") from None
+    except OSError as exc:
+        raise DiscoveryError(f"--host-discovery-script {script}: cannot run it ({exc.strerror or exc})") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+        raise DiscoveryError(f"--host-discovery-script {script}: exit code {done.returncode}: {last}")
+    try:
+        return parse_discovery_output(done.stdout, default_slots, script)
+    except ConfigError as exc:
+        raise DiscoveryError(str(exc)) from None
+
+
+@dataclass
+class _Blacklisted:
+    failures: int  # how many times the host was blacklisted
+    until: float  # monotonic time its cooldown ends (inf: for good)
+    why: str = ""
+
+
+@dataclass
+class HostManager:
+    """The job's current hosts (as last discovered) and its blacklist.
+
+    Args:
+        cooldown: ``(MIN, MAX)`` seconds of ``--blacklist-cooldown-range``; None blacklists for good.
+        rng: the jitter's source (tests pass a seeded one).
+    """
+
+    cooldown: tuple[float, float] | None
+    rng: Callable[[], float] = field(default=random.random)
+    hosts: dict[str, int] = field(default_factory=dict)  # name -> slots, in discovery order
+    blacklisted: dict[str, _Blacklisted] = field(default_factory=dict)
+
+    def update(self, found: Sequence[HostSpec]) -> tuple[list[str], list[str]]:
+        """Take a new discovery result; return the hosts (names) added and removed since the last one."""
+        new = {h.name: h.slots for h in found}
+        added = [name for name in new if name not in self.hosts]
+        removed = [name for name in self.hosts if name not in new]
+        self.hosts = new
+        return added, removed
+
+    def blacklist(self, host: str, now: float, why: str = "") -> float:
+        """Blacklist ``host`` (a worker on it failed); return the seconds it stays out (inf: for good)."""
+        entry = self.blacklisted.get(host)
+        failures = (entry.failures if entry else 0) + 1
+        if self.cooldown is None:
+            delay = float("inf")
+        else:
+            low, high = self.cooldown
+            delay = min(high, low * 2 ** (failures - 1) * (1.0 + 0.25 * self.rng()))
+        self.blacklisted[host] = _Blacklisted(failures, now + delay, why)
+        return delay
+
+    def is_blacklisted(self, host: str, now: float) -> bool:
+        entry = self.blacklisted.get(host)
+        return entry is not None and now < entry.until
+
+    def available(self, now: float) -> list[HostSpec]:
+        """The current hosts that are not blacklisted (a host whose cooldown ended is back), in order."""
+        return [HostSpec(name, slots) for name, slots in self.hosts.items() if not self.is_blacklisted(name, now)]
+
+    def cooling(self, now: float) -> list[str]:
+        """Current hosts blacklisted for a cooldown that will end."""
+        return [name for name in self.hosts
+                if self.is_blacklisted(name, now) and self.blacklisted[name].until != float("inf")]
+
+    def all_blacklisted_for_good(self, now: float) -> bool:
+        """Every current host is blacklisted with no cooldown: nothing can ever run again."""
+        return bool(self.hosts) and all(
+            self.is_blacklisted(n, now) and self.blacklisted[n].until == float("inf") for n in self.hosts)

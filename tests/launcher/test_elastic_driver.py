@@ -1,0 +1,185 @@
+"""``hora run``'s elastic driver end to end on this machine, with workers that speak the contract directly.
+
+The "hosts" are loopback addresses (127.0.0.1, 127.0.0.2, ...): hora starts their agents without ssh, and each
+is its own host for the driver (blacklist, discovery). The workers (elastic_protocol_worker.py) post ready,
+follow the worlds the driver publishes and record every step, so these tests check the driver's decisions
+(who is in which world, with which rank; who is blacklisted; when the job fails and how it says so) without
+hora.elastic's worker side. The multi-host ones with ssh and the hora.elastic API are in tests/cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import HORA, PYTHON, alive
+
+WORKER = str(Path(__file__).with_name("elastic_protocol_worker.py"))
+WAIT_S = 120.0  # a loaded 2-core machine imports torch in 10-20 s; nothing here is timed
+
+
+@dataclass
+class Elastic:
+    """One elastic ``hora run`` in the background, its workers writing to ``out``."""
+
+    proc: subprocess.Popen[str]
+    out: Path
+    log: Path
+
+    def steps(self) -> list[dict[str, Any]]:
+        path = self.out / "steps.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def wait_for(self, what: str, predicate: Callable[[list[dict[str, Any]]], bool]) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            steps = self.steps()
+            if predicate(steps):
+                return steps
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"never saw {what}; launcher output:\n{self.log.read_text()}")
+
+    def world(self, gen: int) -> dict[str, tuple[int, int]]:
+        """wid -> (rank, size) of the workers that stepped in world ``gen``."""
+        return {s["wid"]: (s["rank"], s["size"]) for s in self.steps() if s["event"] == "step" and s["gen"] == gen}
+
+    def wait_world(self, gen: int, size: int) -> dict[str, tuple[int, int]]:
+        self.wait_for(f"world {gen} of {size} stepping",
+                      lambda steps: len({s["wid"] for s in steps if s["event"] == "step" and s["gen"] == gen}) == size)
+        return self.world(gen)
+
+    def inject(self, kind: str, wid: str) -> None:
+        (self.out / f"{kind}.{wid}").touch()
+
+    def finish(self) -> tuple[int, str]:
+        (self.out / "stop").touch()
+        try:
+            code = self.proc.wait(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise
+        return code, self.log.read_text()
+
+    def pids(self) -> set[int]:
+        return {s["pid"] for s in self.steps()}
+
+
+@pytest.fixture
+def elastic(tmp_path: Path) -> Iterator[Callable[..., Elastic]]:
+    started: list[Elastic] = []
+
+    def start(*flags: str, command: list[str] | None = None) -> Elastic:
+        out = tmp_path / "out"
+        out.mkdir(exist_ok=True)
+        log = tmp_path / "launcher.log"
+        argv = [*HORA, "run", *flags, *(command or [PYTHON, WORKER, str(out)])]
+        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        job = Elastic(proc, out, log)
+        started.append(job)
+        return job
+
+    yield start
+    for job in started:
+        if job.proc.poll() is None:
+            os.killpg(job.proc.pid, signal.SIGKILL)
+            job.proc.wait()
+
+
+def _no_orphans(job: Elastic) -> None:
+    left = [pid for pid in job.pids() if alive(pid)]
+    assert not left, f"worker processes left running: {left}"
+
+
+def test_discovery_grows_and_shrinks_the_world(elastic: Callable[..., Elastic], tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:2\n")
+    job = elastic("-np", "2", "--min-np", "2", "--max-np", "4", "--host-discovery-script", f"cat {hosts}")
+    assert job.wait_world(1, 2) == {"127.0.0.1:0": (0, 2), "127.0.0.1:1": (1, 2)}
+    hosts.write_text("127.0.0.1:2\n127.0.0.2:2\n")
+    w2 = job.wait_world(2, 4)
+    # the first host's workers keep ranks 0 and 1; the new host's come after them
+    assert w2 == {"127.0.0.1:0": (0, 4), "127.0.0.1:1": (1, 4), "127.0.0.2:0": (2, 4), "127.0.0.2:1": (3, 4)}
+    starts = {s["wid"]: (s["start_rank"], s["host"]) for s in job.steps()}
+    assert starts["127.0.0.2:1"] == (3, "127.0.0.2")  # HOROVOD_RANK: the rank it started for; HOSTNAME as named
+    hosts.write_text("127.0.0.1:2\n")
+    assert job.wait_world(3, 2) == {"127.0.0.1:0": (0, 2), "127.0.0.1:1": (1, 2)}
+    job.wait_for("the removed workers leaving", lambda steps: {s["wid"] for s in steps if s["event"] == "removed"}
+                 == {"127.0.0.2:0", "127.0.0.2:1"})
+    code, log = job.finish()
+    assert code == 0, log
+    assert "hosts added: 127.0.0.2" in log and "hosts removed: 127.0.0.2" in log
+    assert "world 3: 2 workers on 127.0.0.1; left: 127.0.0.2:0, 127.0.0.2:1" in log
+    _no_orphans(job)
+
+
+def test_failed_hosts_are_blacklisted_and_come_back_after_their_cooldown(elastic: Callable[..., Elastic]) -> None:
+    job = elastic("-H", "127.0.0.1:2,127.0.0.2:2", "--min-np", "2", "--blacklist-cooldown-range", "2", "2",
+                  "--reset-limit", "3")
+    assert len(job.wait_world(1, 4)) == 4
+    job.inject("raise", "127.0.0.2:1")  # an exception: its host is blacklisted, its host-mate stopped
+    w2 = job.wait_world(2, 2)
+    assert w2 == {"127.0.0.1:0": (0, 2), "127.0.0.1:1": (1, 2)}
+    # the cooldown ends: the host is back with new processes, numbered after the survivors
+    w3 = job.wait_world(3, 4)
+    assert w3["127.0.0.2:0"] == (2, 4) and w3["127.0.0.2:1"] == (3, 4)
+    job.inject("kill", "127.0.0.1:0")  # SIGKILL of rank 0: a survivor on the other host becomes rank 0
+    w4 = job.wait_world(4, 2)
+    assert w4 == {"127.0.0.2:0": (0, 2), "127.0.0.2:1": (1, 2)}
+    code, log = job.finish()
+    assert code == 0, log  # 3 resets: within --reset-limit 3
+    assert "RuntimeError: 127.0.0.2:1: injected failure" in log  # the failed worker's traceback is shown
+    assert "host 127.0.0.2 blacklisted for 2s" in log
+    assert "worker 127.0.0.1:0 (process [0], rank 0) on host 127.0.0.1 failed: signal SIGKILL (9)" in log
+    _no_orphans(job)
+
+
+def test_more_resets_than_the_limit_fail_the_job(elastic: Callable[..., Elastic]) -> None:
+    job = elastic("-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1", "--min-np", "1", "--reset-limit", "1")
+    job.wait_world(1, 3)
+    job.inject("kill", "127.0.0.3:0")
+    job.wait_world(2, 2)
+    job.inject("raise", "127.0.0.2:0")
+    code = job.proc.wait(timeout=WAIT_S)
+    log = job.log.read_text()
+    assert code != 0, log
+    assert "job failed: more than --reset-limit 1 resets" in log
+    assert "RuntimeError: 127.0.0.2:0: injected failure" in log  # the root cause's report
+    _no_orphans(job)
+
+
+def test_fewer_than_min_np_for_the_elastic_timeout_fails_the_job(elastic: Callable[..., Elastic]) -> None:
+    job = elastic("-H", "127.0.0.1:1,127.0.0.2:1", "--min-np", "2", "--elastic-timeout", "3")
+    job.wait_world(1, 2)
+    job.inject("kill", "127.0.0.2:0")
+    code = job.proc.wait(timeout=WAIT_S)
+    log = job.log.read_text()
+    assert code != 0, log
+    assert "1 slot available, fewer than the 2 of --min-np; waiting up to --elastic-timeout 3s" in log
+    assert "job failed: fewer than 2 slots (--min-np) for --elastic-timeout 3s: 1 available" in log
+    assert "blacklisted: 127.0.0.2" in log
+    _no_orphans(job)
+
+
+def test_every_worker_failing_blacklists_every_host_and_ends_the_job(elastic: Callable[..., Elastic]) -> None:
+    job = elastic("-H", "127.0.0.1:1,127.0.0.2:2", "--min-np", "1",
+                  command=[PYTHON, "-c", "import sys; print('cannot train', file=sys.stderr); sys.exit(3)"])
+    code = job.proc.wait(timeout=WAIT_S)
+    log = job.log.read_text()
+    assert code == 3, log
+    assert "job failed: every host is blacklisted (127.0.0.1, 127.0.0.2)" in log
+    assert "cannot train" in log  # the last failure's stderr, in its report
+    assert log.count("job failed") == 1
