@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hora import env as hora_env
-from hora.errors import LaunchError
+from hora import network
+from hora.errors import SetupError
 from hora.launch import elastic_protocol as ep
-from hora.launch import envvars, network, output, procs, protocol
+from hora.launch import envvars, output, procs, protocol
 from hora.launch.config import RunConfig
 from hora.launch.driver import KILL_AFTER_GRACE, PING_INTERVAL, SSH_FAILED, AgentHandle, default_transport
 from hora.launch.elastic_hosts import (
@@ -192,8 +193,7 @@ class ElasticDriver:
         try:
             found = run_discovery(self.ecfg.discovery_script, self.ecfg.slots_per_host, self.cfg.cwd)
         except DiscoveryError as exc:
-            raise LaunchError(f"{exc}; fix the script (it prints one 'host' or 'host:slots' line per host)",
-                              exit_code=2) from None
+            raise SetupError(f"{exc}; fix the script (it prints one 'host' or 'host:slots' line per host)") from None
         self.hostman.update(found)
         threading.Thread(target=self._discover_loop, daemon=True, name="hora-discovery").start()
         return list(found)
@@ -352,8 +352,8 @@ class ElasticDriver:
         try:
             proc = self.transport_for(host, is_local).start(host, agent_argv(self.cfg.python), self.cfg.cwd)
         except OSError as exc:
-            raise LaunchError(f"host {host}: cannot start its agent ({exc.strerror or exc}); "
-                              "install openssh-client or check the Python path", exit_code=2) from None
+            raise SetupError(f"host {host}: cannot start its agent ({exc.strerror or exc}); "
+                             "install openssh-client or check the Python path") from None
         agent = AgentHandle(len(self.agents), host, proc, [number for _, number, _ in placed])
         self.agents.append(agent)
         new = [Worker(wid, host, number, agent, RankState(info)) for wid, number, info in placed]
