@@ -44,7 +44,7 @@ def _validate(call: Call, rank: int) -> None:
     script's ``except`` catches it whichever of the two Horovod raised); a bad dtype is also a ``TypeError``.
     """
     t = call.tensor
-    where = f"{call.kind} {call.name or '(unnamed)'!r} on rank {rank}"
+    where = f"{call.kind.wire} {call.name or '(unnamed)'!r} on rank {rank}"
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _SUPPORTED:
@@ -93,7 +93,7 @@ def _validate_adasum(call: Call, where: str) -> None:
 
 def _request(call: Call) -> Request:
     t = call.wire
-    return Request(call.name, call.kind.value, dtype_name(t.dtype), tuple(call.tensor.shape), int(call.op), call.root,
+    return Request(call.name, call.kind.wire, dtype_name(t.dtype), tuple(call.tensor.shape), int(call.op), call.root,
                    float(call.prescale), float(call.postscale), tuple(call.ps.ranks), t.device.type, call.splits,
                    call.site.fingerprint, call.site.where)
 
@@ -112,7 +112,7 @@ def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
     the reason instead of pairing with this rank's next op, or waiting for it."""
     if not calls:
         return []
-    rt = runtime.state(f"hvd.{calls[0].kind}()")
+    rt = runtime.state(f"hvd.{calls[0].kind.wire}()")
     neg = rt.negotiator
     if neg.site_check and not calls[0].name and calls[0].site is callsite.UNKNOWN and calls[0].kind is not Kind.BARRIER:
         site = callsite.current()  # a barrier carries no data to mix up, and has no name= to opt out with
@@ -149,7 +149,7 @@ def _announce(calls: list[Call], rt: Any, error: Exception) -> None:
     for call in calls:
         if not call.name:
             call.name = neg.unnamed(rt.process_sets.sequence_id(call.ps))
-        reqs.append(Request(call.name, call.kind.value, "", (), ps=ranks, site=site.fingerprint, where=site.where,
+        reqs.append(Request(call.name, call.kind.wire, "", (), ps=ranks, site=site.fingerprint, where=site.where,
                             error=reason))
     neg.reject(reqs)
 
@@ -172,8 +172,8 @@ def _local_op(call: Call, neg: Any) -> LocalOp:
     kind.prepare(call)
     if tl is not None and call.wire is not call.tensor:  # a copy or compression happened (diagnostics)
         phase = "copy_in" if call.compression is Compression.none else "compress"
-        tl.span(call.name, phase, t0, time.perf_counter(), kind=call.kind.value, bytes=call.wire.nbytes)
-    handle = Handle(call.name, call.kind.value, lambda: kind.finish(call), neg.done, neg.drive)
+        tl.span(call.name, phase, t0, time.perf_counter(), kind=call.kind.wire, bytes=call.wire.nbytes)
+    handle = Handle(call.name, call.kind.wire, lambda: kind.finish(call), neg.done, neg.drive)
     event = None
     if call.wire.is_cuda:
         event = torch.cuda.Event()
