@@ -112,7 +112,7 @@ class _GroupedAllgatherFn(torch.autograd.Function):
     def forward(ctx: Any, calls: list[Call], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         outs = _grouped(calls, waiting=True).wait()
         ps = calls[0].ps
-        ctx.rows, ctx.index, ctx.ps = [c.meta for c in calls], ps.rank(), ps
+        ctx.rows, ctx.index, ctx.ps = [c.rows for c in calls], ps.rank(), ps
         return tuple(outs)
 
     @staticmethod

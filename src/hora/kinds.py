@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from hora import callsite, dataplane, hierarchical
 from hora.adasum import adasum_tree
@@ -82,8 +83,9 @@ class Call:
     inplace: bool = False
     wire: torch.Tensor = _NO_WIRE  # set by prepare
     ctx: Any = None  # compression context
-    out: Any = None  # set by launch: the c10d output buffer
-    meta: Any = None  # set by launch: rows / splits / the last joined rank, which finish needs
+    out: torch.Tensor = _NO_WIRE  # set by launch when the output is not the wire: the c10d output buffer
+    rows: list[int] | None = None  # set by launch: rows from each member (allgather's sent, alltoall's received)
+    last_joined: int = -1  # set by Join's launch: the rank whose join arrived last
     members: int = 0  # the process set's size when the call was submitted (Average divides by it)
     site: Site = callsite.UNKNOWN  # where the user called it (unnamed ops, when the check is on)
     rejected: Exception | None = None  # found invalid while the call was built (raised at submit)
@@ -99,7 +101,7 @@ class Launch:
     the group to run on, and this rank."""
 
     entry: Entry
-    group: Any  # the process set's c10d ProcessGroup
+    group: dist.ProcessGroup  # the process set's
     rank: int
 
 
@@ -152,10 +154,6 @@ def _zeros_like_request(launch: Launch, rows: int | None = None) -> torch.Tensor
     device = torch.device(req.device, torch.cuda.current_device()) if req.device == "cuda" else torch.device("cpu")
     shape = req.shape if rows is None else (rows, *req.shape[1:])
     return torch.zeros(shape, dtype=to_dtype(req.dtype), device=device)
-
-
-def _members(launch: Launch) -> int:
-    return len(launch.entry.first.ps)
 
 
 # --- reductions: allreduce, reducescatter -------------------------------------------------------------------
@@ -211,7 +209,7 @@ class Reducescatter:
 
     @staticmethod
     def launch(call: Call, launch: Launch) -> Work:
-        call.out, work = dataplane.scatter_rows(call.wire, _members(launch), call.index, call.op, launch.group)
+        call.out, work = dataplane.scatter_rows(call.wire, call.members, call.index, call.op, launch.group)
         return work
 
     @staticmethod
@@ -238,8 +236,7 @@ class Adasum:
 
     @staticmethod
     def launch(call: Call, launch: Launch) -> Work:
-        call.meta = n = _members(launch)
-        call.out, work = dataplane.gather_rows(call.wire, [call.wire.shape[0]] * n, launch.group)
+        call.out, work = dataplane.gather_rows(call.wire, [call.wire.shape[0]] * call.members, launch.group)
         return work
 
     @staticmethod
@@ -248,7 +245,7 @@ class Adasum:
 
     @staticmethod
     def finish(call: Call) -> torch.Tensor:
-        result = adasum_tree(call.out.view(call.meta, -1)).view(call.tensor.shape)  # (W, n) -> the tensor's shape
+        result = adasum_tree(call.out.view(call.members, -1)).view(call.tensor.shape)  # (W, n) -> the tensor's shape
         if result.dtype != call.tensor.dtype:
             result = result.to(call.tensor.dtype)
         if call.postscale != 1.0:
@@ -276,7 +273,7 @@ class Allgather:
 
     @staticmethod
     def launch(call: Call, launch: Launch) -> Work:
-        call.meta = rows = member_rows(launch)
+        call.rows = rows = member_rows(launch)
         call.out, work = dataplane.gather_rows(call.wire, rows, launch.group)
         return work
 
@@ -286,7 +283,7 @@ class Allgather:
 
     @staticmethod
     def finish(call: Call) -> torch.Tensor:
-        return _from_wire(call, dataplane.unpad_rows(call.out, call.meta))
+        return _from_wire(call, dataplane.unpad_rows(call.out, call.rows))  # type: ignore[arg-type]
 
 
 class Broadcast:
@@ -319,7 +316,7 @@ class Alltoall:
 
     @staticmethod
     def launch(call: Call, launch: Launch) -> Work:
-        call.meta = recv = received_rows(launch, call.index)
+        call.rows = recv = received_rows(launch, call.index)
         rest = tuple(call.wire.shape[1:])
         call.out = torch.empty((sum(recv), *rest), dtype=call.wire.dtype, device=call.wire.device)
         return dataplane.alltoall(call.out, call.wire, recv, list(call.splits or ()), launch.group)
@@ -334,7 +331,7 @@ class Alltoall:
 
     @staticmethod
     def finish(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
-        return _from_wire(call, call.out), torch.tensor(call.meta, dtype=torch.int32)
+        return _from_wire(call, call.out), torch.tensor(call.rows, dtype=torch.int32)
 
 
 # --- synchronisation: barrier, join ----------------------------------------------------------------------------
@@ -366,7 +363,7 @@ class Join:
     @staticmethod
     def launch(call: Call, launch: Launch) -> None:
         arrival = launch.entry.arrival  # rank -> the round its join arrived in; ties: the highest rank
-        call.meta = max(arrival, key=lambda r: (arrival[r], r))
+        call.last_joined = max(arrival, key=lambda r: (arrival[r], r))
 
     @staticmethod
     def launch_joined(launch: Launch) -> None:
@@ -374,7 +371,7 @@ class Join:
 
     @staticmethod
     def finish(call: Call) -> int:
-        return int(call.meta)
+        return call.last_joined
 
 
 KINDS: dict[str, Steps] = {Kind.ALLREDUCE: Allreduce, Kind.ADASUM: Adasum, Kind.ALLGATHER: Allgather,  # type: ignore[dict-item]

@@ -102,7 +102,7 @@ class _AllgatherFn(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, ps: ProcessSet) -> torch.Tensor:  # type: ignore[override]
         call = allgather_call(tensor, name, ps)
         out = submit(call, waiting=True).wait()
-        ctx.rows, ctx.index, ctx.ps = call.meta, ps.rank(), ps
+        ctx.rows, ctx.index, ctx.ps = call.rows, ps.rank(), ps
         return out
 
     @staticmethod
