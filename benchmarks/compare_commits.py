@@ -7,7 +7,9 @@ machine's load over the run falls on both sides alike); every run writes its JSO
 directory and the figures a user cares about (hora's times, lower is better) are read from it. For each
 figure it prints the median over the runs of each side and the ratio new/old: below 1 the new commit is
 faster. Raw torch.distributed and DDP figures are printed too: their ratio is the A/A control (the same code
-on both sides), so a hora ratio inside the control's distance from 1 is noise, not a change.
+on both sides), so a hora ratio inside the control's distance from 1 is noise, not a change. On a loaded
+machine the last column is the one to read: each run's hora figure divided by the control measured beside it
+in the same run (hora/raw, hora/DDP), then new/old of those, which cancels the load common to both.
 
     .venv/bin/python benchmarks/compare_commits.py --old 5d0b6dd op_overhead.py
     .venv/bin/python benchmarks/compare_commits.py --old 5d0b6dd allreduce_bench.py --sizes 1MB,4MB,16MB
@@ -108,13 +110,36 @@ def _run_once(tree: Path, script: str, args: list[str], out: Path) -> Figures:
     return figures(script, json.loads(reports[0].read_text()))
 
 
-def _table(old: list[Figures], new: list[Figures]) -> list[tuple[str, float, float, float]]:
+def control_of(key: str, figures: Figures) -> str | None:
+    """The control figure measured beside ``key`` in the same run (``1MB hora ms`` -> ``1MB raw ms``), or None."""
+    words = key.split()
+    for i, word in enumerate(words):
+        if word in CONTROLS:
+            return None  # a control itself
+        for control in CONTROLS:
+            candidate = " ".join([*words[:i], control, *words[i + 1:]])
+            if candidate != key and candidate in figures:
+                return candidate
+    return None
+
+
+def _table(old: list[Figures], new: list[Figures]) -> list[tuple[str, float, float, float, float | None]]:
+    """Per figure: old and new medians, new/old, and new/old of the figure divided by its same-run control."""
     rows = []
     for key in old[0]:
         a = [f[key] for f in old if key in f]
         b = [f[key] for f in new if key in f]
-        if a and b and statistics.median(a) > 0:
-            rows.append((key, statistics.median(a), statistics.median(b), statistics.median(b) / statistics.median(a)))
+        if not (a and b and statistics.median(a) > 0):
+            continue
+        normalized = None
+        control = control_of(key, old[0])
+        if control is not None:
+            a_rel = [f[key] / f[control] for f in old if key in f and f.get(control)]
+            b_rel = [f[key] / f[control] for f in new if key in f and f.get(control)]
+            if a_rel and b_rel:
+                normalized = statistics.median(b_rel) / statistics.median(a_rel)
+        rows.append((key, statistics.median(a), statistics.median(b), statistics.median(b) / statistics.median(a),
+                     normalized))
     return rows
 
 
@@ -152,10 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     head = (f"{args.script} {' '.join(script_args)}: new {commits['new']} / old {commits['old']}, {rounds} run(s) "
             f"each, alternating; load average {load:.1f}")
-    lines = [head, "", "| figure | old | new | new/old |", "|---|---|---|---|"]
-    for key, a, b, ratio in rows:
-        control = " (control)" if any(word in CONTROLS for word in key.split()) else ""
-        lines.append(f"| {key} | {a:.3f} | {b:.3f} | {ratio:.3f}{control} |")
+    lines = [head, "", "| figure | old | new | new/old | new/old, each run's figure / its control |",
+             "|---|---|---|---|---|"]
+    for key, a, b, ratio, normalized in rows:
+        if any(word in CONTROLS for word in key.split()):
+            lines.append(f"| {key} | {a:.3f} | {b:.3f} | {ratio:.3f} (control) | |")
+            continue
+        relative = f"{normalized:.3f} (vs {control_of(key, results['old'][0])})" if normalized is not None else ""
+        lines.append(f"| {key} | {a:.3f} | {b:.3f} | {ratio:.3f} | {relative} |")
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
     if args.out is not None:
@@ -163,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "compare_commits.md").write_text(text)
         (args.out / "compare_commits.json").write_text(json.dumps(
             {"commits": commits, "script": args.script, "args": script_args, "load_avg_1m": load, "runs": results,
-             "ratios": {k: r for k, _, _, r in rows}}, indent=1) + "\n")
+             "ratios": {k: r for k, _, _, r, _ in rows},
+             "ratios_vs_control": {k: n for k, _, _, _, n in rows if n is not None}}, indent=1) + "\n")
     return 0
 
 
