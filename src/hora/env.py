@@ -173,7 +173,10 @@ def _from_torchrun(env: Mapping[str, str]) -> WorkerEnv | None:
         hostname=host,
         host_key=host,
         source="torchrun",
-        job_id=env.get("TORCHELASTIC_RUN_ID", ""),
+        # torchrun's store outlives a restart (--max-restarts): each attempt needs keys of its own, as torch's
+        # own env:// rendezvous keeps them ("/worker/attempt_<n>"); a restarted worker would read the last one's
+        job_id=env.get("TORCHELASTIC_RUN_ID", "") + (f"/attempt{env['TORCHELASTIC_RESTART_COUNT']}"
+                                                      if env.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" else ""),
     )
 
 

@@ -171,3 +171,10 @@ def test_knob_defaults_are_written_once_in_the_table() -> None:
     for knob in KNOBS:
         value = getattr(defaults, knob.name[len("HORA_"):].lower())
         assert value == knob.default and type(value) is knob.type, knob.name
+
+
+def test_a_torchrun_restart_gets_store_keys_of_its_own() -> None:
+    """torchrun --max-restarts keeps its store: a restarted attempt must not meet the last attempt's keys."""
+    base = {"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "rdzv1", **MASTER}
+    assert WorkerEnv.from_environ({**base, "TORCHELASTIC_RESTART_COUNT": "0"}).job_id == "rdzv1"
+    assert WorkerEnv.from_environ({**base, "TORCHELASTIC_RESTART_COUNT": "2"}).job_id == "rdzv1/attempt2"
