@@ -119,8 +119,7 @@ from hora.launch.pyrun import run  # noqa: F401
 
 
 def __getattr__(name: str) -> _Any:
-    """``hvd.elastic`` as in Horovod. hora has no elastic training yet, so importing it (only on first use)
-    raises an ImportError that says what to do instead of a bare AttributeError."""
+    """``hvd.elastic`` as in Horovod, imported on first use."""
     if name == "elastic":
         return _importlib.import_module("hora.elastic")
     raise AttributeError(f"module 'hora' has no attribute {name!r}")

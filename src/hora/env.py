@@ -49,6 +49,8 @@ class WorkerEnv:
     source: str = "single"  # which launcher's variables we read
     job_id: str = ""  # distinguishes concurrent jobs and elastic generations in the store
     store_addr_origin: str = ""  # where store_addr came from, for error messages ("MASTER_ADDR", ...)
+    elastic: bool = False  # an elastic job of hora run: init() joins the driver's newest world (hora.elastic)
+    worker_id: str = ""  # "<host>:<slot>" in an elastic job, stable for the process's life
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -123,6 +125,8 @@ def _from_hora(env: Mapping[str, str]) -> WorkerEnv | None:
         host_key=env.get("HORA_HOST_KEY") or host,
         source="hora",
         job_id=env.get("HORA_JOB_ID", ""),
+        elastic=env.get("HORA_ELASTIC", "") == "1",
+        worker_id=env.get("HORA_WORKER_ID", ""),
     )
 
 
@@ -313,6 +317,8 @@ KNOBS: tuple[Knob, ...] = (
          "Check that ranks reach each unnamed collective from the same line of code (a rank that skipped or "
          "added a collective is reported, not paired with the wrong op); 0 turns it off for code that calls "
          "one collective from different lines on purpose. Named collectives are never checked."),
+    Knob("HORA_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT", float, 600.0,
+         "Elastic jobs: seconds a worker waits at a reset for the launcher's next world before it fails."),
     Knob("HORA_BUCKET_CAP_MB", None, float, 25.0, "DistributedOptimizer bucket size in MB (DDP's default)."),
     Knob("HORA_FIRST_BUCKET_MB", None, float, 1.0,
          "Size of the first gradient bucket in MB, small so communication starts early in backward."),
@@ -345,6 +351,7 @@ class Knobs:
     disable_cache: bool = _DEFAULTS["disable_cache"]
     control_plane: str = _DEFAULTS["control_plane"]
     call_site_check: bool = _DEFAULTS["call_site_check"]
+    elastic_timeout: float = _DEFAULTS["elastic_timeout"]
     bucket_cap_mb: float = _DEFAULTS["bucket_cap_mb"]
     first_bucket_mb: float = _DEFAULTS["first_bucket_mb"]
     hierarchical_allreduce: bool = _DEFAULTS["hierarchical_allreduce"]

@@ -90,15 +90,22 @@ class CollectiveTimeoutError(CollectiveError):
 
 
 class HostsUpdatedInterrupt(HoraError):
-    """The set of hosts changed; elastic training resets to pick up the new world.
+    """The set of hosts changed; elastic training resets to pick up the new world, keeping its current state.
+
+    Raised by ``State.commit()`` / ``check_host_updates()`` on every rank at the same call.
 
     Args:
-        skip_sync: True when no state sync is needed (only hosts were added).
+        skip_sync: True when no state sync is needed: hosts were only removed, so every remaining rank
+            already holds the same state.
     """
 
     def __init__(self, skip_sync: bool = False) -> None:
         super().__init__("hosts updated")
         self.skip_sync = skip_sync
+
+
+class ElasticTimeoutError(HoraError):
+    """An elastic worker waited longer than the elastic timeout for the launcher's next world."""
 
 
 class LaunchError(HoraError):
@@ -129,6 +136,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ConfigError",
+    "ElasticTimeoutError",
     "HoraError",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",

@@ -135,7 +135,7 @@ class GradientReducer:
 
     # -- phase 1: fill, from the hooks ------------------------------------------------------------------
     def _on_grad(self, index: int) -> None:
-        if self.state is not Step.FILLING:
+        if self.state is not Step.FILLING or self.process_set.group is not self._group:  # a step's first grad, or a reset
             self._begin_step()
         if not self._reduce:
             return
@@ -163,7 +163,7 @@ class GradientReducer:
 
     def _begin_step(self) -> None:
         with self._lock:  # CPU and CUDA gradients' hooks run on different autograd threads
-            if self.state is Step.FILLING:
+            if self.state is Step.FILLING and self.process_set.group is self._group:
                 return
             self._refresh()
             self.state = Step.FILLING
@@ -312,6 +312,12 @@ class GradientReducer:
             bucket.reset()
         self.sparse.clear()
         self.passes = [0] * len(self.params)
+        # new buckets for the new world's size, named as a process that never saw the old world names them
+        # (a worker that joined at the reset plans its first buckets under generation 0 too)
+        self.state = Step.IDLE
+        self._world = None
+        self._plan_key = None
+        self._generation = -1
 
     def stepped(self) -> None:
         """The optimizer applied the gradients; the next synchronize() reduces afresh."""

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora import hierarchical
+from hora import hierarchical, world
 from hora.diagnostics import user_errors
 from hora.diagnostics.board import Board
 from hora.env import Knobs, WorkerEnv
@@ -93,10 +93,16 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         env = WorkerEnv.from_environ()
         knobs = Knobs.from_environ()
         logging.getLogger("hora").setLevel(knobs.log_level.upper())
+        if env.elastic:  # the launcher's newest world decides rank and size; its number names the store prefix
+            store = _store(env, datetime.timedelta(seconds=knobs.start_timeout))
+            env, elastic_world = world.join(store, env, _generation, knobs.elastic_timeout)
+            generation = elastic_world.gen
+        else:
+            generation = _generation + 1
         # Horovod's process_sets="dynamic" enables add/remove_process_set(); hora always allows them
         sets: list[Any] = [] if process_sets == "dynamic" else list(process_sets or ())
         ProcessSetTable.check(sets, env.size)
-        _generation += 1
+        _generation = generation
         rt = _build(env, knobs, _generation)
         try:  # a failed init leaves nothing behind: is_initialized() stays False and init() can be retried
             for ps in sets:
@@ -301,6 +307,19 @@ def shutdown() -> None:
     then leaves anyway). ``init()`` may be called again afterwards.
     """
     _shutdown(peer_wait_s=30.0)
+
+
+def reset(peer_wait_s: float = 10.0) -> None:
+    """Elastic reset: leave this world (a collective shutdown, waiting at most ``peer_wait_s`` for the peers;
+    none when a peer failed) and ``init()`` in the launcher's next one: a new store prefix, new process groups
+    (the default group too), a new control mesh and negotiator."""
+    _shutdown(peer_wait_s=peer_wait_s)
+    init()
+
+
+def world_generation() -> int:
+    """The number of the last world this process was initialised in (elastic jobs: the launcher's world)."""
+    return _generation
 
 
 def _shutdown_at_exit() -> None:

@@ -123,8 +123,12 @@ def test_the_other_horovod_028_names_and_reduce_op_values() -> None:
     assert issubclass(hvd.HorovodInternalError, RuntimeError)
     assert hasattr(hvd.Compression, "none") and hasattr(hvd.Compression, "fp16")
     assert isinstance(hvd.nccl_built(), int) and not isinstance(hvd.nccl_built(), bool)  # a version, as Horovod's
-    with pytest.raises(ImportError, match="elastic"):  # hvd.elastic exists, and says hora has none yet
-        hvd.elastic.run  # noqa: B018
+    import hora.elastic
+
+    assert hvd.elastic is hora.elastic
+    for name in ("run", "State", "ObjectState", "TorchState", "ElasticSampler", "HorovodInternalError",
+                 "HostsUpdatedInterrupt"):
+        assert hasattr(hvd.elastic, name), name
 
 
 @pytest.fixture
@@ -157,8 +161,11 @@ def test_horovods_submodules_import_under_the_stand_in(horovod_stand_in: None) -
     assert FP16Compressor is hvd.Compression.fp16
     with pytest.warns(DeprecationWarning):
         assert handle_average_backwards_compatibility(None, False) == hvd.Sum
-    with pytest.raises(ImportError, match="elastic"):
-        hvd_torch.elastic  # noqa: B018
+    from horovod.torch.elastic import ElasticSampler, TorchState
+    from horovod.torch.elastic import run as elastic_run
+
+    assert hvd_torch.elastic.run is elastic_run is hvd.elastic.run
+    assert TorchState is hvd.elastic.TorchState and ElasticSampler is hvd.elastic.ElasticSampler
 
 
 def test_average_argument_warns_as_deprecated_as_in_horovod() -> None:

@@ -1,14 +1,33 @@
-"""Horovod Elastic (``hvd.elastic.run``, ``State``, ``ElasticSampler``) is not part of hora yet.
+"""Elastic training: lose or gain hosts mid-run without restarting anyone (Horovod's ``hvd.elastic`` API).
 
-Importing this module fails with an explanation instead of a bare ModuleNotFoundError, so a Horovod script
-that uses elastic training learns at once what to change. ``hora run``'s elastic flags (``--min-np`` ...)
-are refused the same way.
+    import hora as hvd                       # or: import horovod.torch as hvd
+    hvd.init()
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        ...                                  # state.commit() every few steps
+
+    train(state)
+
+Run it with ``hora run --min-np 2 --max-np 8 --host-discovery-script ./hosts.sh python train.py`` (see
+docs/elastic.md). The retry loop is :mod:`hora.elastic.loop`, the states :mod:`hora.elastic.state`, the
+sampler :mod:`hora.elastic.sampler`; the rendezvous with the launcher is :mod:`hora.world`.
 """
 
 from __future__ import annotations
 
-raise ImportError(
-    "hora does not implement Horovod Elastic yet (hvd.elastic.run, TorchState, ElasticSampler): run the script "
-    "without elastic (a fixed -np) and survive node loss by resuming from checkpoints on shared storage "
-    "(hora.checkpoint, see docs/deploy.md)"
-)
+from hora.elastic.loop import run
+from hora.elastic.sampler import ElasticSampler
+from hora.elastic.state import ObjectState, State, TorchState
+from hora.errors import HorovodInternalError, HostsUpdatedInterrupt
+
+__all__ = [
+    "ElasticSampler",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "ObjectState",
+    "State",
+    "TorchState",
+    "run",
+]

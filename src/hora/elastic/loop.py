@@ -1,0 +1,83 @@
+"""``hvd.elastic.run``: the retry loop around an elastic training function (Horovod's semantics).
+
+    sync the state from rank 0 -> call the function
+      -> a collective failed (HorovodInternalError): restore the last commit, reset, sync, call again
+      -> hosts changed (HostsUpdatedInterrupt at a commit): keep the current state, reset, sync unless only
+         hosts were removed, call again
+      -> it returned: return its value
+
+A reset (:func:`hora.runtime.reset`) leaves the old world and joins the launcher's next one: new ranks, a
+new store prefix, new process groups (the default group too), a new control mesh and negotiator; the
+``DistributedOptimizer`` plans new buckets for the new size at its next step. A worker that the new world
+leaves out exits with code 0. Outside an elastic job (no ``hora run --min-np``), there is no next world: the
+function runs once and a failed collective is raised as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from hora import runtime
+from hora.elastic.state import State
+from hora.errors import CollectiveError, CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def run(func: F) -> F:
+    """Decorate an elastic training function ``func(state, *args, **kwargs)``; see the module docstring.
+
+    Example:
+        >>> @hvd.elastic.run
+        ... def train(state):
+        ...     for state.epoch in range(state.epoch, epochs):
+        ...         ...
+        ...         state.commit()
+        >>> train(hvd.elastic.TorchState(model, optimizer, epoch=0))  # doctest: +SKIP
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        elastic = runtime.state("hvd.elastic.run").env.elastic
+        skip_sync = False
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except CollectiveMismatchError:
+                raise  # a programming error: the next world would meet it again
+            except HorovodInternalError as e:
+                if not elastic:
+                    raise
+                log.warning("hora elastic: rank %d: %s; restoring the last commit and resetting",
+                            runtime.rank(), _first_line(e))
+                state.restore()
+                skip_sync = False
+            except HostsUpdatedInterrupt as e:
+                skip_sync = e.skip_sync
+            _reset()
+            state.on_reset()
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _reset() -> None:
+    """Join the next world; a collective failing during the join (a member of the new world died) means
+    one more reset."""
+    while True:
+        try:
+            runtime.reset()
+            return
+        except CollectiveError as e:
+            log.warning("hora elastic: the new world failed while starting (%s); resetting again", _first_line(e))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

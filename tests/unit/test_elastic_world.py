@@ -1,0 +1,79 @@
+"""The worker's rendezvous with the elastic driver (hora.world) and ElasticSampler's arithmetic, in one process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from hora import world
+from hora.elastic import ElasticSampler
+from hora.env import WorkerEnv
+from hora.errors import ElasticTimeoutError
+
+JOB = "j1"
+BASE = f"hora/{JOB}/elastic/"
+
+
+def _env(worker: str = "b:0") -> WorkerEnv:
+    return WorkerEnv(rank=0, size=1, source="hora", job_id=JOB, elastic=True, worker_id=worker, hostname="b")
+
+
+def _publish(store: dist.Store, gen: int, workers: list[str], updates: int | None = None) -> None:
+    members = {w: {"rank": r, "local_rank": 0, "local_size": 1, "cross_rank": r, "cross_size": len(workers),
+                   "hostname": w.split(":")[0]} for r, w in enumerate(workers)}
+    store.set(f"{BASE}world/{gen}", json.dumps({"gen": gen, "size": len(workers), "workers": members,
+                                                "updates": updates}))
+    store.set(f"{BASE}gen", str(gen))
+
+
+def test_join_takes_rank_and_size_from_the_newest_world_and_posts_ready() -> None:
+    store = dist.HashStore()
+    _publish(store, 1, ["a:0", "b:0"])
+    env, joined = world.join(store, _env(), 0, timeout_s=5)
+    assert (env.rank, env.size, env.cross_rank, env.cross_size, joined.gen) == (1, 2, 1, 2, 1)
+    assert store.get(f"{BASE}ready/b:0") == b"0"
+
+
+def test_a_new_worker_waits_for_a_world_that_holds_it() -> None:
+    store = dist.HashStore()
+    _publish(store, 3, ["a:0"])  # the job is at world 3 when this worker starts: not a removal
+    with pytest.raises(ElasticTimeoutError, match="--elastic-timeout"):
+        world.join(store, _env(), 0, timeout_s=0.1)
+
+
+def test_a_worker_left_out_of_the_next_world_exits_0() -> None:
+    store = dist.HashStore()
+    _publish(store, 2, ["a:0"])
+    with pytest.raises(SystemExit) as info:
+        world.join(store, _env(), 1, timeout_s=5)
+    assert info.value.code == 0
+
+
+def test_host_updates_say_whether_only_removals_happened() -> None:
+    store = dist.HashStore()
+    assert world.host_updates(store, JOB, 0) == (0, True)
+    for n, (added, removed) in enumerate([([], ["c"]), (["d"], [])], start=1):
+        store.set(f"{BASE}update/{n}", json.dumps({"added": added, "removed": removed}))
+        store.add(f"{BASE}updates", 1)
+    assert world.host_updates(store, JOB, 0) == (2, False)
+    assert world.host_updates(store, JOB, 1) == (2, False)
+    store.set(f"{BASE}update/3", json.dumps({"added": [], "removed": ["d"]}))
+    store.add(f"{BASE}updates", 1)
+    assert world.host_updates(store, JOB, 2) == (3, True)
+
+
+def test_sampler_epoch_order_record_batch_and_state_dict() -> None:
+    sampler = ElasticSampler(list(range(10)), shuffle=True, seed=1)
+    first = list(iter(sampler))
+    assert sorted(first) == list(range(10)) and len(sampler) == 10
+    sampler.record_batch(0, 4)
+    assert sampler.processed_indices == set(first[:4]) and sampler.get_indices(1, 4) == first[4:8]
+    saved = sampler.state_dict()
+    sampler.load_state_dict(saved)
+    assert list(iter(sampler)) == first[4:]  # the rest of the epoch, in the epoch's order
+    sampler.set_epoch(1)
+    second = list(iter(sampler))
+    assert sorted(second) == list(range(10)) and second != first and not sampler.processed_indices
+    assert list(iter(ElasticSampler(range(5), shuffle=False))) == [0, 1, 2, 3, 4]
