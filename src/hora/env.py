@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hora.errors import ConfigError
+from hora.launch import elastic_protocol
 
 DEFAULT_PORT = 29500
 
@@ -51,6 +52,7 @@ class WorkerEnv:
     store_addr_origin: str = ""  # where store_addr came from, for error messages ("MASTER_ADDR", ...)
     elastic: bool = False  # an elastic job of hora run: init() joins the driver's newest world (hora.elastic)
     worker_id: str = ""  # "<host>:<slot>" in an elastic job, stable for the process's life
+    world_gen: int = 0  # elastic: the launcher's world this record describes (0: not joined yet)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -64,6 +66,14 @@ class WorkerEnv:
             raise ConfigError(
                 f"local rank {self.local_rank} is outside 0..{self.local_size - 1} (from {self.source} variables)"
             )
+
+    @property
+    def board_id(self) -> str:
+        """The job id of the board this process shares with ``hora run``'s driver ('' outside hora run): in
+        an elastic job each world has its own board, since ranks are numbered afresh in each world."""
+        if self.source != "hora":
+            return ""
+        return elastic_protocol.world_job_id(self.job_id, self.world_gen) if self.elastic else self.job_id
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
@@ -125,8 +135,8 @@ def _from_hora(env: Mapping[str, str]) -> WorkerEnv | None:
         host_key=env.get("HORA_HOST_KEY") or host,
         source="hora",
         job_id=env.get("HORA_JOB_ID", ""),
-        elastic=env.get("HORA_ELASTIC", "") == "1",
-        worker_id=env.get("HORA_WORKER_ID", ""),
+        elastic=env.get(elastic_protocol.ELASTIC_ENV, "") == "1",
+        worker_id=env.get(elastic_protocol.WORKER_ID_ENV, ""),
     )
 
 

@@ -140,7 +140,7 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
         base = dist.PrefixStore(prefix, raw)
         connect = _connector(raw, prefix, timeout)
         hook = sys.excepthook
-        board = Board(raw, env.job_id if env.source == "hora" else "", env.rank)
+        board = Board(raw, env.board_id, env.rank)
         board.arrive(generation)
         try:
             dist.init_process_group(

@@ -12,9 +12,8 @@ exit code 0. Host changes reach workers through the ``updates`` counter and the 
 Only the runtime (``init()``) and :mod:`hora.elastic` use this module.
 
 Example:
-    >>> parse_world('{"gen": 2, "size": 1, "workers": {"h:0": {"rank": 0, "local_rank": 0, "local_size": 1,'
-    ...             ' "cross_rank": 0, "cross_size": 1, "hostname": "h"}}}').size
-    1
+    >>> joined() is None  # outside an elastic job
+    True
 """
 
 from __future__ import annotations
@@ -34,11 +33,6 @@ _POLL_S = 0.01  # how often a waiting worker reads the newest world's number (on
 _joined: proto.World | None = None  # the last world this process joined
 
 
-def parse_world(text: str | bytes) -> proto.World:
-    """The World record the driver wrote."""
-    return proto.World.from_json(text)
-
-
 def join(store: Any, env: WorkerEnv, last_gen: int, timeout_s: float) -> tuple[WorkerEnv, proto.World]:
     """Post ready and wait for the driver's next world that holds this worker.
 
@@ -56,21 +50,21 @@ def join(store: Any, env: WorkerEnv, last_gen: int, timeout_s: float) -> tuple[W
         SystemExit: (code 0) this worker was in world ``last_gen`` and the newer world leaves it out.
         ElasticTimeoutError: no world holding this worker came within ``timeout_s``.
     """
-    keys = proto.Keys(env.job_id)
-    store.set(keys.ready(env.worker_id), str(last_gen))
+    job = env.job_id
+    store.set(proto.elastic_key(job, proto.READY, worker_id=env.worker_id), str(last_gen))
     log.debug("worker %s ready after world %d", env.worker_id, last_gen)
     deadline = time.monotonic() + timeout_s
     seen = last_gen
     while True:
-        gen = _newest(store, keys)
+        gen = _newest(store, job)
         if gen > seen:
-            world = parse_world(store.get(keys.world(gen)))
+            world = proto.World.from_json(store.get(proto.elastic_key(job, proto.WORLD, gen=gen)))
             member = world.workers.get(env.worker_id)
             if member is not None:
                 new_env = dataclasses.replace(
                     env, rank=member.rank, size=world.size, local_rank=member.local_rank,
                     local_size=member.local_size, cross_rank=member.cross_rank, cross_size=member.cross_size,
-                    hostname=member.hostname or env.hostname)
+                    hostname=member.hostname or env.hostname, world_gen=gen)
                 log.info("worker %s joins world %d as rank %d of %d", env.worker_id, gen, member.rank, world.size)
                 global _joined
                 _joined = world
@@ -93,24 +87,22 @@ def joined() -> proto.World | None:
     return _joined
 
 
-def _newest(store: Any, keys: proto.Keys) -> int:
-    if not store.check([keys.gen]):
+def _newest(store: Any, job: str) -> int:
+    key = proto.elastic_key(job, proto.GEN)
+    if not store.check([key]):
         return 0
-    return int(store.get(keys.gen))
+    return int(store.get(key))
 
 
 def updates_count(store: Any, job_id: str) -> int:
     """How many host changes the driver has announced so far (one store round trip)."""
-    return int(store.add(proto.Keys(job_id).updates, 0))
+    return int(store.add(proto.elastic_key(job_id, proto.UPDATES), 0))
 
 
 def host_updates(store: Any, job_id: str, seen: int) -> tuple[int, bool]:
     """The driver's host changes after the first ``seen``: (how many in all, True when all of the new ones
     only removed hosts)."""
-    keys = proto.Keys(job_id)
     count = updates_count(store, job_id)
-    removed_only = True
-    for n in range(seen + 1, count + 1):
-        update = proto.HostUpdate.from_json(store.get(keys.update(n)))
-        removed_only = removed_only and not update.added
-    return count, removed_only
+    updates = [proto.Update.from_json(store.get(proto.elastic_key(job_id, proto.UPDATE, n=n)))
+               for n in range(seen + 1, count + 1)]
+    return count, proto.skip_sync(updates)

@@ -20,7 +20,7 @@ def _env(worker: str = "b:0") -> WorkerEnv:
     return WorkerEnv(rank=0, size=1, source="hora", job_id=JOB, elastic=True, worker_id=worker, hostname="b")
 
 
-def _publish(store: dist.Store, gen: int, workers: list[str], updates: int | None = None) -> None:
+def _publish(store: dist.Store, gen: int, workers: list[str], updates: int = 0) -> None:
     members = {w: {"rank": r, "local_rank": 0, "local_size": 1, "cross_rank": r, "cross_size": len(workers),
                    "hostname": w.split(":")[0]} for r, w in enumerate(workers)}
     store.set(f"{BASE}world/{gen}", json.dumps({"gen": gen, "size": len(workers), "workers": members,
@@ -32,7 +32,8 @@ def test_join_takes_rank_and_size_from_the_newest_world_and_posts_ready() -> Non
     store = dist.HashStore()
     _publish(store, 1, ["a:0", "b:0"])
     env, joined = world.join(store, _env(), 0, timeout_s=5)
-    assert (env.rank, env.size, env.cross_rank, env.cross_size, joined.gen) == (1, 2, 1, 2, 1)
+    assert (env.rank, env.size, env.cross_rank, env.cross_size, joined.gen, env.world_gen) == (1, 2, 1, 2, 1, 1)
+    assert env.board_id == f"{JOB}/g1"  # each world has its own board: ranks are numbered afresh
     assert store.get(f"{BASE}ready/b:0") == b"0"
 
 

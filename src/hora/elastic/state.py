@@ -45,8 +45,7 @@ class _UpdateWatch:
         if rt.topo.rank == 0:
             if gen != self.gen:  # the count the new world already reflects is no news
                 joined = world.joined()
-                prev = joined.updates if joined is not None and joined.updates is not None else \
-                    world.updates_count(raw, rt.env.job_id)
+                prev = joined.updates if joined is not None else world.updates_count(raw, rt.env.job_id)
             now, removed_only = world.host_updates(raw, rt.env.job_id, prev)
         if rt.topo.size > 1:  # every rank raises at the same commit, or none does
             view = torch.tensor([prev, now, int(removed_only)], dtype=torch.int64)

@@ -86,8 +86,7 @@ class Negotiator:
         self._exit_requested = False
         self._plane = make_control_plane(rt)
         self._inline_ok = self._plane.inline_rounds
-        self._board = Board(getattr(rt.store, "underlying_store", None),
-                            rt.env.job_id if rt.env.source == "hora" else "", self.rank)
+        self._board = Board(getattr(rt.store, "underlying_store", None), rt.env.board_id, self.rank)
         self._round_warned = -1  # the round whose silent peers were reported
         inflight.configure(self._board, self.rank, self._stall.policy)  # data transfers a frozen peer holds up
         if isinstance(self._plane, Mesh):
