@@ -8,6 +8,8 @@ common (its parameters' names, in order, and the process set's ranks), fixed at 
     hora.opt.<fingerprint>.g<generation>.bucket.<index>
 
 ``generation`` counts re-plans (parameters starting or stopping to require grad, a resized process set).
+Names belong to one world: after ``shutdown()``/``init()`` (an elastic reset) the prefix is taken afresh
+from the new world's ranks, as a worker that joined at that reset takes it.
 Two optimizers *used* in one process with the same fingerprint (two copies of one model) get ``.1``, ``.2``
 ... in the order of their first step, which every rank follows. One that is built and never stepped claims
 nothing.
@@ -26,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 PREFIX = "hora.opt"
 _lock = threading.Lock()
-_claimed: dict[str, int] = {}  # fingerprint -> how many optimizers of this process have used it
+_claimed: dict[tuple[int, str], int] = {}  # (world, fingerprint) -> how many optimizers of this process used it
 
 
 def fingerprint(names: Sequence[str], ranks: Sequence[int]) -> str:
@@ -42,22 +44,28 @@ class BucketNames:
         names: the parameters' names, in the optimizer's order.
         ranks: the process set's ranks, read at the first step (the set may be registered after the optimizer
             is built).
+        world: the number of the world (``init()``) names are asked in; a new one takes the prefix afresh.
     """
 
-    def __init__(self, names: Sequence[str], ranks: Callable[[], Sequence[int]]) -> None:
+    def __init__(self, names: Sequence[str], ranks: Callable[[], Sequence[int]],
+                 world: Callable[[], int] = lambda: 0) -> None:
         self._names = tuple(names)
         self._ranks = ranks
+        self._world = world
         self._prefix: str | None = None
+        self._prefix_world = 0
 
     @property
     def prefix(self) -> str:
         """``hora.opt.<fingerprint>`` (``.<n>`` for the n-th further optimizer with the same fingerprint)."""
-        if self._prefix is None:
+        world = self._world()
+        if self._prefix is None or world != self._prefix_world:
             digest = fingerprint(self._names, self._ranks())
             with _lock:
-                n = _claimed.get(digest, 0)
-                _claimed[digest] = n + 1
+                n = _claimed.get((world, digest), 0)
+                _claimed[(world, digest)] = n + 1
             self._prefix = f"{PREFIX}.{digest}" + (f".{n}" if n else "")
+            self._prefix_world = world
         return self._prefix
 
     def bucket(self, generation: int, index: int) -> str:

@@ -90,7 +90,7 @@ class GradientReducer:
         self.bpps = backward_passes_per_step
         self.predivide = gradient_predivide_factor
         self._cast_only = isinstance(compression, (NoneCompressor, CastCompressor))
-        self.naming = BucketNames(self.names, lambda: process_set.ranks)
+        self.naming = BucketNames(self.names, lambda: process_set.ranks, runtime.world_generation)
         self.state = Step.IDLE
         self._world: tuple[bool, int] | None = None  # (included, size) the plan and scales were made for
         self._group: Any = None  # the process set's group when we last looked: a new one means a new init()
@@ -135,7 +135,7 @@ class GradientReducer:
 
     # -- phase 1: fill, from the hooks ------------------------------------------------------------------
     def _on_grad(self, index: int) -> None:
-        if self.state is not Step.FILLING or self.process_set.group is not self._group:  # a step's first grad, or a reset
+        if self.state is not Step.FILLING or self.process_set.group is not self._group:  # first grad, or a reset
             self._begin_step()
         if not self._reduce:
             return
