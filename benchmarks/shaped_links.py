@@ -405,19 +405,8 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
         md.append(f"\nWorst error {max(errs):.1%}, median {statistics.median(errs):.1%}.\n")
 
     def plot(fig: Any) -> None:
-        ax = fig.add_subplot(1, 2, 1)
-        speedups = {name: figures[key][field]["median"] for name, key, field in (
-            ("fp16 vs none", "compression", "fp16_speedup"), ("bf16 vs none", "compression", "bf16_speedup"),
-            ("DDP / hora step", "optimizer", "hora_over_ddp"), ("hierarchical vs flat", "hierarchical", "speedup"))
-            if key in figures}
-        if "optimizer" in figures:
-            speedups["DDP / hora step"] = 1 / speedups["DDP / hora step"]
-        if "ps" not in figures and speedups:
-            ax.bar(list(speedups), list(speedups.values()))
-            ax.axhline(1.0, color="grey", linestyle=":")
-            ax.set_ylabel("speed-up (above 1: hora's variant faster)")
-            ax.set_title(f"{rate:g} Mbit/s links")
-            ax.tick_params(axis="x", labelsize=7, rotation=20)
+        fig.set_size_inches(14, 4.8)
+        ax = fig.add_subplot(1, 3, 1)
         if "ps" in figures:
             hs = sorted(int(h) for h in figures["ps"])
             ax.plot(hs, [figures["ps"][str(h)]["ratio"]["median"] for h in hs], "o-", label="measured")
@@ -426,16 +415,41 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
             ax.axhline(3.2, color="grey", linestyle=":", label="often quoted: 3.2x (8 nodes)")
             ax.set_xlabel("single-rank hosts")
             ax.set_ylabel("ring speed-up over parameter server")
-            ax.legend()
+            ax.legend(fontsize=8)
             ax.grid(True, alpha=0.3)
-        ax2 = fig.add_subplot(1, 2, 2)
+        else:
+            ax.axis("off")
+        ax1 = fig.add_subplot(1, 3, 2)
+        bars: dict[str, float] = {}
+        if "compression" in figures:
+            bars["fp16 allreduce"] = figures["compression"]["fp16_speedup"]["median"]
+            bars["bf16 allreduce"] = figures["compression"]["bf16_speedup"]["median"]
+        if "gradsync" in figures:
+            bars["fp16 DO sync"] = figures["gradsync"]["sync"]["fp16"]["median"]
+            bars["bf16 DO sync"] = figures["gradsync"]["sync"]["bf16"]["median"]
+        if "optimizer" in figures:
+            bars["DDP / hora step"] = 1 / figures["optimizer"]["hora_over_ddp"]["median"]
+        if "hierarchical" in figures:
+            bars["hierarchical 3x2"] = figures["hierarchical"]["speedup"]["median"]
+        if bars:
+            ax1.bar(list(bars), list(bars.values()))
+            ax1.axhline(1.0, color="grey", linestyle=":")
+            ax1.set_ylabel("speed-up (above 1: the first variant faster)")
+            ax1.set_title(f"{rate:g} Mbit/s links")
+            ax1.tick_params(axis="x", labelsize=7, rotation=30)
+        else:
+            ax1.axis("off")
+        ax2 = fig.add_subplot(1, 3, 3)
         if "planner_validation" in figures:
             v = figures["planner_validation"]
-            ax2.barh([x["config"] for x in v], [x["error"] * 100 for x in v])
+            ys = range(len(v))
+            ax2.barh([y + 0.2 for y in ys], [x["error"] * 100 for x in v], height=0.4, label="wire + CPU")
+            ax2.barh([y - 0.2 for y in ys], [x["wire_only_error"] * 100 for x in v], height=0.4, label="wire only")
+            ax2.set_yticks(list(ys), [x["config"] for x in v])
             ax2.axvline(15, color="red", linestyle=":", label="15%")
             ax2.set_xlabel("planner error (%)")
-            ax2.tick_params(axis="y", labelsize=7)
-            ax2.legend()
+            ax2.tick_params(axis="y", labelsize=6)
+            ax2.legend(fontsize=8)
         else:
             ax2.axis("off")
 

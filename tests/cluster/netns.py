@@ -244,6 +244,11 @@ class Host:
         _sh(["ip", "netns", "exec", self.ns, "tc", "qdisc", "replace", "dev", "eth0", "root", *tbf])
         _sh(["ip", "netns", "exec", self.hub, "tc", "qdisc", "replace", "dev", f"v{self.index}", "root", *tbf])
 
+    def unshape(self) -> None:
+        """Remove the shaping of :meth:`shape` (both ends of the cable back to the default qdisc)."""
+        _sh(["ip", "netns", "exec", self.ns, "tc", "qdisc", "del", "dev", "eth0", "root"], check=False)
+        _sh(["ip", "netns", "exec", self.hub, "tc", "qdisc", "del", "dev", f"v{self.index}", "root"], check=False)
+
     def kill_all(self) -> None:
         """SIGKILL every process on this host except its sshd."""
         for proc in self.ps():
@@ -310,6 +315,11 @@ class Cluster:
         """Limit every host's cable to ``rate_mbit`` Mbit/s each way (see :meth:`Host.shape`)."""
         for h in self.hosts:
             h.shape(rate_mbit)
+
+    def unshape(self) -> None:
+        """Undo :meth:`shape` on every host."""
+        for h in self.hosts:
+            h.unshape()
 
     def ps(self) -> dict[str, list[Proc]]:
         """Every host's processes (besides sshd), by hostname."""
