@@ -75,6 +75,7 @@ def _worker(cluster: netns.Cluster, hosts: int, slots: int, mode: str, work: Pat
     _job(cluster, flags, [sys.executable, WORKER, mode, "--out", str(out), *args], work / f"{mode}{hosts}", timeout)
     record: dict[str, Any] = json.loads(out.read_text())
     record["load_avg"] = [round(before, 1), round(os.getloadavg()[0], 1)]  # 1-minute, at start and end
+    out.write_text(json.dumps(record, indent=1) + "\n")  # --from-work reads it back
     return record
 
 
@@ -86,6 +87,7 @@ def run_sweep(cluster: netns.Cluster, ns: argparse.Namespace, work: Path) -> dic
                           "--repeats", str(ns.repeats), "--json", str(out)], work / "sweep", 400)
     record: dict[str, Any] = json.loads(out.read_text())
     record["load_avg"] = [round(before, 1), round(os.getloadavg()[0], 1)]
+    out.write_text(json.dumps(record, indent=1) + "\n")
     return record
 
 
@@ -212,7 +214,8 @@ def from_work(work: Path, ns: argparse.Namespace) -> dict[str, Any]:
     ps = {p.stem.split("-")[1].split("x")[0]: json.loads(p.read_text()) for p in sorted(work.glob("ps-*x1.json"))}
     if ps:
         parts["ps"] = dict(sorted(ps.items(), key=lambda kv: int(kv[0])))
-    for mode, pattern in (("compression", "compression-*.json"), ("optimizer", "optimizer-*.json"),
+    for mode, pattern in (("compression", "compression-*.json"), ("wire16", "wire16-*.json"),
+                          ("gradsync", "gradsync-*.json"), ("optimizer", "optimizer-*.json"),
                           ("hierarchical", "hierarchical-*.json")):
         found = sorted(work.glob(pattern))
         if found:
@@ -224,7 +227,7 @@ def from_work(work: Path, ns: argparse.Namespace) -> dict[str, Any]:
             synthetic.setdefault(name, []).append(_total_img_s((d / "launcher.stdout").read_text()))
         except (OSError, RuntimeError):
             continue  # a job that was stopped
-    if synthetic and len({len(v) for v in synthetic.values()}) == 1:
+    if len(synthetic) == 2 and len({len(v) for v in synthetic.values()}) == 1:  # both layouts, as many jobs
         parts["synthetic"] = {"args": ["--model", ns.synthetic_model, "--batch-size", str(ns.synthetic_batch),
                                        "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "3",
                                        "--image-size", str(ns.synthetic_image)], "samples": synthetic}
