@@ -227,7 +227,9 @@ def from_work(work: Path, ns: argparse.Namespace) -> dict[str, Any]:
             synthetic.setdefault(name, []).append(_total_img_s((d / "launcher.stdout").read_text()))
         except (OSError, RuntimeError):
             continue  # a job that was stopped
-    if len(synthetic) == 2 and len({len(v) for v in synthetic.values()}) == 1:  # both layouts, as many jobs
+    if len(synthetic) == 2:  # both layouts: the cycles every layout completed
+        done = min(len(v) for v in synthetic.values())
+        synthetic = {k: v[:done] for k, v in synthetic.items()}
         parts["synthetic"] = {"args": ["--model", ns.synthetic_model, "--batch-size", str(ns.synthetic_batch),
                                        "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "3",
                                        "--image-size", str(ns.synthetic_image)], "samples": synthetic}
@@ -248,7 +250,7 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
           "Simulated hosts (network namespaces + veth + bridge, tc tbf on both ends of every cable), jobs started "
           "by `hora run` over ssh. Every figure is a per-cycle ratio of variants alternated in one run (rotating "
           f"order), median with spread; {data['repeats']} cycles. The machine (2 cores) was shared with other "
-          f"work while this ran (load average {data['machine']['load_avg_1_5_15']}).\n"]
+          f"work while this ran (load average {_machine_load(data)}).\n"]
     if "rebuilt_from" in data:
         md.append("This report was rebuilt (`--from-work`) from the parts a run finished before it was stopped; "
                   "the synthetic benchmark's figures are the jobs that completed.\n")
@@ -261,7 +263,7 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
         figures["busbw_fraction_of_line"] = {"raw": big["raw"]["busbw_GBps"] * 1e9 / line_Bps,
                                              "hora": big["hora"]["busbw_GBps"] * 1e9 / line_Bps,
                                              "size": big["size"]}
-        md.append("## allreduce sweep, 2 hosts x 1 rank (`hora bench allreduce`)\n")
+        md.append(f"## allreduce sweep, 2 hosts x 1 rank (`hora bench allreduce`){_load(sweep)}\n")
         md.append(markdown_table(
             ["size", "raw busbw MB/s", "hora busbw MB/s", "hora busbw / line rate", "hora speed vs raw"],
             [[_mb(r["size"]), f"{r['raw']['busbw_GBps'] * 1e3:.1f}", f"{r['hora']['busbw_GBps'] * 1e3:.1f}",
@@ -289,10 +291,12 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
                     validation.append([f"ring allreduce, {h} hosts, {_mb(rec['bytes'])}", pr, ring_s])
                 validation.append([f"parameter server, {h} hosts, {_mb(rec['bytes'])}", pp, ps_s])
             figures["ps"][hosts] = {"ratio": ratio, "model_ratio": model_ratio, "ring_s": ring_s, "ps_s": ps_s}
+            load = rec.get("load_avg")
             rows_md.append([h, f"{ring_s:.2f} s", f"{ps_s:.2f} s", f"{ratio['median']:.2f}x ({ratio['spread']:.0%})",
-                            f"{model_ratio:.2f}x" if model_ratio else "-", "3.2x (8 nodes)" if h == 8 else ""])
+                            f"{model_ratio:.2f}x" if model_ratio else "-", "3.2x (8 nodes)" if h == 8 else "",
+                            f"{load[0]:g} -> {load[1]:g}" if load else "-"])
         md.append(markdown_table(["hosts", "ring (median)", "parameter server (median)",
-                                  "ring speed-up (measured)", "model", "often quoted"], rows_md))
+                                  "ring speed-up (measured)", "model", "often quoted", "load average"], rows_md))
         md.append("\nThe bandwidth model: the server's cable carries (N-1) S each way against the ring's 2(N-1)/N S "
                   "per cable, N/2 times the bytes; chunking overlaps the server's receiving and sending.\n")
     if "compression" in parts:
@@ -406,6 +410,9 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
                                  [[c, f"{p:.3f} s", f"{m:.3f} s", f"{abs(p - m) / m:.1%}",
                                    f"{w:.3f} s ({abs(w - m) / m:.0%})"] for c, p, m, w in rows_v]))
         md.append(f"\nWorst error {max(errs):.1%}, median {statistics.median(errs):.1%}.\n")
+    loads = {rec.get("load_avg_source") for rec in parts.values() if isinstance(rec, dict)} - {None}
+    if loads:
+        md.append(f"\nLoad averages of this record: {', '.join(sorted(loads))}.\n")
 
     def plot(fig: Any) -> None:
         fig.set_size_inches(14, 4.8)
@@ -457,6 +464,12 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
             ax2.axis("off")
 
     return {"figures": figures, "markdown": "\n".join(md), "plot": plot}
+
+
+def _machine_load(data: dict[str, Any]) -> str:
+    if "rebuilt_from" in data:
+        return "of each part beside it, 1 minute, at its start and end"
+    return f"{data['machine']['load_avg_1_5_15']} at the end; each part's beside it"
 
 
 def _load(rec: dict[str, Any]) -> str:

@@ -112,3 +112,19 @@ def test_cpu_term_adds_hora_local_passes_to_the_wire() -> None:
     # the DistributedOptimizer's reused buckets: no cast or copy of its own beyond backward's copy in
     step = plan.step(0.0, s, 2, compression="fp16", bucket_bytes=s)
     assert step["sync_s"] == pytest.approx(_ring(s / 2, 2))
+
+
+def test_a_compressed_sweep_fits_the_16_bit_wire() -> None:
+    sizes = parse_sizes("1MB..64MB")
+    rates = CpuRates(copy=3e-10, cast_down=2e-10, cast_up=2.5e-10, scale=1e-10)
+    sweep = _sweep(sizes, hosts=2, per_host=1)
+    sweep.update(compression="fp16", cpu=rates.as_dict())
+    for row in sweep["rows"]:  # type: ignore[attr-defined]
+        # hora's fp16 allreduce: a 16-bit wire 20% slower per byte than float32's, plus its two casts
+        row["hora"] = {"time_s": _ring(row["size"] / 2, 2, beta=1.2 * BETA) + row["size"] * 4.5e-10}
+    plan = planner.fit_sweep(sweep)
+    assert plan.wire16 is not None and plan.wire16.beta == pytest.approx(1.2 * BETA, rel=1e-6)
+    # a layout it was not fitted on: 4 hosts
+    assert plan.hora_allreduce(100e6, 4, compression="fp16", call="out_of_place") == pytest.approx(
+        _ring(50e6, 4, beta=1.2 * BETA) + 100e6 * 4.5e-10)
+    assert planner.fit_sweep(_sweep(sizes, hosts=2, per_host=1)).wire16 is None  # an uncompressed sweep

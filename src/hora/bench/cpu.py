@@ -8,13 +8,14 @@ scale the data on the CPU, serially before or after the wire:
 * Average: one multiply of the wire tensor.
 
 A fresh tensor of more than 32 MB is new memory from the kernel (glibc serves it with mmap), so each of those
-copies and casts also pays the page faults of touching it: :func:`measure` times them at 64 MB for that
-reason. The DistributedOptimizer reuses its buckets: its gradients are copied (or cast) into them during
-backward whatever the compression, so it pays none of these (``call="bucket"``). The 16-bit sum itself is
-Gloo's, on the wire: measured on 1 Gbit links it keeps up with the wire (docs/performance.md).
+copies and casts also pays the page faults of touching it: sweep up to 64 MB for rates that include them.
+The DistributedOptimizer reuses its buckets: its gradients are copied (or cast) into them during backward
+whatever the compression, so it pays none of these (``call="bucket"``). The 16-bit sum itself is Gloo's, on
+the wire: :mod:`hora.bench.planner` fits it as a 16-bit wire from a sweep run with ``--compression``.
 
-``hora bench allreduce`` times each of these on every rank before the sweep (:func:`measure`) and stores
-the slowest rank's rates in its JSON; ``hora bench plan`` adds them to the wire time (:func:`extra_seconds`).
+``hora bench allreduce`` times each of these on every rank before the sweep (:func:`measure`, at the sweep's
+largest size up to 64 MB) and stores the slowest rank's rates in its JSON; ``hora bench plan`` adds them to
+the wire time (:func:`extra_seconds`).
 
 Example:
     >>> rates = CpuRates(copy=1e-10, cast_down=2e-10, cast_up=2e-10, scale=1e-10)

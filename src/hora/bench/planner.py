@@ -96,6 +96,7 @@ class Plan:
     inter: LinkFit | None
     intra: LinkFit | None
     cpu: CpuRates | None = None  # the sweep's timing of hora's local passes (copies, casts, scaling)
+    wire16: LinkFit | None = None  # the network carrying 16-bit data (Gloo sums it more slowly than float32)
 
     def _link(self, kind: str) -> LinkFit:
         link = self.inter if kind == "inter" else self.intra
@@ -118,8 +119,12 @@ class Plan:
                        call: str = "inplace", average: bool = False, hierarchical: bool = False) -> float:
         """Seconds for hora's allreduce of ``nbytes`` of float32: the wire (half the bytes when compressed)
         plus the CPU passes hora adds (:mod:`hora.bench.cpu`), when the sweep timed them."""
-        wire = nbytes / 2 if compression != "none" else nbytes
-        seconds = self.allreduce(wire, hosts, per_host, hierarchical)
+        compressed = compression != "none"
+        wire = nbytes / 2 if compressed else nbytes
+        if compressed and self.wire16 is not None and hosts > 1 and not hierarchical:
+            seconds = self.wire16.ring(wire, hosts * per_host)
+        else:
+            seconds = self.allreduce(wire, hosts, per_host, hierarchical)
         if self.cpu is not None:
             seconds += extra_seconds(self.cpu, nbytes, hosts * per_host, compression, call, average)
         return seconds
@@ -173,7 +178,26 @@ def fit_sweep(sweep: dict[str, Any], min_bytes: int = 0) -> Plan:
                           "(it was run with --no-links), so neither link can be fitted; run `hora bench allreduce "
                           "--json PATH` again without --no-links")
     cpu = CpuRates.from_dict(sweep["cpu"]) if sweep.get("cpu") else None
-    return Plan(inter=inter, intra=intra, cpu=cpu)
+    return Plan(inter=inter, intra=intra, cpu=cpu, wire16=_fit_wire16(sweep, cpu, min_bytes))
+
+
+def _fit_wire16(sweep: dict[str, Any], cpu: CpuRates | None, min_bytes: int) -> LinkFit | None:
+    """From a sweep run with ``--compression fp16|bf16`` on one rank per host: the 16-bit wire, fitted to hora's
+    compressed allreduces (their 16-bit bytes) less the CPU passes timed beside them."""
+    per_host = sweep.get("ranks_per_host") or [sweep["ranks"]]
+    if sweep.get("compression", "none") == "none" or cpu is None or sweep.get("hosts", 1) < 2 or max(per_host) > 1:
+        return None
+    rows = []
+    for r in sweep["rows"]:
+        if r["size"] < min_bytes:
+            continue
+        local = extra_seconds(cpu, r["size"], r["ranks"], sweep["compression"], "out_of_place")
+        if r["hora"]["time_s"] > local:
+            rows.append((r["size"] / 2, r["ranks"], r["hora"]["time_s"] - local))
+    try:
+        return LinkFit.fit(rows)
+    except ConfigError:
+        return None
 
 
 def predictions(plan: Plan, grad_bytes: float, hosts: Sequence[int], per_host: int, compute_s: float | None,
@@ -215,4 +239,4 @@ def markdown(plan: Plan, rows: Sequence[dict[str, Any]], grad_bytes: float) -> s
 
 def as_dict(plan: Plan) -> dict[str, Any]:
     return {"inter": asdict(plan.inter) if plan.inter else None, "intra": asdict(plan.intra) if plan.intra else None,
-            "cpu": plan.cpu.as_dict() if plan.cpu else None}
+            "cpu": plan.cpu.as_dict() if plan.cpu else None, "wire16": asdict(plan.wire16) if plan.wire16 else None}

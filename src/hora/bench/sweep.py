@@ -172,7 +172,8 @@ def run(cfg: SweepConfig) -> dict[str, Any]:
         hosts = topo.hosts or ((0,),)
         n_links = (2 if len(hosts) > 1 and max(len(h) for h in hosts) > 1 else 1) if len(hosts) > 1 else 0
     progress = Progress(len(cfg.sizes) * (cfg.repeats + n_links), "allreduce", enabled=hvd.rank() == 0)
-    rates = cpu.measure()  # hora's local passes (copy, casts, scaling), for the planner
+    # hora's local passes (copy, casts, scaling) for the planner, at the sweep's largest size (1-64 MB)
+    rates = cpu.measure(min(64 * 2**20, max(2**20, *cfg.sizes)))
     every: list[Any] = [None] * hvd.size()
     dist.all_gather_object(every, rates.as_dict())
     slowest = cpu.CpuRates.from_dict(every[0])
