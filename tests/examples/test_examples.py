@@ -44,6 +44,15 @@ def test_resnet50_synthetic_reports_images_per_second() -> None:
         assert r["header"].endswith("compression fp16"), r["header"]  # the compressor's name, not its repr
 
 
+def test_elastic_train_runs_as_a_fixed_job_too() -> None:
+    """Without elastic flags the elastic example trains once through hvd.elastic.run (its elastic runs are in
+    tests/launcher/test_elastic_training.py's style: see docs/elastic.md)."""
+    argv = ["--epochs", "2", "--samples", "256", "--batch-size", "16"]
+    results = run_ranks(_run_example, 2, "elastic_train.py", argv, init=False, timeout=120)
+    assert results[0]["params"] == results[1]["params"]  # synced at the start, averaged every step
+    assert results[0]["size"] == 2 and results[0]["accuracy"] > 0.5  # 4 classes: chance is 0.25
+
+
 def test_unet3d_checkpoints_and_resumes(tmp_path: Path) -> None:
     common = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "3", "--volume-size", "8",
               "--num-samples", "8", "--batch-size", "2"]

@@ -55,8 +55,7 @@ def run(func: F) -> F:
             except HorovodInternalError as e:
                 if not elastic:
                     raise
-                log.warning("hora elastic: rank %d: %s; restoring the last commit and resetting",
-                            runtime.rank(), _first_line(e))
+                log.warning("hora elastic: %s; restoring the last commit and resetting", _first_line(e))
                 state.restore()
                 skip_sync = False
             except HostsUpdatedInterrupt as e:
