@@ -40,6 +40,7 @@ def test_allreduce_sweep_under_hora_run_then_plan(tmp_path: Path, capsys: pytest
                      "4", "--compute-ms", "50", "--json", str(plan_json)]) == 0
     shown = capsys.readouterr().out
     assert "intra-host" in shown and "scaling efficiency" in shown
+    assert "CPU passes hora adds" in shown  # the sweep timed them on every rank
     row = json.loads(plan_json.read_text())["rows"][0]
     assert row["allreduce_s"] > 0 and 0 < row["efficiency"] <= 1
 

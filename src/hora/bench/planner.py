@@ -204,7 +204,7 @@ def predictions(plan: Plan, grad_bytes: float, hosts: Sequence[int], per_host: i
                 overlap: float, compression: str = "none") -> list[dict[str, Any]]:
     out = []
     for h in hosts:
-        row: dict[str, Any] = {"hosts": h, "ranks_per_host": per_host,
+        row: dict[str, Any] = {"hosts": h, "ranks_per_host": per_host, "compression": compression,
                                "allreduce_s": plan.allreduce(grad_bytes, h, per_host),
                                "hora_allreduce_s": plan.hora_allreduce(grad_bytes, h, per_host, compression,
                                                                        call="out_of_place", average=True),
@@ -221,11 +221,18 @@ def markdown(plan: Plan, rows: Sequence[dict[str, Any]], grad_bytes: float) -> s
     text = "fitted links (alpha-beta, relative least squares)\n\n"
     fits = [[name, f"{fit.alpha * 1e6:.1f} µs", "-" if fit.note else f"{fit.gbps:.3f} Gbit/s", fit.points,
              f"{fit.max_rel_err:.0%}", fit.note or "-"]
-            for name, fit in (("inter-host", plan.inter), ("intra-host", plan.intra)) if fit is not None]
+            for name, fit in (("inter-host", plan.inter), ("intra-host", plan.intra),
+                              ("inter-host, 16-bit data", plan.wire16)) if fit is not None]
     text += markdown_table(["link", "alpha", "bandwidth (1/beta)", "points", "worst fit error", "note"], fits)
+    if plan.cpu is not None:
+        per = 100 * 2**20
+        text += ("\nCPU passes hora adds, timed by the sweep (per 100 MB): copy "
+                 f"{plan.cpu.copy * per * 1e3:.0f} ms, cast to 16-bit {plan.cpu.cast_down * per * 1e3:.0f} ms, "
+                 f"cast back {plan.cpu.cast_up * per * 1e3:.0f} ms, scale {plan.cpu.scale * per * 1e3:.0f} ms\n")
     text += f"\npredictions for {human_bytes(grad_bytes)} of gradients\n\n"
-    headers = ["hosts", "ranks/host", "ring allreduce", "hvd.allreduce (Average, + CPU)", "hierarchical",
-               "parameter server (8 chunks)", "step time", "scaling efficiency"]
+    compression = rows[0].get("compression", "none") if rows else "none"
+    headers = ["hosts", "ranks/host", "ring allreduce", f"hvd.allreduce (Average, {compression}, + CPU)",
+               "hierarchical", "parameter server (8 chunks)", "step time", "scaling efficiency"]
     table = []
     for r in rows:
         table.append([r["hosts"], r["ranks_per_host"], f"{r['allreduce_s'] * 1e3:.1f} ms",
