@@ -30,10 +30,12 @@ def test_benchmark_runs_and_writes_its_report(name: str, tmp_path: Path) -> None
     assert (tmp_path / f"{name}.json").stat().st_size > 0
 
 
-# not benchmarks with a report: helpers, workers a driver starts (shaped_worker: --out is its result file; wire16:
+# not benchmarks with a report: helpers, workers a driver starts (shaped_worker: --out is its result file;
+# elastic_worker: the training script elastic_bench.py and tests/cluster/test_elastic.py run; wire16:
 # the module it imports), and
 # the replica of Horovod's synthetic example, which keeps that example's flags only (runs under hora run)
-NOT_REPORTING = ("common", "startup_worker", "shaped_worker", "wire16", "run_quick", "pytorch_synthetic_benchmark")
+NOT_REPORTING = ("common", "startup_worker", "shaped_worker", "wire16", "run_quick", "pytorch_synthetic_benchmark",
+                 "elastic_worker")
 
 
 def test_every_benchmark_takes_quick_and_out() -> None:

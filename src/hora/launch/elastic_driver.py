@@ -340,7 +340,9 @@ class ElasticDriver:
             info = SlotInfo(rank=p.rank, size=plan.size, local_rank=p.local_rank, local_size=p.local_size,
                             cross_rank=p.cross_rank, cross_size=p.cross_size, hostname=host, host_index=0)
             env = envvars.rank_env(info, store_addr=self.addr, store_port=self.port, job_id=self.job_id)
-            env.update({ep.ELASTIC_ENV: "1", ep.WORKER_ID_ENV: wid})
+            env.update({ep.ELASTIC_ENV: "1", ep.WORKER_ID_ENV: wid,
+                        # the worker's own deadline for a world that holds it (hvd.elastic's reset)
+                        "HORA_ELASTIC_TIMEOUT": f"{self.ecfg.elastic_timeout:g}"})
             try:
                 self.store.delete_key(self._key(ep.READY, worker_id=wid))  # a previous process's answer
             except Exception as exc:
