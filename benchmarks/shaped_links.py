@@ -50,7 +50,7 @@ from hora.bench import planner  # noqa: E402
 log = logging.getLogger("shaped_links")
 WORKER = str(Path(__file__).resolve().parent / "shaped_worker.py")
 SYNTHETIC = str(Path(__file__).resolve().parent / "pytorch_synthetic_benchmark.py")
-PARTS = ("sweep", "ps", "compression", "wire16", "gradsync", "optimizer", "hierarchical", "synthetic")
+PARTS = ("sweep", "sweep16", "ps", "compression", "wire16", "gradsync", "optimizer", "hierarchical", "synthetic")
 
 
 def _hosts_flag(cluster: netns.Cluster, count: int, slots: int) -> list[str]:
@@ -85,6 +85,19 @@ def run_sweep(cluster: netns.Cluster, ns: argparse.Namespace, work: Path) -> dic
     before = os.getloadavg()[0]
     _job(cluster, flags, [str(Path(sys.executable).parent / "hora"), "bench", "allreduce", "--sizes", ns.sweep_sizes,
                           "--repeats", str(ns.repeats), "--json", str(out)], work / "sweep", 400)
+    record: dict[str, Any] = json.loads(out.read_text())
+    record["load_avg"] = [round(before, 1), round(os.getloadavg()[0], 1)]
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def run_sweep16(cluster: netns.Cluster, ns: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """``hora bench allreduce --compression fp16`` on 2 hosts x 1 rank: the planner's 16-bit wire."""
+    out = work / "sweep16.json"
+    before = os.getloadavg()[0]
+    _job(cluster, _hosts_flag(cluster, 2, 1),
+         [str(Path(sys.executable).parent / "hora"), "bench", "allreduce", "--sizes", ns.sweep16_sizes, "--compression",
+          "fp16", "--repeats", str(ns.repeats), "--no-links", "--json", str(out)], work / "sweep16", 400)
     record: dict[str, Any] = json.loads(out.read_text())
     record["load_avg"] = [round(before, 1), round(os.getloadavg()[0], 1)]
     out.write_text(json.dumps(record, indent=1) + "\n")
@@ -126,6 +139,7 @@ def main() -> int:
     p.add_argument("--ps-hosts", default="2,4,8")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep-sizes", default="256KB..64MB")
+    p.add_argument("--sweep16-sizes", default="1MB..64MB", help="sizes of the fp16 sweep (the 16-bit wire's fit)")
     p.add_argument("--synthetic-model", default="resnet50")
     p.add_argument("--synthetic-batch", type=int, default=4)
     p.add_argument("--synthetic-image", type=int, default=64)
@@ -149,6 +163,7 @@ def main() -> int:
     if ns.quick:
         ns.rate_mbit, ns.bytes, ns.hier_bytes, ns.repeats = 200.0, 4 * 2**20, 8 * 2**20, 2
         ns.ps_hosts, ns.sweep_sizes, ns.synthetic_model, ns.synthetic_repeats = "2,3", "64KB..4MB", "mlp", 1
+        ns.sweep16_sizes = "256KB..4MB"
     reason = netns.shaping_missing()
     if reason is not None:
         print(f"shaped_links: skipped: {reason}")
@@ -166,6 +181,8 @@ def main() -> int:
         res = data["parts"]
         if "sweep" in parts:
             res["sweep"] = run_sweep(cluster, ns, work)
+        if "sweep16" in parts:
+            res["sweep16"] = run_sweep16(cluster, ns, work)
         if "ps" in parts:
             res["ps"] = {str(h): _worker(cluster, h, 1, "ps", work, ["--bytes", str(ns.bytes),
                                                                       "--repeats", str(ns.repeats)])
@@ -209,8 +226,9 @@ def _report(data: dict[str, Any], ns: argparse.Namespace) -> int:
 def from_work(work: Path, ns: argparse.Namespace) -> dict[str, Any]:
     """The record of a run stopped early, from what its work directory holds."""
     parts: dict[str, Any] = {}
-    if (work / "sweep.json").exists():
-        parts["sweep"] = json.loads((work / "sweep.json").read_text())
+    for name in ("sweep", "sweep16"):
+        if (work / f"{name}.json").exists():
+            parts[name] = json.loads((work / f"{name}.json").read_text())
     ps = {p.stem.split("-")[1].split("x")[0]: json.loads(p.read_text()) for p in sorted(work.glob("ps-*x1.json"))}
     if ps:
         parts["ps"] = dict(sorted(ps.items(), key=lambda kv: int(kv[0])))
@@ -275,6 +293,15 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
                   f"{plan.inter.max_rel_err:.1%}.\n")
         figures["fit"] = planner.as_dict(plan)
     validation: list[list[Any]] = []
+    plan16 = None
+    if "sweep16" in parts:
+        plan16 = planner.fit_sweep(parts["sweep16"], min_bytes=1 << 20)
+        figures["fit16"] = planner.as_dict(plan16)
+        if plan16.wire16 is not None:
+            md.append(f"Planner fit of the fp16 sweep (`hora bench allreduce --compression fp16`, sizes >= 1 MB"
+                      f"{_load(parts['sweep16'])}): 16-bit wire alpha {plan16.wire16.alpha * 1e6:.0f} µs, "
+                      f"{plan16.wire16.gbps * 1e3:.0f} Mbit/s of 16-bit data, worst fit error "
+                      f"{plan16.wire16.max_rel_err:.1%}.\n")
     if "ps" in parts:
         md.append("## ring allreduce against a parameter server, single-rank hosts\n")
         rows_md = []
@@ -312,13 +339,16 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
                                    f"{fp16['median']:.2f}x ({fp16['spread']:.0%})"],
                                   ["bf16", f"{statistics.median(rec['samples']['bf16']):.3f} s",
                                    f"{bf16['median']:.2f}x ({bf16['spread']:.0%})"]]))
-        if plan is not None:
+        if plan is not None or plan16 is not None:
             for name in ("none", "fp16", "bf16"):
-                validation.append([f"hvd.allreduce {name}, Average, 2 hosts, {_mb(rec['bytes'])}",
-                                   plan.hora_allreduce(rec["bytes"], 2, compression=name, call="out_of_place",
-                                                       average=True),
+                by = plan16 if plan16 is not None else plan
+                assert by is not None
+                fit = " (fp16 sweep's fit)" if by is plan16 else ""
+                validation.append([f"hvd.allreduce {name}, Average, 2 hosts, {_mb(rec['bytes'])}{fit}",
+                                   by.hora_allreduce(rec["bytes"], 2, compression=name, call="out_of_place",
+                                                     average=True),
                                    statistics.median(rec["samples"][name]),
-                                   plan.allreduce(rec["bytes"] / (1 if name == "none" else 2), 2)])
+                                   by.allreduce(rec["bytes"] / (1 if name == "none" else 2), 2)])
     if "wire16" in parts:
         rec = parts["wire16"]
         smp = rec["samples"]
