@@ -5,18 +5,22 @@ a real cluster (tests/cluster/netns.py builds the hosts; this script only adds t
 Measured, each figure a ratio from one run that alternates the variants, rotating the order every cycle:
 
   sweep         ``hora bench allreduce`` on 2 hosts x 1 rank: busbw against the line rate; the planner's fit
+  sweep16       the same with ``--compression fp16``: the planner's 16-bit wire (compression predictions)
   ps            hora's ring allreduce against a parameter server, 2, 4 and 8 single-rank hosts, ~100 MB
-  compression   fp16 and bf16 against none, 2 hosts, ~100 MB
-  optimizer     DistributedOptimizer step against DDP's, 2 hosts (ResNet-50 layout on small images)
+  compression   hvd.allreduce (out-of-place, Average) fp16 and bf16 against none, 2 hosts, ~100 MB
+  wire16        raw 16-bit allreduce (Gloo's sum) against benchmarks/wire16.py (float32 sum), and float32
+  gradsync      DistributedOptimizer steps with compression none/fp16/bf16, and the step without sync
+  optimizer     DistributedOptimizer step against DDP's (and with one bucket, and no sync), 2 hosts, wide-mlp
   hierarchical  hierarchical against flat allreduce, 3 hosts x 2 ranks, large sizes
   synthetic     benchmarks/pytorch_synthetic_benchmark.py (Horovod's example's behaviour) on 2 shaped hosts
                 and on one host over loopback, the two jobs alternated
 
-The planner, fitted on the 2-host sweep alone, predicts every other configuration; the report puts its
-prediction beside each measurement. Needs root, iproute2, openssh-server and the kernel's tbf qdisc: where
+The planner, fitted on the 2-host sweeps alone (plus the CPU rates they time), predicts every other
+configuration; the report puts its prediction beside each measurement, and every part's load average.
+Needs root, iproute2, openssh-server and the kernel's tbf qdisc: where
 they are missing the script says why and writes nothing (it never fakes a link).
 
-    python benchmarks/shaped_links.py                      # everything, 1 Gbit links (~10 minutes)
+    python benchmarks/shaped_links.py                      # everything, 1 Gbit links (~30 min on 2 busy cores)
     python benchmarks/shaped_links.py --only ps,sweep      # a part
     python benchmarks/shaped_links.py --quick              # small sizes, 200 Mbit: a smoke run
 
