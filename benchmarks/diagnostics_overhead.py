@@ -58,7 +58,7 @@ def _rank(rank: int, size: int, repeats: int, steps: int, tmp: str) -> dict[str,
     neg = runtime.state().negotiator
 
     def setup(variant: str) -> None:
-        neg._stall.policy = stall.StallPolicy(enabled=variant != "stall_off")  # the inspector reads it each round
+        neg._rounds.stall.policy = stall.StallPolicy(enabled=variant != "stall_off")  # read each round
         if variant == "timeline":
             timeline.start_timeline(f"{tmp}/t.json", rank=rank, size=size)
         else:
@@ -103,9 +103,9 @@ def _micro(rank: int, size: int, pending: int, calls: int) -> dict[str, float]:
         neg.table.entries[f"p{i}"] = Entry(f"p{i}", {0: Request(f"p{i}", "allreduce", "float32", (1,))}, 0, now)
     t0 = time.perf_counter()
     for _ in range(calls):
-        delay = neg._stall.check_in()
-        neg._watchdog.arm(0, delay if delay is not None else 60.0)
-        neg._watchdog.disarm()
+        delay = neg._rounds.stall.check_in()
+        neg._stall_timer.arm(delay if delay is not None else 60.0, 0)
+        neg._stall_timer.disarm()
     per_call = (time.perf_counter() - t0) / calls
     neg.table.entries.clear()
     hvd.shutdown()

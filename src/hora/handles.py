@@ -20,25 +20,58 @@ from collections.abc import Callable
 from typing import Any
 
 from hora.diagnostics import inflight, timeline, where
+from hora.errors import CollectiveError
 
 _UNSET = object()
+
+
+def _released(handle: Handle) -> None:
+    """``on_done`` of a handle already synchronized once."""
+
+
+class Latch:
+    """A one-shot gate: closed until :meth:`open` (from any thread, any number of times), then open for good.
+
+    A bare lock held while closed: making one costs about a tenth of a ``threading.Event`` (measured with
+    timeit; one is made per op, so it shows in ``benchmarks/op_overhead.py``'s per-op cost)."""
+
+    __slots__ = ("_lock", "is_open")
+
+    def __init__(self) -> None:
+        self.is_open = False
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def open(self) -> None:
+        if not self.is_open:
+            self.is_open = True
+            try:
+                self._lock.release()
+            except RuntimeError:  # opened twice at once (a failure racing a launch): once is enough
+                pass
+
+    def wait(self, timeout: float) -> bool:
+        """Block until open or ``timeout`` seconds pass; True when open."""
+        if self.is_open:
+            return True
+        if self._lock.acquire(timeout=timeout):
+            try:
+                self._lock.release()  # let every other waiter through too
+            except RuntimeError:  # a racing second open() released it already
+                pass
+        return self.is_open
 
 
 class Handle:
     """One submitted collective. Thread-safe: launched by the negotiator, finished by the user's thread."""
 
-    __slots__ = ("_done", "_drive", "_error", "_finish", "_gate", "_lock", "_on_done", "_result", "_work", "kind",
-                 "name")
+    __slots__ = ("_drive", "_error", "_finish", "_gate", "_lock", "_on_done", "_result", "_work", "kind", "name")
 
     def __init__(self, name: str, kind: str, finish: Callable[[], Any], on_done: Callable[[Handle], None],
                  drive: Callable[[Handle], None] | None = None) -> None:
         self.name = name
         self.kind = kind
-        self._done = False  # launched or failed
-        # held until launched or failed: a waiter blocks on it (a bare lock is a tenth of an Event's cost,
-        # and a handle is made per op)
-        self._gate = threading.Lock()
-        self._gate.acquire()
+        self._gate = Latch()  # opens once the op is launched or failed
         self._work: Any = None
         self._error: BaseException | None = None
         self._finish = finish
@@ -51,24 +84,16 @@ class Handle:
     def launched(self, work: Any = None) -> None:
         """The c10d call is issued (``work`` is its Work, or None when the data is already in place)."""
         self._work = work
-        self._open()
+        self._gate.open()
 
     def fail(self, error: BaseException) -> None:
         """The op will never run: ``synchronize`` raises ``error``."""
         self._error = error
-        self._open()
-
-    def _open(self) -> None:
-        if not self._done:
-            self._done = True
-            try:
-                self._gate.release()
-            except RuntimeError:  # opened twice at once (a failure racing a launch): once is enough
-                pass
+        self._gate.open()
 
     # --- called by the user's thread -------------------------------------------------------------------
     def poll(self) -> bool:
-        if not self._done:
+        if not self._gate.is_open:
             return False
         if self._error is not None or self._work is None:
             return True
@@ -92,30 +117,29 @@ class Handle:
                 return self._result
             finally:
                 inflight.finished(self)
+                # the name is free again; and the engine is no longer referred to, so a handle kept (say, by
+                # an error's traceback) does not keep a runtime that shut down alive, with its sockets
                 self._on_done(self)
+                self._on_done, self._drive = _released, None
 
     def _wait_launched(self) -> None:
-        if self._done:
+        if self._gate.is_open:
             return
         where.set_waiting((self.kind, self.name))
         try:
-            if self._drive is not None and not self._done:
+            if self._drive is not None and not self._gate.is_open:
                 self._drive(self)
-            while not self._done:
-                if self._gate.acquire(timeout=1.0):  # a timeout loop keeps Ctrl-C responsive
-                    self._gate.release()
-                    break
+            while not self._gate.wait(1.0):  # a timeout loop keeps Ctrl-C responsive
+                pass
         finally:
             where.set_waiting(None)
 
     def __repr__(self) -> str:
-        state = "failed" if self._error else "launched" if self._done else "pending"
+        state = "failed" if self._error else "launched" if self._gate.is_open else "pending"
         return f"<hora.Handle {self.kind} {self.name!r} {state}>"
 
 
 def _wait_work(work: Any, name: str, kind: str) -> None:
-    from hora.errors import CollectiveError
-
     try:
         work.wait()
     except Exception as e:  # c10d reports peer loss as RuntimeError or DistError

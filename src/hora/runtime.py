@@ -18,20 +18,22 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import logging
-import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hora import hierarchical, world
-from hora.diagnostics import user_errors
+from hora import hierarchical, rendezvous, world
+from hora.diagnostics import timeline, user_errors
 from hora.diagnostics.board import Board
+from hora.engine.context import EngineContext
+from hora.engine.negotiator import Negotiator
 from hora.env import Knobs, WorkerEnv
 from hora.errors import CollectiveError, ConfigError, NotInitializedError
 from hora.process_sets import ProcessSet, ProcessSetTable, global_process_set
@@ -40,11 +42,9 @@ from hora.topology import Topology, derive_topology
 log = logging.getLogger(__name__)
 
 _GLOO_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's own default for a Gloo group
-_RESOLVE_TIMEOUT = 10.0  # seconds; a rendezvous host name that takes longer to resolve is treated as unresolvable
 _lock = threading.RLock()
 _state: Runtime | None = None
 _generation = 0
-_stores: dict[tuple[str, int], dist.Store] = {}  # a TCPStore server must outlive shutdown()/init()
 
 
 @dataclass(eq=False)
@@ -60,7 +60,7 @@ class Runtime:
     ctrl_group: Any
     device: torch.device | None
     process_sets: ProcessSetTable
-    negotiator: Any = None
+    negotiator: Negotiator = field(init=False, repr=False)  # set by init() once the process sets exist
     connect_store: Callable[[], dist.Store] | None = None  # a fresh client connection (the negotiator's bell)
 
 
@@ -94,7 +94,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         knobs = Knobs.from_environ()
         logging.getLogger("hora").setLevel(knobs.log_level.upper())
         if env.elastic:  # the launcher's newest world decides rank and size; its number names the store prefix
-            store = _store(env, datetime.timedelta(seconds=knobs.start_timeout))
+            store = rendezvous.store(env, datetime.timedelta(seconds=knobs.start_timeout))
             env, elastic_world = world.join(store, env, _generation, knobs.elastic_timeout)
             generation = elastic_world.gen
         else:
@@ -107,11 +107,11 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         try:  # a failed init leaves nothing behind: is_initialized() stays False and init() can be retried
             for ps in sets:
                 rt.process_sets.register(ps)
-            from hora.engine.negotiator import Negotiator
-
-            rt.negotiator = Negotiator(rt)
+            rt.negotiator = Negotiator(_engine_context(rt))
             rt.negotiator.start()
-            _start_timeline(knobs)
+            timeline.set_world((rt.topo.rank, rt.topo.size))
+            if knobs.timeline:
+                timeline.start_timeline(knobs.timeline, mark_cycles=knobs.timeline_mark_cycles)
         except BaseException:
             _discard(rt)
             raise
@@ -120,11 +120,20 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         log.info("hora initialised: rank %d of %d on %s (%s)", env.rank, env.size, env.hostname, rt.backend)
 
 
+def _engine_context(rt: Runtime) -> EngineContext:
+    """What the negotiation engine gets from this runtime (it never sees the Runtime itself)."""
+    board = Board(getattr(rt.store, "underlying_store", None), rt.env.board_id, rt.topo.rank)
+    return EngineContext(rank=rt.topo.rank, size=rt.topo.size, hostnames=rt.topo.hostnames, knobs=rt.knobs,
+                         store=rt.store, store_addr=rt.env.store_addr, board=board, process_sets=rt.process_sets,
+                         device=rt.device, ctrl_group=rt.ctrl_group, connect_store=rt.connect_store)
+
+
 def _discard(rt: Runtime) -> None:
     """Undo a partly built runtime (``init()`` failed after ``_build``)."""
     try:
-        if rt.negotiator is not None:
-            rt.negotiator.stop(timeout=0.0)
+        negotiator = getattr(rt, "negotiator", None)
+        if negotiator is not None:
+            negotiator.stop(timeout=0.0)
     finally:
         _teardown_groups(rt)
 
@@ -135,10 +144,10 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
     backend = "cpu:gloo,cuda:nccl" if device is not None else "gloo"
     owns = not dist.is_initialized()
     if owns:
-        raw = _store(env, timeout)
+        raw = rendezvous.store(env, timeout)
         prefix = f"hora/{env.job_id}/g{generation}"
         base = dist.PrefixStore(prefix, raw)
-        connect = _connector(raw, prefix, timeout)
+        connect = rendezvous.connector(raw, prefix, timeout)
         hook = sys.excepthook
         board = Board(raw, env.board_id, env.rank)
         board.arrive(generation)
@@ -168,8 +177,8 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
                         local_size=env.local_size, hostname=env.hostname, host_key=env.host_key,
                         source=env.source, job_id=env.job_id)
         prefix = f"hora/g{generation}"
-        base = dist.PrefixStore(prefix, _default_store())
-        connect = _connector(_default_store(), prefix, timeout)
+        base = dist.PrefixStore(prefix, rendezvous.default_store())
+        connect = rendezvous.connector(rendezvous.default_store(), prefix, timeout)
         backend = dist.get_backend()
     try:
         ctrl = dist.new_group(backend="gloo", timeout=_control_timeout(knobs))
@@ -206,75 +215,6 @@ def _bind_device(env: WorkerEnv) -> torch.device | None:
     return torch.device("cuda", index)
 
 
-def _store(env: WorkerEnv, timeout: datetime.timedelta) -> dist.Store:
-    if env.size == 1 and env.source == "single":
-        return dist.HashStore()
-    key = (env.store_addr, env.store_port)
-    if key not in _stores:
-        _check_resolvable(env)
-        server = env.store_is_server and env.rank == 0
-        try:
-            _stores[key] = dist.TCPStore(env.store_addr, env.store_port, world_size=None, is_master=server,
-                                         timeout=timeout, wait_for_workers=False)
-        except Exception as e:  # c10d raises several types for the same failure
-            raise ConfigError(
-                f"rank {env.rank}: cannot reach the rendezvous store at {env.store_addr}:{env.store_port} "
-                f"({e}); check that the address is reachable from this host and the port is open"
-            ) from e
-    return _stores[key]
-
-
-def _check_resolvable(env: WorkerEnv) -> None:
-    """Fail in seconds, naming the host, when the rendezvous address does not resolve.
-
-    Without this check every rank retries the store connection until the start timeout (minutes), e.g. under
-    Slurm when the first node's name is unknown to the nodes' resolver.
-    """
-    result: list[BaseException | None] = []
-
-    def resolve() -> None:
-        try:
-            socket.getaddrinfo(env.store_addr, env.store_port, type=socket.SOCK_STREAM)
-            result.append(None)
-        except (OSError, UnicodeError) as e:
-            result.append(e)
-
-    thread = threading.Thread(target=resolve, name="hora-resolve", daemon=True)
-    thread.start()
-    thread.join(_RESOLVE_TIMEOUT)
-    if result and result[0] is None:
-        return
-    why = f"{result[0]}" if result else f"no answer from the resolver within {_RESOLVE_TIMEOUT:.0f} s"
-    origin = f" (from {env.store_addr_origin})" if env.store_addr_origin else ""
-    raise ConfigError(
-        f"rank {env.rank} on {env.hostname or socket.gethostname()}: the rendezvous host {env.store_addr!r}{origin} "
-        f"does not resolve ({why}); set MASTER_ADDR to an address of that host every rank can reach "
-        f"(e.g. its IP address) and MASTER_PORT if needed, then start the job again"
-    )
-
-
-def _connector(store: dist.Store, prefix: str,
-               timeout: datetime.timedelta) -> Callable[[], dist.Store] | None:
-    """A factory of new client connections to the store (None for an in-memory store)."""
-    inner = store
-    while isinstance(inner, dist.PrefixStore):
-        inner = inner.underlying_store
-    if not isinstance(inner, dist.TCPStore):
-        return None
-    clone = getattr(store, "clone", None)
-    if clone is not None:  # torch >= 2.5: a new connection to the same server
-        return lambda: dist.PrefixStore(prefix, clone())
-    host, port = inner.host, inner.port
-    return lambda: dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=timeout,
-                                                          wait_for_workers=False))
-
-
-def _default_store() -> dist.Store:
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store()
-
-
 def _topology(env: WorkerEnv, ctrl: Any) -> Topology:
     if env.size == 1:
         return derive_topology([env.host_key], [env.hostname], 0)
@@ -287,17 +227,6 @@ def _topology(env: WorkerEnv, ctrl: Any) -> Topology:
                         cross_rank=env.cross_rank, cross_size=env.cross_size or 1,
                         hostnames=topo.hostnames, homogeneous=topo.homogeneous, hosts=topo.hosts)
     return topo
-
-
-def _start_timeline(knobs: Knobs) -> None:
-    if not knobs.timeline:
-        return
-    try:
-        from hora.diagnostics import timeline
-    except ImportError:  # diagnostics not installed in this build
-        log.warning("HORA_TIMELINE is set but hora.diagnostics.timeline is unavailable")
-        return
-    timeline.start_timeline(knobs.timeline, mark_cycles=knobs.timeline_mark_cycles)
 
 
 def shutdown() -> None:
@@ -337,19 +266,18 @@ def _shutdown(peer_wait_s: float) -> None:
             return
         _state = None
         try:
-            if s.negotiator is not None:
-                s.negotiator.stop(timeout=peer_wait_s)
+            s.negotiator.stop(timeout=peer_wait_s)
         finally:
             _teardown_groups(s)
+    # A failed op's error keeps, in its traceback, frames that refer to the engine, and the handle that holds
+    # the error is in those frames: a cycle only the collector frees. Collect now, so a runtime gone closes
+    # its sockets and process groups at once, not whenever the collector next runs (shutdown/init loops).
+    gc.collect()
 
 
 def _teardown_groups(s: Runtime) -> None:
-    try:
-        from hora.diagnostics import timeline
-
-        timeline.stop_timeline()
-    except ImportError:
-        pass
+    timeline.stop_timeline()
+    timeline.set_world(None)
     hierarchy = hierarchical.active()
     hierarchical.clear()
     try:

@@ -329,17 +329,18 @@ def test_sparse_gradients_stay_sparse_so_sparse_adam_works_as_horovod(sparse_as_
 def _fresh_runtime() -> list[str]:
     """What must not survive a shutdown(): anything left here came from the previous runtime."""
     neg = runtime.state().negotiator
+    pending = neg._pending
     leftovers = []
-    if neg._seq:
-        leftovers.append(f"sequence counters {neg._seq}")
-    if len(neg._cache):
-        leftovers.append(f"{len(neg._cache)} cached templates")
+    if pending._seq:
+        leftovers.append(f"sequence counters {pending._seq}")
+    if len(neg._rounds.cache):
+        leftovers.append(f"{len(neg._rounds.cache)} cached templates")
     if neg.table.entries or neg.table.tombstones:
         leftovers.append(f"names {list(neg.table.entries)} {list(neg.table.tombstones)}")
-    if neg._rejected:
-        leftovers.append(f"rejected calls to announce {neg._rejected}")
-    if neg._mine or neg._outbox or neg._in_flight:
-        leftovers.append(f"pending ops {list(neg._mine)} {list(neg._in_flight)}")
+    if pending.rejected:
+        leftovers.append(f"rejected calls to announce {pending.rejected}")
+    if pending._mine or pending.outbox or pending._in_flight:
+        leftovers.append(f"pending ops {list(pending._mine)} {list(pending._in_flight)}")
     if set(runtime.state().process_sets) != {0}:
         leftovers.append(f"process sets {runtime.state().process_sets}")
     if hierarchical.active() is not None:

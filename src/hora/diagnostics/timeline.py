@@ -42,6 +42,7 @@ from hora.diagnostics.merge import (
     rank_parts,
     rank_path,
 )
+from hora.env import WorkerEnv
 from hora.errors import ConfigError  # generated names: these ops share a few pooled rows
 from hora.names import UNNAMED_PREFIX
 
@@ -208,6 +209,7 @@ class Timeline:
 _active: Timeline | None = None
 _written: set[str] = set()  # files this process started: a restart appends instead of truncating
 _active_lock = threading.Lock()
+_world: tuple[int, int] | None = None  # (rank, size) while hora is initialised (set_world)
 
 
 def active() -> Timeline | None:
@@ -259,16 +261,16 @@ def stop_timeline() -> None:
         tl.close()
 
 
+def set_world(world: tuple[int, int] | None) -> None:
+    """(rank, size) of the running hora, set by ``init()`` and cleared by ``shutdown()`` (the runtime sits
+    above the diagnostics, so it tells them instead of being asked)."""
+    global _world
+    _world = world
+
+
 def _topology(rank: int | None, size: int | None) -> tuple[int, int]:
-    try:
-        from hora import runtime
-
-        if runtime.is_initialized():
-            return (runtime.rank() if rank is None else rank, runtime.size() if size is None else size)
-    except ImportError:
-        pass
-    from hora.env import WorkerEnv
-
+    if _world is not None:
+        return (_world[0] if rank is None else rank, _world[1] if size is None else size)
     env = WorkerEnv.from_environ()
     return (env.rank if rank is None else rank, env.size if size is None else size)
 

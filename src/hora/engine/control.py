@@ -1,5 +1,5 @@
-"""The negotiator's control plane: the per-round allgather, the bell idle negotiators wait on, and the
-watchdog that rings it when a pending collective stalls. Plumbing only; the logic is in negotiator.py.
+"""The negotiator's control plane: the per-round allgather and the bell idle negotiators wait on, and the
+death watch of the Gloo plane. Plumbing only; the logic is in negotiator.py and rounds.py.
 
 Two control planes share one interface (:class:`ControlPlane`): the TCP mesh (:mod:`hora.engine.mesh`, the
 default up to 256 ranks: one round trip per round) and :class:`GlooPlane` (an allgather on a Gloo group, idle ranks
@@ -10,76 +10,28 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 import queue
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from hora.engine.context import EngineContext
+from hora.engine.mesh import connect_mesh
 from hora.errors import ConfigError
 from hora.network import advertised_address
-
-if TYPE_CHECKING:
-    from hora.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
 _SLOT = 256  # bytes per rank in the first control allgather of a round (one new op fits); more takes a second
 
 
-class Watchdog:
-    """One sleeping thread that calls ``fire(round)`` when an armed deadline passes (stall checks while the
-    negotiator is blocked on the bell). Costs nothing while nothing is armed."""
-
-    def __init__(self, fire: Callable[[int], None]) -> None:
-        self._fire = fire
-        self._cond = threading.Condition()
-        self._armed: tuple[int, float] | None = None
-        self._sleep_until = math.inf  # when the thread wakes by itself; arm() notifies only to wake it earlier
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="hora-stall-watchdog", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def arm(self, round_no: int, delay_s: float) -> None:
-        deadline = time.monotonic() + max(delay_s, 0.0)
-        with self._cond:
-            self._armed = (round_no, deadline)
-            if deadline < self._sleep_until:  # steady state (a later deadline each time): no thread wake-up
-                self._cond.notify()
-
-    def disarm(self) -> None:
-        with self._cond:
-            self._armed = None
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stop and self._armed is None:
-                    self._sleep_until = math.inf
-                    self._cond.wait()
-                if self._stop:
-                    return
-                round_no, deadline = self._armed  # type: ignore[misc]
-                left = deadline - time.monotonic()
-                if left > 0:
-                    self._sleep_until = deadline
-                    self._cond.wait(left)
-                    continue
-                self._armed = None
-            self._fire(round_no)
+def _ignore_loss(peer: int, error: str) -> None:
+    """A closed death watch's callback."""
 
 
 class DeathWatch:
@@ -107,6 +59,7 @@ class DeathWatch:
     def close(self) -> None:
         """Stop watching (shutdown): closing our sockets is what our predecessor will see."""
         self._closed = True
+        self._lost = _ignore_loss  # it points back at the negotiator: no cycle left for the collector
         for sock in (self._conn, self._listener):
             if sock is not None:
                 try:
@@ -133,6 +86,14 @@ class DeathWatch:
             reason = str(e)
         if not self._closed:
             self._lost(self.peer, reason)
+
+
+def death_watch(ctx: EngineContext, plane: ControlPlane, lost: Callable[[int, str], None]) -> DeathWatch | None:
+    """A watch of this rank's successor, where the plane does not notice a dead peer by itself."""
+    if ctx.size == 1 or plane.watches_peers:
+        return None
+    return DeathWatch(ctx.rank, ctx.size, ctx.store, advertised_address(ctx.store_addr), ctx.knobs.start_timeout,
+                      lost)
 
 
 class Exchange:
@@ -246,6 +207,7 @@ class ControlPlane(Protocol):
     inline_rounds: bool
 
     def ring(self, round_no: int) -> None: ...
+    def wake(self) -> None: ...
     def wait(self, round_no: int, timeout: float) -> bool: ...
     def clear(self, round_no: int) -> None: ...
     def allgather(self, payload: bytes) -> list[bytes]: ...
@@ -279,13 +241,18 @@ class GlooPlane(_UnreadPlane):
     watches_peers = False  # a dead peer is noticed by a DeathWatch, not by this plane
     inline_rounds = False  # every rank joins every rung round on its negotiator thread
 
-    def __init__(self, rt: Runtime) -> None:
-        single = rt.connect_store is None  # an in-memory store: no second connection to wait on
-        self._bell: LocalBell | StoreBell = LocalBell() if single else StoreBell(rt.connect_store)  # type: ignore[arg-type]
-        self._exchange = Exchange(rt.topo.size, rt.ctrl_group)
+    def __init__(self, ctx: EngineContext) -> None:
+        connect = ctx.connect_store  # None: an in-memory store, no second connection to wait on
+        self._bell: LocalBell | StoreBell = LocalBell() if connect is None else StoreBell(connect)
+        self._exchange = Exchange(ctx.size, ctx.ctrl_group)
 
     def ring(self, round_no: int) -> None:
         self._bell.ring(round_no)
+
+    def wake(self) -> None:
+        """Nothing: a wake-up only this rank sees is impossible on a store key every rank waits on, so a
+        negotiator thread parked here when stop() gives up on its peers stays parked until the process ends
+        (a daemon thread holding one store connection)."""
 
     def wait(self, round_no: int, timeout: float) -> bool:
         return self._bell.wait(round_no, timeout)
@@ -316,6 +283,9 @@ class LocalPlane(_UnreadPlane):
             self._rung = True
             self._cond.notify()
 
+    def wake(self) -> None:
+        self.ring(0)
+
     def wait(self, round_no: int, timeout: float) -> bool:
         with self._cond:
             rung = self._cond.wait_for(lambda: self._rung, timeout)
@@ -336,19 +306,15 @@ MESH_MAX_RANKS = 256  # beyond this "auto" picks Gloo: a mesh holds one socket p
 CONTROL_PLANES = ("auto", "tcp", "gloo")
 
 
-def make_control_plane(rt: Runtime) -> ControlPlane:
+def make_control_plane(ctx: EngineContext) -> ControlPlane:
     """The control plane ``HORA_CONTROL_PLANE`` asks for (a mesh, or :class:`GlooPlane`)."""
-    choice = rt.knobs.control_plane.strip().lower()
+    choice = ctx.knobs.control_plane.strip().lower()
     if choice not in CONTROL_PLANES:
-        raise ConfigError(f"HORA_CONTROL_PLANE={rt.knobs.control_plane!r}: use one of {', '.join(CONTROL_PLANES)}")
-    size = rt.topo.size
-    if size == 1:
+        raise ConfigError(f"HORA_CONTROL_PLANE={ctx.knobs.control_plane!r}: use one of {', '.join(CONTROL_PLANES)}")
+    if ctx.size == 1:
         return LocalPlane()
-    if choice == "gloo" or (choice == "auto" and size > MESH_MAX_RANKS):
-        return GlooPlane(rt)
-    from hora.engine.mesh import connect_mesh
-
-    # no fixed round timeout: a peer that does not answer is the stall inspector's (Negotiator._round_wait),
-    # on the deadlines of --stall-check-warning-time-seconds / --stall-check-shutdown-time-seconds
-    return connect_mesh(rt.topo.rank, size, rt.store, advertised_address(rt.env.store_addr),
-                        rt.knobs.start_timeout)
+    if choice == "gloo" or (choice == "auto" and ctx.size > MESH_MAX_RANKS):
+        return GlooPlane(ctx)
+    # no fixed round timeout: a peer that does not answer is the stall inspector's (Rounds.on_wait), on the
+    # deadlines of --stall-check-warning-time-seconds / --stall-check-shutdown-time-seconds
+    return connect_mesh(ctx.rank, ctx.size, ctx.store, advertised_address(ctx.store_addr), ctx.knobs.start_timeout)

@@ -86,11 +86,14 @@ class Mesh:
 
     # --- the bell -----------------------------------------------------------------------------------
     def ring(self, round_no: int) -> None:
-        """Wake this rank's negotiator for ``round_no`` (from any thread)."""
+        """Wake this rank's negotiator for ``round_no`` (from any thread). Local: peers see nothing."""
         try:
             self._wake_w.send(_RING)
         except BlockingIOError:  # plenty of rings are pending already
             pass
+
+    def wake(self) -> None:
+        self.ring(0)
 
     def wait(self, round_no: int, timeout: float) -> bool:
         """Block until this rank is rung or a peer's connection has something to read (a peer started a
@@ -219,6 +222,7 @@ class Mesh:
         del buf[: _LEN.size + n]
 
     def close(self) -> None:
+        self.on_wait = None  # it points back at the negotiator: let both be freed without the cycle collector
         self._idle_ep.close()
         self._peers_ep.close()
         for s in (*self._peers.values(), self._wake_r, self._wake_w):

@@ -1,0 +1,40 @@
+"""What the negotiation engine needs from the runtime that built it, and nothing more.
+
+:func:`hora.runtime.init` fills one :class:`EngineContext` per ``init()`` and hands it to
+:class:`~hora.engine.negotiator.Negotiator`; no module of the engine imports the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from hora.diagnostics.board import Board
+from hora.env import Knobs
+
+if TYPE_CHECKING:  # a process set only needs its ranks and group here; its module is a layer above
+    from hora.process_sets import ProcessSet
+
+
+@dataclass(frozen=True, eq=False)
+class EngineContext:
+    """One rank's view of its job, for the engine (built by ``init()``, dropped at ``shutdown()``)."""
+
+    rank: int
+    size: int
+    hostnames: Sequence[str]  # by rank: for messages that name a peer's host
+    knobs: Knobs
+    store: dist.Store  # the rendezvous store, prefixed for this init generation
+    store_addr: str  # the rendezvous host: peers reach this rank at its address on the route to it
+    board: Board  # shared with ``hora run``'s driver (does nothing under other launchers)
+    process_sets: Mapping[int, ProcessSet]  # the runtime's live registry (dynamic sets come and go)
+    device: torch.device | None  # the CUDA device rounds issue collectives on, None on CPU
+    ctrl_group: Any  # the Gloo group of the Gloo control plane (a c10d ProcessGroup)
+    connect_store: Callable[[], dist.Store] | None  # a fresh store connection (the Gloo plane's bell); None: in memory
+
+    def hostname(self, rank: int) -> str:
+        return self.hostnames[rank] if 0 <= rank < len(self.hostnames) else "?"

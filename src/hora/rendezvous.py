@@ -1,0 +1,90 @@
+"""Reaching the job's rendezvous store: the TCPStore every rank of a job (and ``hora run``'s driver) shares.
+
+One client per store address per process (a TCPStore server must outlive ``shutdown()`` / ``init()``); a
+host name that does not resolve fails in seconds, naming it; :func:`connector` makes further connections
+(the Gloo plane's bell waits on its own).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+from collections.abc import Callable
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
+
+from hora.env import WorkerEnv
+from hora.errors import ConfigError
+
+_RESOLVE_TIMEOUT = 10.0  # seconds; a rendezvous host name that takes longer to resolve is treated as unresolvable
+_stores: dict[tuple[str, int], dist.Store] = {}  # a TCPStore server must outlive shutdown()/init()
+
+
+def store(env: WorkerEnv, timeout: datetime.timedelta) -> dist.Store:
+    if env.size == 1 and env.source == "single":
+        return dist.HashStore()
+    key = (env.store_addr, env.store_port)
+    if key not in _stores:
+        _check_resolvable(env)
+        server = env.store_is_server and env.rank == 0
+        try:
+            _stores[key] = dist.TCPStore(env.store_addr, env.store_port, world_size=None, is_master=server,
+                                         timeout=timeout, wait_for_workers=False)
+        except Exception as e:  # c10d raises several types for the same failure
+            raise ConfigError(
+                f"rank {env.rank}: cannot reach the rendezvous store at {env.store_addr}:{env.store_port} "
+                f"({e}); check that the address is reachable from this host and the port is open"
+            ) from e
+    return _stores[key]
+
+
+def _check_resolvable(env: WorkerEnv) -> None:
+    """Fail in seconds, naming the host, when the rendezvous address does not resolve.
+
+    Without this check every rank retries the store connection until the start timeout (minutes), e.g. under
+    Slurm when the first node's name is unknown to the nodes' resolver.
+    """
+    result: list[BaseException | None] = []
+
+    def resolve() -> None:
+        try:
+            socket.getaddrinfo(env.store_addr, env.store_port, type=socket.SOCK_STREAM)
+            result.append(None)
+        except (OSError, UnicodeError) as e:
+            result.append(e)
+
+    thread = threading.Thread(target=resolve, name="hora-resolve", daemon=True)
+    thread.start()
+    thread.join(_RESOLVE_TIMEOUT)
+    if result and result[0] is None:
+        return
+    why = f"{result[0]}" if result else f"no answer from the resolver within {_RESOLVE_TIMEOUT:.0f} s"
+    origin = f" (from {env.store_addr_origin})" if env.store_addr_origin else ""
+    raise ConfigError(
+        f"rank {env.rank} on {env.hostname or socket.gethostname()}: the rendezvous host {env.store_addr!r}{origin} "
+        f"does not resolve ({why}); set MASTER_ADDR to an address of that host every rank can reach "
+        f"(e.g. its IP address) and MASTER_PORT if needed, then start the job again"
+    )
+
+
+def connector(store: dist.Store, prefix: str,
+               timeout: datetime.timedelta) -> Callable[[], dist.Store] | None:
+    """A factory of new client connections to the store (None for an in-memory store)."""
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    if not isinstance(inner, dist.TCPStore):
+        return None
+    clone = getattr(store, "clone", None)
+    if clone is not None:  # torch >= 2.5: a new connection to the same server
+        return lambda: dist.PrefixStore(prefix, clone())
+    host, port = inner.host, inner.port
+    return lambda: dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=timeout,
+                                                          wait_for_workers=False))
+
+
+def default_store() -> dist.Store:
+    """The store of the default group a script made itself (e.g. under torchrun)."""
+    return _get_default_store()
