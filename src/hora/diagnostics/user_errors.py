@@ -33,10 +33,10 @@ from typing import IO
 
 import torch
 
-import hora
 from hora.errors import CollectiveMismatchError, HoraError
 
-_HIDDEN = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (hora, torch))
+_HORA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/hora (this is diagnostics/...)
+_HIDDEN = (_HORA_DIR + os.sep, os.path.dirname(torch.__file__ or "") + os.sep)
 _HINT = "(hora's own frames are not shown: HORA_FULL_TRACEBACKS=1, or hora run --verbose, shows them)"
 _previous_hook = sys.excepthook
 
@@ -80,7 +80,8 @@ def format_user_error(exc: BaseException, tb: TracebackType | None) -> str:
     frames = user_frames(tb)
     lines = ["Traceback (most recent call last):\n", *traceback.format_list(frames)] if frames else []
     name = type(exc).__name__
-    qualified = f"hora.{name}" if getattr(hora, name, None) is type(exc) else f"{type(exc).__module__}.{name}"
+    public = sys.modules.get("hora")  # what hora exports (the package is imported by the time errors are shown)
+    qualified = f"hora.{name}" if getattr(public, name, None) is type(exc) else f"{type(exc).__module__}.{name}"
     lines.append(f"{qualified}: {user_message(exc, frames[-1] if frames else None)}\n")
     lines.append(_HINT + "\n")
     return "".join(lines)
