@@ -57,6 +57,7 @@ from hora.engine.rounds import Rounds, record_lost
 from hora.engine.timers import TimerThread
 from hora.errors import CollectiveError
 from hora.handles import Handle
+from hora.names import SHUTDOWN_NAME
 
 log = logging.getLogger(__name__)
 
@@ -245,8 +246,8 @@ class Negotiator:
                     "async handles before hvd.shutdown())"))
 
     def _negotiate_shutdown(self, timeout: float) -> None:
-        h = Handle("__shutdown__", SHUTDOWN, lambda: None, self.done)
-        req = Request("__shutdown__", SHUTDOWN, "", (), ps=tuple(range(self.size)))
+        h = Handle(SHUTDOWN_NAME, SHUTDOWN, lambda: None, self.done)
+        req = Request(SHUTDOWN_NAME, SHUTDOWN, "", (), ps=tuple(range(self.size)))
         try:
             self.submit_many([LocalOp(req, h, lambda launch: None)])
         except CollectiveError:

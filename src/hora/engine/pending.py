@@ -10,7 +10,8 @@ import time
 from typing import Any
 
 from hora.engine.dispatch import LocalOp
-from hora.engine.plan import UNNAMED, Request
+from hora.engine.plan import Request
+from hora.names import parse_unnamed, unnamed
 
 
 class Pending:
@@ -85,12 +86,14 @@ class Pending:
         with self.lock:
             n = self._seq.get(ps_id, 0)
             self._seq[ps_id] = n + 1
-        return f"{UNNAMED}ps{ps_id}.{n}"
+        return unnamed(ps_id, n)  # type: ignore[arg-type]  # a registered set (collectives validated it)
 
     def advance_sequence(self, name: str) -> None:
         """A joined rank took part in (or saw fail) an unnamed op it never submitted: keep its sequence in
         step. ``name`` is ``noname.ps<id>.<n>``, or ``noname.ps<id>.<n>.<part>`` (a sparse allreduce)."""
-        ps_part, n, *_ = name[len(UNNAMED):].split(".")
-        ps_id = int(ps_part.removeprefix("ps"))
+        parsed = parse_unnamed(name)
+        if parsed is None:
+            return
+        ps_id, n = parsed
         with self.lock:
             self._seq[ps_id] = max(self._seq.get(ps_id, 0), int(n) + 1)

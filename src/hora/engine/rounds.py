@@ -28,6 +28,7 @@ from hora.engine.pending import Pending
 from hora.engine.plan import JOIN, SHUTDOWN, UNNAMED, Decision, Request, Table
 from hora.engine.response_cache import ResponseCache
 from hora.errors import CollectiveError, CollectiveTimeoutError
+from hora.names import JOIN_NAME, SHUTDOWN_NAME
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class Rounds:
         decides, so every rank still reaches the same decisions."""
         frames = self.plane.peek()
         table = self.table
-        if not frames or "__join__" in table.entries or "__shutdown__" in table.entries:
+        if not frames or JOIN_NAME in table.entries or SHUTDOWN_NAME in table.entries:
             return False
         for rank, raw in frames.items():
             entries, _inline, flags = pickle.loads(raw)
