@@ -107,7 +107,7 @@ def test_user_ssh_options_come_before_hora_defaults_so_they_win() -> None:
 def test_heartbeat_timeout_flag_sets_the_agents_deadline_and_ssh_keepalive() -> None:
     cfg = _cfg(["-np", "1", "--heartbeat-timeout", "9", sys.executable, "-V"])
     assert cfg.heartbeat_timeout == 9.0
-    from hora.launch.driver import default_transport
+    from hora.launch.agent_handle import default_transport
 
     ssh = default_transport(cfg)("remote", False)
     assert isinstance(ssh, SshTransport) and ssh.alive_interval == 3

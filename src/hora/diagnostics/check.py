@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from hora.errors import ConfigError
 from hora.launch.hosts import HostSpec, hosts_from
-from hora.launch.preflight import SSH_FAILED, hora_version, run_on_host
-from hora.launch.transport import SshTransport, transport_for
+from hora.launch.preflight import hora_version, run_on_host
+from hora.launch.transport import SSH_FAILED, SshTransport, transport_for
 from hora.network import interface_addresses
 
 log = logging.getLogger(__name__)

@@ -17,70 +17,28 @@ from __future__ import annotations
 import datetime
 import logging
 import queue
-import re
 import signal
 import subprocess
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from hora import env as hora_env
 from hora import network
 from hora.errors import SetupError
 from hora.launch import envvars, output, preflight, procs, protocol, timeline_hook
+from hora.launch.agent_handle import KILL_AFTER_GRACE, PING_INTERVAL, AgentHandle, default_transport, split_returncode
 from hora.launch.config import RunConfig
 from hora.launch.failures import RankState, RootCause
 from hora.launch.hosts import SlotInfo, assign_slots
 from hora.launch.stalls import StallWatch
-from hora.launch.transport import SshTransport, Transport, agent_argv, transport_for
+from hora.launch.transport import SSH_FAILED, Transport, agent_argv
 
 log = logging.getLogger(__name__)
 
-PING_INTERVAL = 2.0
-SSH_FAILED = 255  # ssh's exit code when the connection fails or drops
-_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning))(?::|$)")
-KILL_AFTER_GRACE = 10.0  # after grace + this, agents that still have not finished are killed
 PROGRESS_LIVE, PROGRESS_PLAIN = 0.25, 1.0  # seconds between a progress bar's forwarded states
-
-
-@dataclass
-class AgentHandle:
-    """One running agent (a local process or an ssh client) and its pipes."""
-
-    index: int
-    host: str
-    proc: Any  # subprocess.Popen[bytes]
-    ranks: list[int]
-    started: bool = False
-    finished: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def send(self, message: dict[str, Any]) -> None:
-        with self._lock:
-            try:
-                self.proc.stdin.write(protocol.encode(message))
-                self.proc.stdin.flush()
-            except (BrokenPipeError, OSError, ValueError):
-                pass  # the agent is gone; its EOF event says so
-
-    def close_stdin(self) -> None:
-        with self._lock:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-
-
-def default_transport(cfg: RunConfig) -> Callable[[str, bool], Transport]:
-    """Local hosts get :class:`LocalTransport`, the others :class:`SshTransport` with the job's ssh flags."""
-    ssh = SshTransport(port=cfg.ssh_port, identity_file=cfg.ssh_identity_file, options=cfg.ssh_options,
-                       config_file=cfg.ssh_config_file,
-                       connect_timeout=max(1, int(min(cfg.start_timeout, 30))),
-                       alive_interval=max(1, min(5, int(cfg.heartbeat_timeout // 3))))
-    return transport_for(ssh)
 
 
 class Driver:
@@ -303,7 +261,7 @@ class Driver:
         if found is not None and found.rank in self.ranks:
             # a waiting rank failed (a stall shutdown, an init() timeout, a peer that exited): blame the rank
             # it waited for, as the waiting rank itself named it (or the partition the driver found)
-            raised = _exception_name(output.traceback_of(list(self.console.tails[rank])))
+            raised = output.exception_name(output.traceback_of(list(self.console.tails[rank])))
             by = "it" if found.rank == rank else f"rank {rank} on host {host} waited for it and"
             how = f"{found.how} ({by} {raised})"
             rank, host = found.rank, self.ranks[found.rank].slot.hostname
@@ -348,7 +306,7 @@ class Driver:
             how = (f"lost: host {agent.host} stopped answering: its ssh connection ended before {ranks} exited "
                    "(the host went down, its network link broke, or its hora agent was killed)")
         else:
-            ended = procs.describe_exit(*_split(code))
+            ended = procs.describe_exit(*split_returncode(code))
             how = f"lost: the agent on host {agent.host} ended ({ended}) before {ranks} exited"
         for state in lost:
             state.done, state.code, state.exit_ts = True, 1, time.time()  # when the loss was seen
@@ -430,19 +388,3 @@ class Driver:
                         f"exit code {status}")
             return status
         return 0
-
-
-def _exception_name(traceback: list[str] | None) -> str:
-    """``"raised CollectiveTimeoutError"`` from a traceback's last line, else ``"failed"``."""
-    for line in reversed(traceback or []):  # the message may span lines: find the line that names the type
-        found = _EXCEPTION_LINE.match(line)
-        if found:
-            return f"raised {found.group(1).rsplit('.', 1)[-1]}"
-    return "failed"
-
-
-def _split(returncode: int | None) -> tuple[int | None, int | None]:
-    """Popen's returncode -> (exit code, signal)."""
-    if returncode is not None and returncode < 0:
-        return None, -returncode
-    return returncode, None

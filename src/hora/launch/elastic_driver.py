@@ -41,8 +41,8 @@ from hora import network
 from hora.errors import SetupError
 from hora.launch import elastic_protocol as ep
 from hora.launch import envvars, output, procs, protocol
+from hora.launch.agent_handle import KILL_AFTER_GRACE, PING_INTERVAL, AgentHandle, default_transport, split_returncode
 from hora.launch.config import RunConfig
-from hora.launch.driver import KILL_AFTER_GRACE, PING_INTERVAL, SSH_FAILED, AgentHandle, default_transport
 from hora.launch.elastic_hosts import (
     DISCOVERY_INTERVAL,
     DiscoveryError,
@@ -52,7 +52,7 @@ from hora.launch.elastic_hosts import (
 )
 from hora.launch.failures import RankState
 from hora.launch.hosts import HostSpec, SlotInfo
-from hora.launch.transport import Transport, agent_argv
+from hora.launch.transport import SSH_FAILED, Transport, agent_argv
 
 log = logging.getLogger(__name__)
 
@@ -622,7 +622,7 @@ class ElasticDriver:
             how = (f"lost: host {agent.host} stopped answering (its ssh connection ended; the host went down, its "
                    "network link broke, or its hora agent was killed)")
         else:
-            how = f"lost: the agent on host {agent.host} ended ({procs.describe_exit(*_split(code))})"
+            how = f"lost: the agent on host {agent.host} ended ({procs.describe_exit(*split_returncode(code))})"
         for w in lost:
             w.state.done, w.state.code, w.state.exit_ts, w.state.how = True, 1, time.time(), how
             w.state.stopped = self._stop_deadline is not None or w.leaving
@@ -711,10 +711,3 @@ class ElasticDriver:
             note(f"done: {self.stats.resets} reset{'s' if self.stats.resets != 1 else ''}, "
                  f"{len(self.stats.failures)} failure{'s' if len(self.stats.failures) != 1 else ''}")
         return 0
-
-
-def _split(returncode: int | None) -> tuple[int | None, int | None]:
-    """Popen's returncode -> (exit code, signal)."""
-    if returncode is not None and returncode < 0:
-        return None, -returncode
-    return returncode, None

@@ -346,3 +346,15 @@ def _columns(stream: IO[str]) -> int:
     except (OSError, ValueError, AttributeError):
         columns = 0
     return columns if columns > 0 else 80  # a terminal that does not say its size
+
+
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning))(?::|$)")
+
+
+def exception_name(traceback: list[str] | None) -> str:
+    """``"raised CollectiveTimeoutError"`` from a traceback's last line, else ``"failed"``."""
+    for line in reversed(traceback or []):  # the message may span lines: find the line that names the type
+        found = _EXCEPTION_LINE.match(line)
+        if found:
+            return f"raised {found.group(1).rsplit('.', 1)[-1]}"
+    return "failed"

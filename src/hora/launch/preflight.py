@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from hora.errors import SetupError
 from hora.launch import output
 from hora.launch.hosts import HostSpec
-from hora.launch.transport import LocalTransport, Transport, describe
+from hora.launch.transport import SSH_FAILED, LocalTransport, Transport, describe
 
 if TYPE_CHECKING:
     from hora.launch.config import RunConfig
@@ -40,7 +40,6 @@ PROBE = (
     "'cpus':os.cpu_count(),'hostname':platform.node(),'machine':i()}))"
 )
 VERSION_KEYS = ("python", "torch", "hora")
-SSH_FAILED = 255  # ssh's exit code when it cannot connect or authenticate
 
 
 def _version(name: str) -> str | None:

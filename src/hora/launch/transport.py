@@ -20,6 +20,8 @@ from typing import Protocol
 
 from hora.launch import procs
 
+SSH_FAILED = 255  # ssh's own exit code: it could not connect or authenticate, or the connection dropped
+
 # Runs the agent without executing hora/__init__ (which imports torch and the worker core): the agent
 # needs only the light modules of hora.launch. Not a secret; the job spec itself goes on stdin.
 BOOTSTRAP = (

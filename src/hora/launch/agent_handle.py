@@ -1,0 +1,62 @@
+"""The driver's side of an agent: its process and stdin (:class:`AgentHandle`), how it is reached
+(:func:`default_transport`), and the timings both drivers (fixed and elastic) keep with their agents."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hora.launch import protocol
+from hora.launch.config import RunConfig
+from hora.launch.transport import SshTransport, Transport, transport_for
+
+PING_INTERVAL = 2.0  # seconds between the driver's pings to each agent
+KILL_AFTER_GRACE = 10.0  # after grace + this, agents that still have not finished are killed
+
+
+@dataclass
+class AgentHandle:
+    """One running agent (a local process or an ssh client) and its pipes."""
+
+    index: int
+    host: str
+    proc: Any  # subprocess.Popen[bytes]
+    ranks: list[int]
+    started: bool = False
+    finished: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            try:
+                self.proc.stdin.write(protocol.encode(message))
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                pass  # the agent is gone; its EOF event says so
+
+    def close_stdin(self) -> None:
+        with self._lock:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+
+def default_transport(cfg: RunConfig) -> Callable[[str, bool], Transport]:
+    """Local hosts get :class:`LocalTransport`, the others :class:`SshTransport` with the job's ssh flags."""
+    ssh = SshTransport(port=cfg.ssh_port, identity_file=cfg.ssh_identity_file, options=cfg.ssh_options,
+                       config_file=cfg.ssh_config_file,
+                       connect_timeout=max(1, int(min(cfg.start_timeout, 30))),
+                       alive_interval=max(1, min(5, int(cfg.heartbeat_timeout // 3))))
+    return transport_for(ssh)
+
+
+
+
+def split_returncode(returncode: int | None) -> tuple[int | None, int | None]:
+    """Popen's returncode -> (exit code, signal)."""
+    if returncode is not None and returncode < 0:
+        return None, -returncode
+    return returncode, None
