@@ -86,9 +86,21 @@ class Job:
             return self.proc.wait()
 
     def kill(self) -> None:
+        """End the launcher: SIGTERM first (torchrun stops its workers, which live in sessions of their own),
+        then SIGKILL its session; then any worker that recorded a step and still runs."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        for pid in {s["pid"] for s in self.read()}:
+            try:  # a process id is reused quickly on a busy machine: only ever this benchmark's worker
+                if WORKER in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    os.kill(pid, signal.SIGKILL)
+            except (FileNotFoundError, ProcessLookupError):
+                pass
 
 
 def _live(steps: list[dict[str, Any]], since: float) -> dict[int, dict[str, Any]]:
@@ -226,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.trials, args.steps, args.pairs = 2, 60, 1
     machine = machine_info()
-    with tempfile.TemporaryDirectory(prefix="elastic-bench-") as tmpdir:
+    with tempfile.TemporaryDirectory(prefix="elastic-bench-", ignore_cleanup_errors=True) as tmpdir:
         tmp = Path(tmpdir)
         hora_res = hora_kills(args.trials, tmp)
         torch_res = {"recovery_s": [], "load_1min": [], "failures": ["skipped"]} if args.skip_torchrun \
