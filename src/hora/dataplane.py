@@ -33,7 +33,8 @@ _WIRE_OPS = {
 # torch-version shims, resolved once at import: the single-tensor allgather / reduce-scatter were renamed
 # (``all_gather_single`` and ``reduce_scatter_single`` where present, else the ``*_tensor`` forms), and
 # ``AllreduceOptions.asyncOp`` exists only in recent releases
-_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # also the Gloo
+# control plane's allgather of frames (engine/control.py): the one place torch's name for it is chosen
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _HAS_ASYNC_OP = hasattr(dist.AllreduceOptions(), "asyncOp")
 
@@ -103,7 +104,7 @@ def gather_rows(wire: torch.Tensor, rows: list[int], group: Any) -> tuple[torch.
         padded = torch.zeros((top, *rest), dtype=wire.dtype, device=wire.device)
         padded[: wire.shape[0]].copy_(wire)
         wire = padded
-    return out, _all_gather_into(out, wire, group=group, async_op=True)
+    return out, all_gather_into(out, wire, group=group, async_op=True)
 
 
 def unpad_rows(out: torch.Tensor, rows: list[int]) -> torch.Tensor:

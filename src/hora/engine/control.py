@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from hora.dataplane import all_gather_into
 from hora.engine.context import EngineContext
 from hora.engine.mesh import connect_mesh
 from hora.errors import ConfigError
@@ -112,7 +113,7 @@ class Exchange:
         struct.pack_into("<I", self._slot_np.data, 0, n)
         if n <= _SLOT - 4:
             self._slot_np[4 : 4 + n] = memoryview(payload)
-        _all_gather_single(self.gathered, self.slot, self.group)
+        all_gather_into(self.gathered, self.slot, group=self.group)
         lengths = [struct.unpack_from("<I", self._gathered_np.data, r * _SLOT)[0] for r in range(self.size)]
         if max(lengths) <= _SLOT - 4:
             return [self._gathered_np[r * _SLOT + 4 : r * _SLOT + 4 + n_r].tobytes() for r, n_r in enumerate(lengths)]
@@ -120,14 +121,9 @@ class Exchange:
         mine = torch.zeros(big, dtype=torch.uint8)
         mine[:n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         out = torch.empty(big * self.size, dtype=torch.uint8)
-        _all_gather_single(out, mine, self.group)
+        all_gather_into(out, mine, group=self.group)
         raw = out.numpy()
         return [raw[r * big : r * big + n_r].tobytes() for r, n_r in enumerate(lengths)]
-
-
-def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
 
 
 class LocalBell:
