@@ -11,7 +11,8 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 # top to bottom; a module may import its own layer and the layers below it
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("public ops", ("hora.ops", "hora.grouped", "hora.sparse")),
+    ("public ops", ("hora.ops", "hora.grouped", "hora.sparse", "hora.functions", "hora.sync_batch_norm",
+                    "hora.optimizer", "hora.reducer", "hora.adasum_reducer")),
     ("call building", ("hora.calls",)),
     ("submit", ("hora.collectives",)),
     ("runtime and engine", ("hora.runtime", "hora.engine", "hora.handles", "hora.fusion")),
