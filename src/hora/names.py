@@ -2,7 +2,7 @@
 
 Ops are matched across ranks by name. An op the user leaves unnamed gets the next number of its process
 set's sequence, ``noname.ps<set id>.<n>`` (a sparse allreduce's two parts add ``.indices`` / ``.values``);
-``join()`` and ``shutdown()`` travel under reserved names that a user's op may not take.
+``join()`` and ``shutdown()`` travel under reserved names.
 
 Example:
     >>> unnamed(0, 17)
@@ -18,7 +18,6 @@ from __future__ import annotations
 UNNAMED_PREFIX = "noname."
 JOIN_NAME = "__join__"  # hvd.join(): one op of this name, on the global set, ready once every rank joined
 SHUTDOWN_NAME = "__shutdown__"  # hvd.shutdown(): every rank says it is leaving
-RESERVED = frozenset({JOIN_NAME, SHUTDOWN_NAME})
 
 
 def unnamed(ps_id: int, n: int) -> str:
