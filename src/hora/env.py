@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 
 from hora.errors import ConfigError
 from hora.launch import elastic_protocol
+from hora.slurm import expand_nodelist, parse_tasks_per_node
 
 DEFAULT_PORT = 29500
 
@@ -255,34 +255,6 @@ _DETECTORS: tuple[Callable[[Mapping[str, str]], WorkerEnv | None], ...] = (
     _from_mpi,
     _from_slurm,
 )
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a Slurm nodelist such as ``node[01-03,07],gpu5`` into host names."""
-    hosts: list[str] = []
-    for prefix, ranges, suffix in re.findall(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*)", nodelist):
-        if not ranges:
-            hosts.append(prefix + suffix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not hi:
-                hosts.append(f"{prefix}{lo}{suffix}")
-                continue
-            width = len(lo)
-            hosts.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
-    return hosts
-
-
-def parse_tasks_per_node(spec: str) -> list[int]:
-    """Expand Slurm's ``SLURM_TASKS_PER_NODE`` (``2(x3),1``) into one count per node."""
-    counts: list[int] = []
-    for item in filter(None, spec.split(",")):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
-        if not m:
-            raise ConfigError(f"SLURM_TASKS_PER_NODE={spec!r}: cannot parse {item!r}")
-        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
-    return counts
 
 
 # ---------------------------------------------------------------------------------------------------------

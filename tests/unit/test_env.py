@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hora.env import KNOBS, Knobs, WorkerEnv, expand_nodelist, knobs_markdown, parse_tasks_per_node
+from hora.env import KNOBS, Knobs, WorkerEnv, knobs_markdown
 from hora.errors import ConfigError
+from hora.slurm import expand_nodelist, parse_tasks_per_node
 
 MASTER = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
 
