@@ -80,6 +80,8 @@ _config: _Config | None = None
 _ops: dict[int, _Op] = {}  # id(key) -> op; written by the dispatching and the synchronizing threads
 _lock = threading.Lock()  # guards the start and end of the watchdog thread, not the dict
 _running = False
+_wake = threading.Event()  # set by stop(): the watchdog thread ends at once instead of finishing its sleep
+_thread: threading.Thread | None = None
 
 
 def configure(board: Board, rank: int, policy: StallPolicy) -> None:
@@ -88,6 +90,19 @@ def configure(board: Board, rank: int, policy: StallPolicy) -> None:
     global _config
     _ops.clear()
     _config = _Config(board, rank, policy.warning_s, policy.shutdown_s) if policy.enabled else None
+
+
+def stop(timeout: float = 2.0) -> None:
+    """Stop watching (called by ``shutdown()``): forget every op and end the watchdog thread before returning,
+    so a shut-down runtime leaves no thread behind."""
+    global _config
+    _config = None
+    _ops.clear()
+    _wake.set()
+    thread = _thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout)
+    _wake.clear()
 
 
 def launched(key: object, reqs: Sequence[OpRequest], work: Any) -> None:
@@ -115,12 +130,13 @@ def finished(key: object) -> None:
 
 
 def _start() -> None:
-    global _running
+    global _running, _thread
     with _lock:
         if _running:
             return
         _running = True
-    threading.Thread(target=_watch, name="hora-inflight-watch", daemon=True).start()
+        _thread = threading.Thread(target=_watch, name="hora-inflight-watch", daemon=True)
+        _thread.start()
 
 
 def _watch() -> None:
@@ -132,7 +148,10 @@ def _watch() -> None:
     last = time.monotonic()
     while config is not None:
         tick = min(MAX_TICK_S, config.warning_s / 4)
-        time.sleep(tick)
+        if _wake.wait(tick):  # stop(): shutdown() ends the watch
+            with _lock:
+                _running = False
+            break
         now = time.monotonic()
         # slept much longer than asked: this process was frozen itself (stopped, or a native call held the GIL);
         # that time does not count against its own transfers, which it held up rather than waited for

@@ -236,6 +236,7 @@ class Negotiator:
             self._plane.wake()  # a parked thread sees STOPPED and ends (a local wake-up: peers see nothing)
             self._thread.join(timeout=1.0)
             self._timers.stop()
+            inflight.stop()
             if self._death_watch is not None:
                 self._death_watch.close()
             self._plane.close()
