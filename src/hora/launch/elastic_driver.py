@@ -465,8 +465,8 @@ class ElasticDriver:
         for w in self.workers.values():
             if w.alive and w.leaving and w.leave_by is None:
                 w.leave_by = leave_by
-        old = set(previous.workers) if previous else set()
-        joined = [wid for wid in world.workers if wid not in old]
+        old = previous.worker_ids() if previous else []  # in rank order, so the line reads the same every time
+        joined = [wid for wid in world.worker_ids() if wid not in old]
         left = [wid for wid in old if wid not in world.workers]
         what = f"world {gen}: {world.size} worker{'s' if world.size != 1 else ''} on {', '.join(world.hosts())}"
         if previous is not None:
