@@ -25,144 +25,39 @@ for its whole life while its rank changes.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import queue
 import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from hora import env as hora_env
-from hora import network
 from hora.errors import SetupError
 from hora.launch import elastic_protocol as ep
 from hora.launch import envvars, output, procs, protocol
-from hora.launch.agent_handle import KILL_AFTER_GRACE, PING_INTERVAL, AgentHandle, default_transport, split_returncode
-from hora.launch.config import RunConfig
-from hora.launch.elastic_hosts import (
-    DISCOVERY_INTERVAL,
-    DiscoveryError,
-    ElasticConfig,
-    HostManager,
-    run_discovery,
-)
+from hora.launch.agent_handle import PING_INTERVAL, AgentHandle, split_returncode
+from hora.launch.elastic_hosts import DISCOVERY_INTERVAL, DiscoveryError, run_discovery
+from hora.launch.elastic_state import Worker, note
+from hora.launch.elastic_worlds import ElasticWorlds
 from hora.launch.failures import RankState
 from hora.launch.hosts import HostSpec, SlotInfo
-from hora.launch.transport import SSH_FAILED, Transport, agent_argv
+from hora.launch.transport import SSH_FAILED, agent_argv
 
 log = logging.getLogger(__name__)
 
 TICK = 0.05  # seconds between two looks at the store (ready keys) when nothing else happens
-LEAVE_GRACE = 10.0  # a removed worker that has not exited this long after the world without it is stopped
 
 
-def note(message: str) -> None:
-    """One line of the elastic driver's own (``hora run: elastic: ...``)."""
-    output.note(f"elastic: {message}")
-
-
-@dataclass
-class Worker:
-    """One worker process of the job (its id may be reused by a later process on the same slot)."""
-
-    wid: str
-    host: str
-    number: int  # its name in the output and the agent messages, unique in the job
-    agent: AgentHandle
-    state: RankState  # its start values, and how it ended
-    ready: int | None = None  # the last value seen in its ready key
-    leaving: bool = False  # its host (or slot) is gone or blacklisted: no world will hold it again
-    leave_by: float | None = None  # stop it at this time if it is still running
-    announced: bool = False  # an update told the members it is ready to join
-    started_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def alive(self) -> bool:
-        return not self.state.done
-
-
-@dataclass
-class _Failure:
-    """Why the job fails: the one line, and the worker whose report explains it (if any)."""
-
-    summary: str
-    worker: Worker | None = None
-    code: int = 1
-
-
-@dataclass
-class _Stats:
-    resets: int = 0
-    started: int = 0
-    failures: list[str] = field(default_factory=list)
-
-
-class ElasticDriver:
-    """Runs an elastic job: see the module docstring.
+class ElasticDriver(ElasticWorlds):
+    """Runs an elastic job: see the module docstring. The state and the job's end are in
+    :mod:`hora.launch.elastic_state`, the worlds' bookkeeping in :mod:`hora.launch.elastic_worlds`.
 
     Args:
         cfg: the checked job (``cfg.elastic`` set).
         transport_for: ``(host, is_local) -> Transport``; tests pass their own.
     """
-
-    def __init__(self, cfg: RunConfig, *, transport_for: Callable[[str, bool], Transport] | None = None) -> None:
-        assert cfg.elastic is not None
-        self.cfg = cfg
-        self.ecfg: ElasticConfig = cfg.elastic
-        self.transport_for = transport_for or default_transport(cfg)
-        self.job_id = ""
-        self.store: Any = None
-        self.addr, self.port = "", 0
-        self.events: queue.SimpleQueue[tuple[str, int, Any]] = queue.SimpleQueue()
-        self.hostman = HostManager(self.ecfg.cooldown)
-        self.agents: list[AgentHandle] = []
-        self.workers: dict[int, Worker] = {}  # by number
-        self.world: ep.World | None = None
-        self.member_numbers: set[int] = set()  # the worker processes of the newest world
-        self.updates = 0  # the value of the store's ``updates`` counter
-        self.console = output.Console(prefix_timestamp=cfg.prefix_timestamp, output_dir=cfg.output_filename)
-        self.failure: _Failure | None = None
-        self.finishing = False  # a member returned: no more worlds, the others finish too
-        self.interrupted: int | None = None
-        self.stats = _Stats()
-        self._signals = 0
-        self._stop_deadline: float | None = None
-        self._reset_since: float | None = None
-        self._lost_member = False  # a member of the newest world died or left: a reset is due
-        self._short_since: float | None = None  # since when fewer than --min-np slots are available
-        self._start_deadline = 0.0
-        self._stopping = threading.Event()
-        self._last: Worker | None = None  # the last worker that failed (the root cause of a job failure)
-
-    # --- set-up ----------------------------------------------------------------------------------------
-    def _start_store(self, hosts: list[HostSpec]) -> None:
-        from torch.distributed import TCPStore  # the only torch import of the launch side
-
-        remote = [h.name for h in hosts if not h.is_local]
-        self.addr = network.store_address(remote, self.cfg.network_interfaces)
-        self.store = TCPStore(self.addr, 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=max(self.cfg.start_timeout, 60)))
-        self.port = int(self.store.port)
-        log.info("rendezvous store on %s:%d (job %s)", self.addr, self.port, self.job_id)
-
-    def _key(self, key: str, **fields: object) -> str:
-        return ep.elastic_key(self.job_id, key, **fields)
-
-    def _discover_loop(self) -> None:
-        """Run the discovery script about once a second; each result (or failure) becomes an event."""
-        script = self.ecfg.discovery_script
-        assert script is not None
-        while not self._stopping.is_set():
-            began = time.monotonic()
-            try:
-                self.events.put(("hosts", -1, run_discovery(script, self.ecfg.slots_per_host, self.cfg.cwd)))
-            except DiscoveryError as exc:
-                self.events.put(("discovery_error", -1, str(exc)))
-            self._stopping.wait(max(0.0, DISCOVERY_INTERVAL - (time.monotonic() - began)))
 
     # --- running ---------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -197,6 +92,18 @@ class ElasticDriver:
         self.hostman.update(found)
         threading.Thread(target=self._discover_loop, daemon=True, name="hora-discovery").start()
         return list(found)
+
+    def _discover_loop(self) -> None:
+        """Run the discovery script about once a second; each result (or failure) becomes an event."""
+        script = self.ecfg.discovery_script
+        assert script is not None
+        while not self._stopping.is_set():
+            began = time.monotonic()
+            try:
+                self.events.put(("hosts", -1, run_discovery(script, self.ecfg.slots_per_host, self.cfg.cwd)))
+            except DiscoveryError as exc:
+                self.events.put(("discovery_error", -1, str(exc)))
+            self._stopping.wait(max(0.0, DISCOVERY_INTERVAL - (time.monotonic() - began)))
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._signals += 1
@@ -248,7 +155,6 @@ class ElasticDriver:
         elif kind == "signal":
             self._on_interrupt(value)
 
-    # --- the elastic state machine ---------------------------------------------------------------------
     def _step(self, now: float) -> None:
         """One look at everything: stop leavers, read ready keys, start workers, publish, check deadlines."""
         for w in self.workers.values():
@@ -262,53 +168,7 @@ class ElasticDriver:
         self._start_missing(now)
         self._publish_if_due(now)
 
-    def _members(self) -> list[Worker]:
-        """The live workers of the newest world that will be in the next one."""
-        if self.world is None:
-            return []
-        return [w for w in self.workers.values() if w.alive and not w.leaving and self._member(w)]
-
-    def _member(self, w: Worker) -> bool:
-        """``w`` (this process, not an earlier one with its id) is in the newest world."""
-        return w.number in self.member_numbers
-
-    def _previous(self, keep: list[Worker]) -> ep.World | None:
-        """The newest world reduced to the members in ``keep``: what new ranks are ordered by (a new process
-        that reuses the id of a member that died is new, never the holder of the state)."""
-        if self.world is None:
-            return None
-        ids = {w.wid for w in keep if self._member(w)}
-        return ep.World(self.world.gen, {k: v for k, v in self.world.workers.items() if k in ids}, self.world.updates)
-
-    def _newcomers(self) -> list[Worker]:
-        """Live workers not in the newest world that posted ready and may join."""
-        return [w for w in self.workers.values()
-                if w.alive and not w.leaving and w.ready is not None and not self._member(w)]
-
-    def _read_ready(self) -> None:
-        for w in self.workers.values():
-            if not w.alive or w.leaving:
-                continue
-            want = self.world.gen if self.world is not None and self._member(w) else None
-            if w.ready is not None and (want is None or w.ready == want):
-                continue  # nothing new can be in the key until the next world
-            key = self._key(ep.READY, worker_id=w.wid)
-            try:
-                if self.store.check([key]):
-                    w.ready = int(self.store.get(key).decode())
-            except Exception as exc:  # our own store: fails only while shutting down
-                log.debug("cannot read %s: %s", key, exc)
-
-    def _slots_wanted(self, now: float) -> list[tuple[str, int]]:
-        """``(host, slot)`` of every slot that should hold a worker now, capped at --max-np (slots of
-        running workers counted first, so a cap never evicts a running worker)."""
-        slots = [(h.name, s) for h in self.hostman.available(now) for s in range(h.slots)]
-        cap = self.ecfg.max_np
-        if cap is None or len(slots) <= cap:
-            return slots
-        running = {(w.host, ep.parse_worker_id(w.wid)[1]) for w in self.workers.values() if w.alive and not w.leaving}
-        return ([s for s in slots if s in running] + [s for s in slots if s not in running])[:cap]
-
+    # --- starting workers ------------------------------------------------------------------------------
     def _start_missing(self, now: float) -> None:
         """Start workers on wanted slots that have none (never before the first world's -np slots exist)."""
         wanted = self._slots_wanted(now)
@@ -389,153 +249,6 @@ class ElasticDriver:
         for raw in agent.proc.stderr:
             self.events.put(("agent_err", agent.index, raw.decode(errors="replace").rstrip("\n")))
 
-    def _publish_if_due(self, now: float) -> None:
-        if self.world is None:
-            self._publish_first(now)
-            return
-        members = self._members()
-        resetting = self._lost_member or any(w.ready == self.world.gen for w in members)
-        newcomers = self._newcomers()
-        if not resetting:
-            fresh = [w for w in newcomers if not w.announced]
-            # workers started together join together (one reset, not one per worker), unless some take longer
-            # than --start-timeout to get ready
-            starting = [w for w in self.workers.values() if w.alive and not w.leaving and w.ready is None
-                        and now - w.started_at < self.cfg.start_timeout]
-            if fresh and not starting:
-                self._post_update(ep.Update(added=tuple(dict.fromkeys(w.host for w in fresh))))
-                for w in fresh:
-                    w.announced = True
-            return
-        if self._reset_since is None:
-            self._reset_since = now
-        if not members:
-            self._fail(f"no worker of world {self.world.gen} is left to carry the training state "
-                       f"(hosts {', '.join(self.world.hosts())} all failed or were removed); a new world must keep "
-                       "at least one worker of the old one", self._last_failed())
-            return
-        late = [w for w in members if w.ready != self.world.gen]
-        if late:
-            if now - self._reset_since > self.ecfg.elastic_timeout:
-                names = ", ".join(f"rank {self.world.rank_of(w.wid)} ({w.wid})" for w in late)
-                self._fail(f"{names} did not reset within --elastic-timeout {self.ecfg.elastic_timeout:g}s "
-                           "(stuck outside hvd.elastic.run's reset?)")
-            return
-        chosen = members + newcomers
-        if self.ecfg.max_np is not None:
-            chosen = chosen[:self.ecfg.max_np]
-        if len(chosen) < self.ecfg.min_np:
-            return  # more workers may come; _check_hopeless applies the elastic timeout
-        if self.ecfg.reset_limit is not None and self.world.gen > self.ecfg.reset_limit:
-            self._fail(f"more than --reset-limit {self.ecfg.reset_limit} resets: the job reset "
-                       f"{self.world.gen} times", self._last_failed())
-            return
-        self._publish(chosen)
-
-    def _publish_first(self, now: float) -> None:
-        """World 1: every started worker once all posted ready; after --start-timeout, those that did (if
-        they are --min-np or more: the late ones join at a later world)."""
-        waiting = [w for w in self.workers.values() if w.alive and not w.leaving]
-        ready = [w for w in waiting if w.ready is not None]
-        if not ready or (len(ready) < len(waiting) and now < self._start_deadline):
-            return
-        if len(ready) < self.ecfg.min_np:
-            if now > self._start_deadline + self.ecfg.elastic_timeout:
-                late = ", ".join(w.wid for w in waiting if w.ready is None)
-                self._fail(f"only {len(ready)} of the {len(waiting)} workers called hvd.init() within --start-timeout "
-                           f"{self.cfg.start_timeout:g}s + --elastic-timeout {self.ecfg.elastic_timeout:g}s "
-                           f"(--min-np {self.ecfg.min_np}); late: {late}")
-            return
-        self._publish(ready[:self.ecfg.max_np] if self.ecfg.max_np else ready)
-
-    def _publish(self, chosen: list[Worker]) -> None:
-        previous = self.world
-        gen = (previous.gen if previous else 0) + 1
-        world = ep.assign_world(self._previous(chosen), gen, [(w.wid, w.host) for w in chosen], updates=self.updates)
-        self.store.set(self._key(ep.WORLD, gen=gen), world.to_json())
-        self.store.set(self._key(ep.GEN), str(gen))
-        self.world = world
-        self.member_numbers = {w.number for w in chosen}
-        self._reset_since, self._lost_member = None, False
-        if previous is not None:
-            self.stats.resets += 1
-        for w in chosen:
-            w.announced = False
-        leave_by = time.monotonic() + LEAVE_GRACE
-        for w in self.workers.values():
-            if w.alive and w.leaving and w.leave_by is None:
-                w.leave_by = leave_by
-        old = previous.worker_ids() if previous else []  # in rank order, so the line reads the same every time
-        joined = [wid for wid in world.worker_ids() if wid not in old]
-        left = [wid for wid in old if wid not in world.workers]
-        what = f"world {gen}: {world.size} worker{'s' if world.size != 1 else ''} on {', '.join(world.hosts())}"
-        if previous is not None:
-            what += "".join([f"; joined: {', '.join(joined)}" if joined else "",
-                             f"; left: {', '.join(left)}" if left else ""])
-        note(what)
-
-    def _post_update(self, update: ep.Update) -> None:
-        n = self.updates + 1
-        self.store.set(self._key(ep.UPDATE, n=n), update.to_json())
-        self.updates = int(self.store.add(self._key(ep.UPDATES), 1))
-        log.info("update %d: %s", n, update)
-
-    # --- hosts -----------------------------------------------------------------------------------------
-    def _on_hosts(self, found: tuple[HostSpec, ...]) -> None:
-        old_slots = dict(self.hostman.hosts)
-        added, removed = self.hostman.update(found)
-        shrunk = [h.name for h in found if h.name in old_slots and h.slots < old_slots[h.name]]
-        if added:
-            note(f"hosts added: {', '.join(added)}")
-        if removed:
-            note(f"hosts removed: {', '.join(removed)}")
-        gone = set(removed)
-        leaving_members = []
-        for w in self.workers.values():
-            if not w.alive or w.leaving:
-                continue
-            host, slot = ep.parse_worker_id(w.wid)
-            if host in gone or (host in shrunk and slot >= self.hostman.hosts[host]):
-                self._let_go(w)
-                if self._member(w):
-                    leaving_members.append(w.host)
-        if leaving_members and not self.finishing:
-            self._post_update(ep.Update(removed=tuple(dict.fromkeys(leaving_members))))
-
-    def _let_go(self, w: Worker) -> None:
-        """No world will hold ``w`` again: it exits 0 when it sees the next world (or is stopped)."""
-        w.leaving = True
-        if not self._member(w):
-            w.leave_by = time.monotonic()  # not a member: nothing to wait for
-        else:
-            self._lost_member = True
-
-    def _check_hopeless(self, now: float) -> bool:
-        """Fail the job when it cannot go on; True when it failed."""
-        alive = [w for w in self.workers.values() if w.alive and not w.leaving]
-        if self.hostman.all_blacklisted_for_good(now) and not alive:
-            self._fail(f"every host is blacklisted ({', '.join(self.hostman.hosts)}): a worker failed on each of "
-                       "them" + ("" if self.ecfg.cooldown else " (give --blacklist-cooldown-range to let hosts "
-                                 "come back)"), self._last)
-            return True
-        first = self.stats.started == 0
-        need, flag = (self.cfg.np, "-np") if first else (self.ecfg.min_np, "--min-np")
-        have = len(self._slots_wanted(now))
-        if have >= need:
-            self._short_since = None
-            return False
-        if self._short_since is None:
-            self._short_since = now
-            note(f"{have} slot{'s' if have != 1 else ''} available, fewer than the {need} of {flag}; waiting up "
-                 f"to --elastic-timeout {self.ecfg.elastic_timeout:g}s for hosts")
-        if now - self._short_since > self.ecfg.elastic_timeout:
-            blacklisted = [n for n in self.hostman.hosts if self.hostman.is_blacklisted(n, now)]
-            extra = f"; blacklisted: {', '.join(blacklisted)}" if blacklisted else ""
-            self._fail(f"fewer than {need} slots ({flag}) for --elastic-timeout {self.ecfg.elastic_timeout:g}s: "
-                       f"{have} available (hosts: {', '.join(self.hostman.hosts) or 'none'}{extra})", self._last)
-            return True
-        return False
-
     # --- agents and workers ----------------------------------------------------------------------------
     def _on_message(self, agent: AgentHandle, message: dict[str, Any]) -> None:
         kind = message["t"]
@@ -597,21 +310,6 @@ class ElasticDriver:
                 other.agent.send({"t": protocol.STOP, "grace": self.cfg.grace, "r": [other.number]})
         self._last = w
 
-    def _post_ended(self, w: Worker, how: str) -> None:
-        """Tell the newest world's ranks that ``w`` is gone (their collectives with it fail at once)."""
-        if self.world is None or not self._member(w) or self.store is None:
-            return
-        job = ep.world_job_id(self.job_id, self.world.gen)
-        rank = self.world.rank_of(w.wid)
-        try:
-            self.store.set(protocol.board_key(job, protocol.ENDED, rank=rank), how)
-            self.store.add(protocol.board_key(job, protocol.ENDS), 1)
-        except Exception as exc:
-            log.debug("board: cannot post the end of rank %s: %s", rank, exc)
-
-    def _last_failed(self) -> Worker | None:
-        return self._last
-
     def _on_agent_gone(self, agent: AgentHandle, code: int) -> None:
         agent.finished = True
         lost = [self.workers[n] for n in agent.ranks if self.workers[n].alive]
@@ -629,23 +327,6 @@ class ElasticDriver:
             self._on_exit(w)
 
     # --- the end ---------------------------------------------------------------------------------------
-    def _fail(self, summary: str, worker: Worker | None = None) -> None:
-        if self.failure is not None or self._stop_deadline is not None:
-            return
-        code = procs.exit_status(worker.state.code, worker.state.sig) if worker is not None else 1
-        self.failure = _Failure(summary, worker, code or 1)
-        if worker is not None:
-            how = worker.state.how or procs.describe_exit(worker.state.code, worker.state.sig)
-            self.console.flush()
-            lines = output.failure_report(worker.number, worker.host, how, list(self.console.tails[worker.number]),
-                                          sum(1 for w in self.workers.values() if w.alive))
-            lines[0] = (f"hora run: the last failure: worker {worker.wid} (process [{worker.number}]) on host "
-                        f"{worker.host}: {how}")
-            output.print_lines(lines)
-        if self.stats.failures:
-            note(f"failures: {'; '.join(self.stats.failures[-10:])}")
-        self._stop_all()
-
     def _on_interrupt(self, signum: int) -> None:
         running = sum(1 for w in self.workers.values() if w.alive)
         if self.interrupted is not None or self._stop_deadline is not None:
@@ -657,26 +338,6 @@ class ElasticDriver:
         output.note(f"interrupted ({procs.signal_name(signum)}): stopping {running} worker(s) "
                     f"(SIGTERM, SIGKILL after {self.cfg.grace:g}s; press Ctrl-C again to kill them now)")
         self._stop_all()
-
-    def _stop_all(self) -> None:
-        if self._stop_deadline is not None:
-            return
-        self._stop_deadline = time.monotonic() + self.cfg.grace + KILL_AFTER_GRACE
-        for agent in self.agents:
-            agent.send({"t": protocol.STOP, "grace": self.cfg.grace})
-
-    def _force_kill(self) -> None:
-        for agent in self.agents:
-            agent.close_stdin()
-        deadline = time.monotonic() + 3.0
-        for agent in self.agents:
-            try:
-                agent.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                procs.signal_groups([agent.proc.pid], signal.SIGKILL)
-        for w in self.workers.values():
-            if w.alive:
-                w.state.done, w.state.code, w.state.stopped = True, 1, True
 
     def _shutdown_agents(self) -> None:
         for agent in self.agents:

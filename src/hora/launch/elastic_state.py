@@ -1,0 +1,183 @@
+"""What the elastic driver knows, and how it ends a job: its workers, the newest world and its members, the
+job's failure and the stopping of every agent (the base of :class:`hora.launch.elastic_driver.ElasticDriver`,
+with :mod:`hora.launch.elastic_worlds` between them)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hora.launch import elastic_protocol as ep
+from hora.launch import output, procs, protocol
+from hora.launch.agent_handle import KILL_AFTER_GRACE, AgentHandle, default_transport
+from hora.launch.config import RunConfig
+from hora.launch.elastic_hosts import ElasticConfig, HostManager
+from hora.launch.failures import RankState
+from hora.launch.transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+def note(message: str) -> None:
+    """One line of the elastic driver's own (``hora run: elastic: ...``)."""
+    output.note(f"elastic: {message}")
+
+
+@dataclass
+class Worker:
+    """One worker process of the job (its id may be reused by a later process on the same slot)."""
+
+    wid: str
+    host: str
+    number: int  # its name in the output and the agent messages, unique in the job
+    agent: AgentHandle
+    state: RankState  # its start values, and how it ended
+    ready: int | None = None  # the last value seen in its ready key
+    leaving: bool = False  # its host (or slot) is gone or blacklisted: no world will hold it again
+    leave_by: float | None = None  # stop it at this time if it is still running
+    announced: bool = False  # an update told the members it is ready to join
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def alive(self) -> bool:
+        return not self.state.done
+
+
+@dataclass
+class _Failure:
+    """Why the job fails: the one line, and the worker whose report explains it (if any)."""
+
+    summary: str
+    worker: Worker | None = None
+    code: int = 1
+
+
+@dataclass
+class _Stats:
+    resets: int = 0
+    started: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+class ElasticState:
+    """The elastic driver's state and the queries and exits every part of it uses.
+
+    Args:
+        cfg: the checked job (``cfg.elastic`` set).
+        transport_for: ``(host, is_local) -> Transport``; tests pass their own.
+    """
+
+    def __init__(self, cfg: RunConfig, *, transport_for: Callable[[str, bool], Transport] | None = None) -> None:
+        assert cfg.elastic is not None
+        self.cfg = cfg
+        self.ecfg: ElasticConfig = cfg.elastic
+        self.transport_for = transport_for or default_transport(cfg)
+        self.job_id = ""
+        self.store: Any = None
+        self.addr, self.port = "", 0
+        self.events: queue.SimpleQueue[tuple[str, int, Any]] = queue.SimpleQueue()
+        self.hostman = HostManager(self.ecfg.cooldown)
+        self.agents: list[AgentHandle] = []
+        self.workers: dict[int, Worker] = {}  # by number
+        self.world: ep.World | None = None
+        self.member_numbers: set[int] = set()  # the worker processes of the newest world
+        self.updates = 0  # the value of the store's ``updates`` counter
+        self.console = output.Console(prefix_timestamp=cfg.prefix_timestamp, output_dir=cfg.output_filename)
+        self.failure: _Failure | None = None
+        self.finishing = False  # a member returned: no more worlds, the others finish too
+        self.interrupted: int | None = None
+        self.stats = _Stats()
+        self._signals = 0
+        self._stop_deadline: float | None = None
+        self._reset_since: float | None = None
+        self._lost_member = False  # a member of the newest world died or left: a reset is due
+        self._short_since: float | None = None  # since when fewer than --min-np slots are available
+        self._start_deadline = 0.0
+        self._stopping = threading.Event()
+        self._last: Worker | None = None  # the last worker that failed (the root cause of a job failure)
+
+    # --- the newest world and its members --------------------------------------------------------------
+    def _key(self, key: str, **fields: object) -> str:
+        return ep.elastic_key(self.job_id, key, **fields)
+
+    def _members(self) -> list[Worker]:
+        """The live workers of the newest world that will be in the next one."""
+        if self.world is None:
+            return []
+        return [w for w in self.workers.values() if w.alive and not w.leaving and self._member(w)]
+
+    def _member(self, w: Worker) -> bool:
+        """``w`` (this process, not an earlier one with its id) is in the newest world."""
+        return w.number in self.member_numbers
+
+    def _previous(self, keep: list[Worker]) -> ep.World | None:
+        """The newest world reduced to the members in ``keep``: what new ranks are ordered by (a new process
+        that reuses the id of a member that died is new, never the holder of the state)."""
+        if self.world is None:
+            return None
+        ids = {w.wid for w in keep if self._member(w)}
+        return ep.World(self.world.gen, {k: v for k, v in self.world.workers.items() if k in ids}, self.world.updates)
+
+    def _newcomers(self) -> list[Worker]:
+        """Live workers not in the newest world that posted ready and may join."""
+        return [w for w in self.workers.values()
+                if w.alive and not w.leaving and w.ready is not None and not self._member(w)]
+
+    def _last_failed(self) -> Worker | None:
+        return self._last
+
+    # --- failing and stopping the job ------------------------------------------------------------------
+    def _post_ended(self, w: Worker, how: str) -> None:
+        """Tell the newest world's ranks that ``w`` is gone (their collectives with it fail at once)."""
+        if self.world is None or not self._member(w) or self.store is None:
+            return
+        job = ep.world_job_id(self.job_id, self.world.gen)
+        rank = self.world.rank_of(w.wid)
+        try:
+            self.store.set(protocol.board_key(job, protocol.ENDED, rank=rank), how)
+            self.store.add(protocol.board_key(job, protocol.ENDS), 1)
+        except Exception as exc:
+            log.debug("board: cannot post the end of rank %s: %s", rank, exc)
+
+    def _fail(self, summary: str, worker: Worker | None = None) -> None:
+        if self.failure is not None or self._stop_deadline is not None:
+            return
+        code = procs.exit_status(worker.state.code, worker.state.sig) if worker is not None else 1
+        self.failure = _Failure(summary, worker, code or 1)
+        if worker is not None:
+            how = worker.state.how or procs.describe_exit(worker.state.code, worker.state.sig)
+            self.console.flush()
+            lines = output.failure_report(worker.number, worker.host, how, list(self.console.tails[worker.number]),
+                                          sum(1 for w in self.workers.values() if w.alive))
+            lines[0] = (f"hora run: the last failure: worker {worker.wid} (process [{worker.number}]) on host "
+                        f"{worker.host}: {how}")
+            output.print_lines(lines)
+        if self.stats.failures:
+            note(f"failures: {'; '.join(self.stats.failures[-10:])}")
+        self._stop_all()
+
+    def _stop_all(self) -> None:
+        if self._stop_deadline is not None:
+            return
+        self._stop_deadline = time.monotonic() + self.cfg.grace + KILL_AFTER_GRACE
+        for agent in self.agents:
+            agent.send({"t": protocol.STOP, "grace": self.cfg.grace})
+
+    def _force_kill(self) -> None:
+        for agent in self.agents:
+            agent.close_stdin()
+        deadline = time.monotonic() + 3.0
+        for agent in self.agents:
+            try:
+                agent.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                procs.signal_groups([agent.proc.pid], signal.SIGKILL)
+        for w in self.workers.values():
+            if w.alive:
+                w.state.done, w.state.code, w.state.stopped = True, 1, True

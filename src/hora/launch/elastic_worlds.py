@@ -1,0 +1,206 @@
+"""The elastic driver's rendezvous bookkeeping: the store, the workers' ready keys, the slots and hosts a world
+may use, and when and which world to publish (the contract of :mod:`hora.launch.elastic_protocol`)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+from hora import network
+from hora.launch import elastic_protocol as ep
+from hora.launch.elastic_state import ElasticState, Worker, note
+from hora.launch.hosts import HostSpec
+
+log = logging.getLogger(__name__)
+
+LEAVE_GRACE = 10.0  # a removed worker that has not exited this long after the world without it is stopped
+
+
+class ElasticWorlds(ElasticState):
+    """Publishes the worlds of an elastic job (the driver loop in :class:`hora.launch.elastic_driver.ElasticDriver`
+    calls it)."""
+
+    # --- the rendezvous store --------------------------------------------------------------------------
+    def _start_store(self, hosts: list[HostSpec]) -> None:
+        from torch.distributed import TCPStore  # the only torch import of the launch side
+
+        remote = [h.name for h in hosts if not h.is_local]
+        self.addr = network.store_address(remote, self.cfg.network_interfaces)
+        self.store = TCPStore(self.addr, 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=max(self.cfg.start_timeout, 60)))
+        self.port = int(self.store.port)
+        log.info("rendezvous store on %s:%d (job %s)", self.addr, self.port, self.job_id)
+
+    def _read_ready(self) -> None:
+        for w in self.workers.values():
+            if not w.alive or w.leaving:
+                continue
+            want = self.world.gen if self.world is not None and self._member(w) else None
+            if w.ready is not None and (want is None or w.ready == want):
+                continue  # nothing new can be in the key until the next world
+            key = self._key(ep.READY, worker_id=w.wid)
+            try:
+                if self.store.check([key]):
+                    w.ready = int(self.store.get(key).decode())
+            except Exception as exc:  # our own store: fails only while shutting down
+                log.debug("cannot read %s: %s", key, exc)
+
+    def _post_update(self, update: ep.Update) -> None:
+        n = self.updates + 1
+        self.store.set(self._key(ep.UPDATE, n=n), update.to_json())
+        self.updates = int(self.store.add(self._key(ep.UPDATES), 1))
+        log.info("update %d: %s", n, update)
+
+    # --- slots -----------------------------------------------------------------------------------------
+    def _slots_wanted(self, now: float) -> list[tuple[str, int]]:
+        """``(host, slot)`` of every slot that should hold a worker now, capped at --max-np (slots of
+        running workers counted first, so a cap never evicts a running worker)."""
+        slots = [(h.name, s) for h in self.hostman.available(now) for s in range(h.slots)]
+        cap = self.ecfg.max_np
+        if cap is None or len(slots) <= cap:
+            return slots
+        running = {(w.host, ep.parse_worker_id(w.wid)[1]) for w in self.workers.values() if w.alive and not w.leaving}
+        return ([s for s in slots if s in running] + [s for s in slots if s not in running])[:cap]
+
+    def _check_hopeless(self, now: float) -> bool:
+        """Fail the job when it cannot go on; True when it failed."""
+        alive = [w for w in self.workers.values() if w.alive and not w.leaving]
+        if self.hostman.all_blacklisted_for_good(now) and not alive:
+            self._fail(f"every host is blacklisted ({', '.join(self.hostman.hosts)}): a worker failed on each of "
+                       "them" + ("" if self.ecfg.cooldown else " (give --blacklist-cooldown-range to let hosts "
+                                 "come back)"), self._last)
+            return True
+        first = self.stats.started == 0
+        need, flag = (self.cfg.np, "-np") if first else (self.ecfg.min_np, "--min-np")
+        have = len(self._slots_wanted(now))
+        if have >= need:
+            self._short_since = None
+            return False
+        if self._short_since is None:
+            self._short_since = now
+            note(f"{have} slot{'s' if have != 1 else ''} available, fewer than the {need} of {flag}; waiting up "
+                 f"to --elastic-timeout {self.ecfg.elastic_timeout:g}s for hosts")
+        if now - self._short_since > self.ecfg.elastic_timeout:
+            blacklisted = [n for n in self.hostman.hosts if self.hostman.is_blacklisted(n, now)]
+            extra = f"; blacklisted: {', '.join(blacklisted)}" if blacklisted else ""
+            self._fail(f"fewer than {need} slots ({flag}) for --elastic-timeout {self.ecfg.elastic_timeout:g}s: "
+                       f"{have} available (hosts: {', '.join(self.hostman.hosts) or 'none'}{extra})", self._last)
+            return True
+        return False
+
+    # --- hosts -----------------------------------------------------------------------------------------
+    def _on_hosts(self, found: tuple[HostSpec, ...]) -> None:
+        old_slots = dict(self.hostman.hosts)
+        added, removed = self.hostman.update(found)
+        shrunk = [h.name for h in found if h.name in old_slots and h.slots < old_slots[h.name]]
+        if added:
+            note(f"hosts added: {', '.join(added)}")
+        if removed:
+            note(f"hosts removed: {', '.join(removed)}")
+        gone = set(removed)
+        leaving_members = []
+        for w in self.workers.values():
+            if not w.alive or w.leaving:
+                continue
+            host, slot = ep.parse_worker_id(w.wid)
+            if host in gone or (host in shrunk and slot >= self.hostman.hosts[host]):
+                self._let_go(w)
+                if self._member(w):
+                    leaving_members.append(w.host)
+        if leaving_members and not self.finishing:
+            self._post_update(ep.Update(removed=tuple(dict.fromkeys(leaving_members))))
+
+    def _let_go(self, w: Worker) -> None:
+        """No world will hold ``w`` again: it exits 0 when it sees the next world (or is stopped)."""
+        w.leaving = True
+        if not self._member(w):
+            w.leave_by = time.monotonic()  # not a member: nothing to wait for
+        else:
+            self._lost_member = True
+
+    # --- publishing worlds -----------------------------------------------------------------------------
+    def _publish_if_due(self, now: float) -> None:
+        if self.world is None:
+            self._publish_first(now)
+            return
+        members = self._members()
+        resetting = self._lost_member or any(w.ready == self.world.gen for w in members)
+        newcomers = self._newcomers()
+        if not resetting:
+            fresh = [w for w in newcomers if not w.announced]
+            # workers started together join together (one reset, not one per worker), unless some take longer
+            # than --start-timeout to get ready
+            starting = [w for w in self.workers.values() if w.alive and not w.leaving and w.ready is None
+                        and now - w.started_at < self.cfg.start_timeout]
+            if fresh and not starting:
+                self._post_update(ep.Update(added=tuple(dict.fromkeys(w.host for w in fresh))))
+                for w in fresh:
+                    w.announced = True
+            return
+        if self._reset_since is None:
+            self._reset_since = now
+        if not members:
+            self._fail(f"no worker of world {self.world.gen} is left to carry the training state "
+                       f"(hosts {', '.join(self.world.hosts())} all failed or were removed); a new world must keep "
+                       "at least one worker of the old one", self._last_failed())
+            return
+        late = [w for w in members if w.ready != self.world.gen]
+        if late:
+            if now - self._reset_since > self.ecfg.elastic_timeout:
+                names = ", ".join(f"rank {self.world.rank_of(w.wid)} ({w.wid})" for w in late)
+                self._fail(f"{names} did not reset within --elastic-timeout {self.ecfg.elastic_timeout:g}s "
+                           "(stuck outside hvd.elastic.run's reset?)")
+            return
+        chosen = members + newcomers
+        if self.ecfg.max_np is not None:
+            chosen = chosen[:self.ecfg.max_np]
+        if len(chosen) < self.ecfg.min_np:
+            return  # more workers may come; _check_hopeless applies the elastic timeout
+        if self.ecfg.reset_limit is not None and self.world.gen > self.ecfg.reset_limit:
+            self._fail(f"more than --reset-limit {self.ecfg.reset_limit} resets: the job reset "
+                       f"{self.world.gen} times", self._last_failed())
+            return
+        self._publish(chosen)
+
+    def _publish_first(self, now: float) -> None:
+        """World 1: every started worker once all posted ready; after --start-timeout, those that did (if
+        they are --min-np or more: the late ones join at a later world)."""
+        waiting = [w for w in self.workers.values() if w.alive and not w.leaving]
+        ready = [w for w in waiting if w.ready is not None]
+        if not ready or (len(ready) < len(waiting) and now < self._start_deadline):
+            return
+        if len(ready) < self.ecfg.min_np:
+            if now > self._start_deadline + self.ecfg.elastic_timeout:
+                late = ", ".join(w.wid for w in waiting if w.ready is None)
+                self._fail(f"only {len(ready)} of the {len(waiting)} workers called hvd.init() within --start-timeout "
+                           f"{self.cfg.start_timeout:g}s + --elastic-timeout {self.ecfg.elastic_timeout:g}s "
+                           f"(--min-np {self.ecfg.min_np}); late: {late}")
+            return
+        self._publish(ready[:self.ecfg.max_np] if self.ecfg.max_np else ready)
+
+    def _publish(self, chosen: list[Worker]) -> None:
+        previous = self.world
+        gen = (previous.gen if previous else 0) + 1
+        world = ep.assign_world(self._previous(chosen), gen, [(w.wid, w.host) for w in chosen], updates=self.updates)
+        self.store.set(self._key(ep.WORLD, gen=gen), world.to_json())
+        self.store.set(self._key(ep.GEN), str(gen))
+        self.world = world
+        self.member_numbers = {w.number for w in chosen}
+        self._reset_since, self._lost_member = None, False
+        if previous is not None:
+            self.stats.resets += 1
+        for w in chosen:
+            w.announced = False
+        leave_by = time.monotonic() + LEAVE_GRACE
+        for w in self.workers.values():
+            if w.alive and w.leaving and w.leave_by is None:
+                w.leave_by = leave_by
+        old = previous.worker_ids() if previous else []  # in rank order, so the line reads the same every time
+        joined = [wid for wid in world.worker_ids() if wid not in old]
+        left = [wid for wid in old if wid not in world.workers]
+        what = f"world {gen}: {world.size} worker{'s' if world.size != 1 else ''} on {', '.join(world.hosts())}"
+        if previous is not None:
+            what += "".join([f"; joined: {', '.join(joined)}" if joined else "",
+                             f"; left: {', '.join(left)}" if left else ""])
+        note(what)
