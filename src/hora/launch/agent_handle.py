@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import queue
+import signal
+import subprocess
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hora.launch import protocol
+from hora.launch import procs, protocol
 from hora.launch.config import RunConfig
 from hora.launch.transport import SshTransport, Transport, transport_for
 
@@ -60,3 +64,35 @@ def split_returncode(returncode: int | None) -> tuple[int | None, int | None]:
     if returncode is not None and returncode < 0:
         return None, -returncode
     return returncode, None
+
+
+def start_pumps(agent: AgentHandle, events: queue.SimpleQueue[tuple[str, int, Any]]) -> None:
+    """Two daemon threads turn the agent's output into driver events: ``msg`` (a protocol message on stdout),
+    ``eof`` (stdout closed; the agent's exit code) and ``agent_err`` (a line the agent wrote to stderr)."""
+
+    def pump() -> None:
+        for raw in agent.proc.stdout:
+            message = protocol.decode(raw)
+            if message is not None:
+                events.put(("msg", agent.index, message))
+        events.put(("eof", agent.index, agent.proc.wait()))
+
+    def pump_stderr() -> None:
+        for raw in agent.proc.stderr:
+            events.put(("agent_err", agent.index, raw.decode(errors="replace").rstrip("\n")))
+
+    threading.Thread(target=pump, daemon=True).start()
+    threading.Thread(target=pump_stderr, daemon=True).start()
+
+
+def force_kill(agents: Iterable[AgentHandle]) -> None:
+    """Close every agent's stdin (they kill their workers) and kill agents that linger past 3 s."""
+    agents = list(agents)
+    for agent in agents:
+        agent.close_stdin()
+    deadline = time.monotonic() + 3.0
+    for agent in agents:
+        try:
+            agent.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            procs.signal_groups([agent.proc.pid], signal.SIGKILL)

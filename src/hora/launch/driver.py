@@ -18,7 +18,6 @@ import datetime
 import logging
 import queue
 import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -29,7 +28,15 @@ from hora import env as hora_env
 from hora import network
 from hora.errors import SetupError
 from hora.launch import envvars, output, preflight, procs, protocol, timeline_hook
-from hora.launch.agent_handle import KILL_AFTER_GRACE, PING_INTERVAL, AgentHandle, default_transport, split_returncode
+from hora.launch.agent_handle import (
+    KILL_AFTER_GRACE,
+    PING_INTERVAL,
+    AgentHandle,
+    default_transport,
+    force_kill,
+    split_returncode,
+    start_pumps,
+)
 from hora.launch.config import RunConfig
 from hora.launch.failures import RankState, RootCause
 from hora.launch.hosts import SlotInfo, assign_slots
@@ -115,19 +122,7 @@ class Driver:
             agent = AgentHandle(index, host.name, proc, [s.rank for s in mine])
             self.agents.append(agent)
             agent.send(self._spec(index, mine, addr, port))
-            threading.Thread(target=self._pump, args=(agent,), daemon=True).start()
-            threading.Thread(target=self._pump_stderr, args=(agent,), daemon=True).start()
-
-    def _pump(self, agent: AgentHandle) -> None:
-        for raw in agent.proc.stdout:
-            message = protocol.decode(raw)
-            if message is not None:
-                self.events.put(("msg", agent.index, message))
-        self.events.put(("eof", agent.index, agent.proc.wait()))
-
-    def _pump_stderr(self, agent: AgentHandle) -> None:
-        for raw in agent.proc.stderr:
-            self.events.put(("agent_err", agent.index, raw.decode(errors="replace").rstrip("\n")))
+            start_pumps(agent, self.events)
 
     # --- running ---------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -347,15 +342,8 @@ class Driver:
             agent.send({"t": protocol.STOP, "grace": self.cfg.grace})
 
     def _force_kill(self) -> None:
-        """Close every agent's stdin (they kill their workers) and kill agents that linger."""
-        for agent in self.agents:
-            agent.close_stdin()
-        deadline = time.monotonic() + 3.0
-        for agent in self.agents:
-            try:
-                agent.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                procs.signal_groups([agent.proc.pid], signal.SIGKILL)
+        """Kill every agent (see :func:`force_kill`); ranks that had not ended count as stopped."""
+        force_kill(self.agents)
         for state in self.ranks.values():
             if not state.done:
                 state.done, state.code, state.stopped = True, 1, True

@@ -37,7 +37,7 @@ from hora import env as hora_env
 from hora.errors import SetupError
 from hora.launch import elastic_protocol as ep
 from hora.launch import envvars, output, procs, protocol
-from hora.launch.agent_handle import PING_INTERVAL, AgentHandle, split_returncode
+from hora.launch.agent_handle import PING_INTERVAL, AgentHandle, split_returncode, start_pumps
 from hora.launch.elastic_hosts import DISCOVERY_INTERVAL, DiscoveryError, run_discovery
 from hora.launch.elastic_state import Worker, note
 from hora.launch.elastic_worlds import ElasticWorlds
@@ -224,8 +224,7 @@ class ElasticDriver(ElasticWorlds):
             if self.cfg.output_filename:
                 self.console.open_logs(range(w.number, w.number + 1))
         agent.send(spec)
-        threading.Thread(target=self._pump, args=(agent,), daemon=True).start()
-        threading.Thread(target=self._pump_stderr, args=(agent,), daemon=True).start()
+        start_pumps(agent, self.events)
         log.info("host %s: starting workers %s", host, ", ".join(w.wid for w in new))
 
     def _spec(self, host: str, workers: list[dict[str, Any]]) -> dict[str, Any]:
@@ -237,17 +236,6 @@ class ElasticDriver(ElasticWorlds):
                 "unset": [*envvars.RANK_VARIABLES, ep.ELASTIC_ENV, ep.WORKER_ID_ENV], "workers": workers,
                 "store_addr": self.addr, "heartbeat_timeout": self.cfg.heartbeat_timeout, "host": host,
                 "progress_interval": 0.25 if self.console.live else 1.0}
-
-    def _pump(self, agent: AgentHandle) -> None:
-        for raw in agent.proc.stdout:
-            message = protocol.decode(raw)
-            if message is not None:
-                self.events.put(("msg", agent.index, message))
-        self.events.put(("eof", agent.index, agent.proc.wait()))
-
-    def _pump_stderr(self, agent: AgentHandle) -> None:
-        for raw in agent.proc.stderr:
-            self.events.put(("agent_err", agent.index, raw.decode(errors="replace").rstrip("\n")))
 
     # --- agents and workers ----------------------------------------------------------------------------
     def _on_message(self, agent: AgentHandle, message: dict[str, Any]) -> None:

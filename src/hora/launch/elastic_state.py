@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from typing import Any
 
 from hora.launch import elastic_protocol as ep
 from hora.launch import output, procs, protocol
-from hora.launch.agent_handle import KILL_AFTER_GRACE, AgentHandle, default_transport
+from hora.launch.agent_handle import KILL_AFTER_GRACE, AgentHandle, default_transport, force_kill
 from hora.launch.config import RunConfig
 from hora.launch.elastic_hosts import ElasticConfig, HostManager
 from hora.launch.failures import RankState
@@ -170,14 +169,8 @@ class ElasticState:
             agent.send({"t": protocol.STOP, "grace": self.cfg.grace})
 
     def _force_kill(self) -> None:
-        for agent in self.agents:
-            agent.close_stdin()
-        deadline = time.monotonic() + 3.0
-        for agent in self.agents:
-            try:
-                agent.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                procs.signal_groups([agent.proc.pid], signal.SIGKILL)
+        """Kill every agent (see :func:`force_kill`); workers still alive count as stopped."""
+        force_kill(self.agents)
         for w in self.workers.values():
             if w.alive:
                 w.state.done, w.state.code, w.state.stopped = True, 1, True
