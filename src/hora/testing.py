@@ -38,7 +38,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+# torch._dynamo is imported once here, in the parent: each forked rank that builds its first torch.optim
+# optimizer would otherwise import it itself (torch.optim does, lazily), 2-10 s per rank on a loaded 2-core machine
 import torch
+import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 
 import hora
