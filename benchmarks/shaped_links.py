@@ -321,28 +321,37 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
                 if h != 2:
                     validation.append([f"ring allreduce, {h} hosts, {_mb(rec['bytes'])}", pr, ring_s])
                 validation.append([f"parameter server, {h} hosts, {_mb(rec['bytes'])}", pp, ps_s])
-            figures["ps"][hosts] = {"ratio": ratio, "model_ratio": model_ratio, "ring_s": ring_s, "ps_s": ps_s}
+            busy = {k: statistics.median(v) for k, v in rec.get("cpu_busy", {}).items() if v}
+            figures["ps"][hosts] = {"ratio": ratio, "model_ratio": model_ratio, "ring_s": ring_s, "ps_s": ps_s,
+                                    "cpu_busy": busy or None}
             load = rec.get("load_avg")
             rows_md.append([h, f"{ring_s:.2f} s", f"{ps_s:.2f} s", f"{ratio['median']:.2f}x ({ratio['spread']:.0%})",
                             f"{model_ratio:.2f}x" if model_ratio else "-", "3.2x (8 nodes)" if h == 8 else "",
+                            f"{busy['ring']:.0%} / {busy['ps']:.0%}" if busy else "-",
                             f"{load[0]:g} -> {load[1]:g}" if load else "-"])
         md.append(markdown_table(["hosts", "ring (median)", "parameter server (median)",
-                                  "ring speed-up (measured)", "model", "often quoted", "load average"], rows_md))
+                                  "ring speed-up (measured)", "model", "often quoted",
+                                  "cores busy: ring / server", "load average"], rows_md))
         md.append("\nThe bandwidth model: the server's cable carries (N-1) S each way against the ring's 2(N-1)/N S "
-                  "per cable, N/2 times the bytes; chunking overlaps the server's receiving and sending.\n")
+                  "per cable, N/2 times the bytes; chunking overlaps the server's receiving and sending. "
+                  "*Cores busy*: the share of the machine's cores (all the simulated hosts share them) that were "
+                  "busy while each variant ran, median over the cycles (/proc/stat); near 100% the CPU, not the "
+                  "cables, sets the time.\n")
     if "compression" in parts:
         rec = parts["compression"]
-        fp16 = _ratio(rec["samples"]["none"], rec["samples"]["fp16"])
-        bf16 = _ratio(rec["samples"]["none"], rec["samples"]["bf16"])
-        figures["compression"] = {"fp16_speedup": fp16, "bf16_speedup": bf16, "load_avg": rec.get("load_avg")}
+        smp = rec["samples"]
+        busy = {k: statistics.median(v) for k, v in rec.get("cpu_busy", {}).items() if v}
+        fp16 = _ratio(smp["none"], smp["fp16"])
+        bf16 = _ratio(smp["none"], smp["bf16"])
+        figures["compression"] = {"fp16_speedup": fp16, "bf16_speedup": bf16, "load_avg": rec.get("load_avg"),
+                                  "cpu_busy": busy or None}
         md.append(f"## compression, 2 hosts, `hvd.allreduce` (out-of-place, Average) of {_mb(rec['bytes'])}"
                   f"{_load(rec)}\n")
-        md.append(markdown_table(["variant", "median time", "speed-up against none"],
-                                 [["none", f"{statistics.median(rec['samples']['none']):.3f} s", "1.00x"],
-                                  ["fp16", f"{statistics.median(rec['samples']['fp16']):.3f} s",
-                                   f"{fp16['median']:.2f}x ({fp16['spread']:.0%})"],
-                                  ["bf16", f"{statistics.median(rec['samples']['bf16']):.3f} s",
-                                   f"{bf16['median']:.2f}x ({bf16['spread']:.0%})"]]))
+        md.append(markdown_table(["variant", "median time", "speed-up against none", "cores busy"],
+                                 [[k, f"{statistics.median(smp[k]):.3f} s",
+                                   "1.00x" if k == "none" else f"{_ratio(smp['none'], smp[k])['median']:.2f}x "
+                                   f"({_ratio(smp['none'], smp[k])['spread']:.0%})",
+                                   f"{busy[k]:.0%}" if k in busy else "-"] for k in ("none", "fp16", "bf16")]))
         if plan is not None or plan16 is not None:
             for name in ("none", "fp16", "bf16"):
                 by = plan16 if plan16 is not None else plan
@@ -375,15 +384,17 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
                                "load_avg": rec.get("load_avg")}
         md.append(f"## gradient sync in training: DistributedOptimizer, 2 hosts, {rec['model']} "
                   f"({_mb(rec['gradient_bytes'])} of gradients){_load(rec)}\n")
+        gbusy = {k: statistics.median(v) for k, v in rec.get("cpu_busy", {}).items() if v}
         md.append(markdown_table(
             ["variant", "median step", "step speed-up against none", "sync (step - no-sync step), median",
-             "sync speed-up against none"],
+             "sync speed-up against none", "cores busy"],
             [[k, f"{statistics.median(smp[k]):.3f} s",
               "" if k in ("none", "local") else f"{figures['gradsync']['step'][k]['median']:.2f}x "
               f"({figures['gradsync']['step'][k]['spread']:.0%})",
               f"{statistics.median(sync[k]):.3f} s" if k in sync else "-",
               "" if k in ("none", "local") else f"{figures['gradsync']['sync'][k]['median']:.2f}x "
-              f"({figures['gradsync']['sync'][k]['spread']:.0%})"] for k in ("none", "fp16", "bf16", "local")]))
+              f"({figures['gradsync']['sync'][k]['spread']:.0%})",
+              f"{gbusy[k]:.0%}" if k in gbusy else "-"] for k in ("none", "fp16", "bf16", "local")]))
         md.append("\n`local`: the same step with a plain optimizer and no sync (the compute); sync = step - local "
                   "per cycle.\n")
     if "optimizer" in parts:
@@ -398,10 +409,12 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
                   f"of gradients), batch {rec['batch_size']}{inputs}{_load(rec)}\n")
         names = {"ddp": "DDP", "hora": "hora DistributedOptimizer (25 MB buckets)",
                  "hora_one_bucket": "hora, one bucket (HORA_BUCKET_CAP_MB=1000)", "local": "no sync (compute)"}
-        md.append(markdown_table(["variant", "median step", "time / DDP's"],
+        obusy = {k: statistics.median(v) for k, v in rec.get("cpu_busy", {}).items() if v}
+        md.append(markdown_table(["variant", "median step", "time / DDP's", "cores busy"],
                                  [[names.get(k, k), f"{statistics.median(v):.3f} s",
                                    "" if k == "ddp" else f"{_ratio(v, smp['ddp'])['median']:.2f}x "
-                                   f"({_ratio(v, smp['ddp'])['spread']:.0%})"] for k, v in smp.items()]))
+                                   f"({_ratio(v, smp['ddp'])['spread']:.0%})",
+                                   f"{obusy[k]:.0%}" if k in obusy else "-"] for k, v in smp.items()]))
     if "hierarchical" in parts:
         rec = parts["hierarchical"]
         ratio = _ratio(rec["samples"]["flat"], rec["samples"]["hierarchical"])

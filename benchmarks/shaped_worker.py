@@ -5,8 +5,9 @@ Each mode alternates its variants in one run, rotating which goes first every cy
 
   ps            hora's ring allreduce against a parameter server (rank 0 serves and is a worker too; every
                 receive posted at once, the data in chunks so the server sends chunk k back while chunk k+1
-                arrives; the sum with torch in place, no Python copies)
-  compression   allreduce with compression none, fp16 and bf16
+                arrives; the sum with torch in place, no Python copies); and how busy the machine's cores
+                were during each (/proc/stat: all the simulated hosts share them)
+  compression   allreduce (Average) with compression none, fp16 and bf16, and the cores' busy share
   wire16        raw 16-bit allreduce summed by Gloo against benchmarks/wire16.py's float32 sum, raw float32
   optimizer     a DistributedOptimizer step against a DDP step on the same model and data
   gradsync      DistributedOptimizer steps with compression none, fp16 and bf16, and the step without sync
@@ -34,12 +35,26 @@ from hora.bench import cpu, models
 from hora.bench.timing import alternate
 
 
-def timed(fn: Callable[[], Any]) -> Callable[[], float]:
+def _jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine so far, from /proc/stat: every simulated host shares its cores."""
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    return sum(vals) - vals[3] - vals[4], sum(vals)
+
+
+def timed(fn: Callable[[], Any], busy: list[float] | None = None) -> Callable[[], float]:
+    """A sample of ``fn``'s time after a barrier; with ``busy``, also the fraction of the machine's cores that
+    were busy meanwhile (appended to it)."""
     def sample() -> float:
         dist.barrier()
+        before = _jiffies()
         start = time.perf_counter()
         fn()
-        return time.perf_counter() - start
+        took = time.perf_counter() - start
+        if busy is not None:
+            after = _jiffies()
+            busy.append((after[0] - before[0]) / max(1, after[1] - before[1]))
+        return took
 
     return sample
 
@@ -75,6 +90,13 @@ class ParameterServer:
                 work.wait()
 
 
+def _alternate_busy(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, Any]:
+    """``alternate`` of the timed ``fns``: {"samples": ..., "cpu_busy": the cores' busy share per sample}."""
+    busy: dict[str, list[float]] = {k: [] for k in fns}
+    samples = alternate({k: timed(fn, busy[k]) for k, fn in fns.items()}, repeats, warmup=warmup)
+    return {"samples": samples, "cpu_busy": {k: v[-repeats:] for k, v in busy.items()}, "cores": os.cpu_count()}
+
+
 def mode_ps(ns: argparse.Namespace) -> dict[str, Any]:
     numel = ns.bytes // 4
     ring_t = torch.ones(numel)
@@ -84,20 +106,21 @@ def mode_ps(ns: argparse.Namespace) -> dict[str, Any]:
     check()
     expect = hvd.size() * (hvd.size() + 1) / 2
     assert all(bool((o == expect).all()) for o in check.out), "the parameter server summed wrongly"
-    samples = alternate({"ring": timed(lambda: hvd.allreduce_(ring_t, op=hvd.Sum)), "ps": timed(ps)},
-                        ns.repeats, warmup=1)
-    return {"bytes": numel * 4, "chunks": ns.chunks, "samples": samples}
+    busy: dict[str, list[float]] = {"ring": [], "ps": []}
+    samples = alternate({"ring": timed(lambda: hvd.allreduce_(ring_t, op=hvd.Sum), busy["ring"]),
+                         "ps": timed(ps, busy["ps"])}, ns.repeats, warmup=1)
+    return {"bytes": numel * 4, "chunks": ns.chunks, "samples": samples,
+            "cpu_busy": {k: v[-ns.repeats:] for k, v in busy.items()}, "cores": os.cpu_count()}
 
 
 def mode_compression(ns: argparse.Namespace) -> dict[str, Any]:
     """hvd.allreduce (out-of-place, Average) with compression none, fp16 and bf16, alternated; and this
     host's CPU rates (hora.bench.cpu) for the planner's prediction."""
     t = torch.randn(ns.bytes // 4)
-    variants = {name: timed(lambda c=c: hvd.allreduce(t, op=hvd.Average, compression=c))
-                for name, c in (("none", hvd.Compression.none), ("fp16", hvd.Compression.fp16),
-                                ("bf16", hvd.Compression.bf16))}
-    return {"bytes": t.numel() * 4, "samples": alternate(variants, ns.repeats, warmup=1),
-            "cpu": cpu.measure().as_dict()}
+    variants: dict[str, Callable[[], Any]] = {
+        name: lambda c=c: hvd.allreduce(t, op=hvd.Average, compression=c)
+        for name, c in (("none", hvd.Compression.none), ("fp16", hvd.Compression.fp16), ("bf16", hvd.Compression.bf16))}
+    return {"bytes": t.numel() * 4, **_alternate_busy(variants, ns.repeats, warmup=1), "cpu": cpu.measure().as_dict()}
 
 
 def mode_wire16(ns: argparse.Namespace) -> dict[str, Any]:
@@ -160,9 +183,8 @@ def mode_optimizer(ns: argparse.Namespace) -> dict[str, Any]:
                                          x, y),
              "ddp": _step_fn(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), x, y),
              "local": _step_fn(nets["local"], torch.optim.SGD(nets["local"].parameters(), lr=0.01), x, y)}
-    samples = alternate({k: timed(v) for k, v in steps.items()}, ns.repeats, warmup=2)
     return {"model": ns.model, "gradient_bytes": models.parameter_bytes(nets["hora"]), "image_size": ns.image_size,
-            "batch_size": ns.batch_size, "samples": samples}
+            "batch_size": ns.batch_size, **_alternate_busy(steps, ns.repeats, warmup=2)}
 
 
 def mode_gradsync(ns: argparse.Namespace) -> dict[str, Any]:
@@ -176,9 +198,8 @@ def mode_gradsync(ns: argparse.Namespace) -> dict[str, Any]:
     x, y = _data(ns)
     steps = {k: _step_fn(nets[k], _hora_optimizer(nets[k], compression=c), x, y) for k, c in variants.items()}
     steps["local"] = _step_fn(nets["local"], torch.optim.SGD(nets["local"].parameters(), lr=0.01), x, y)
-    samples = alternate({k: timed(v) for k, v in steps.items()}, ns.repeats, warmup=2)
     return {"model": ns.model, "gradient_bytes": models.parameter_bytes(nets["none"]), "image_size": ns.image_size,
-            "batch_size": ns.batch_size, "samples": samples}
+            "batch_size": ns.batch_size, **_alternate_busy(steps, ns.repeats, warmup=2)}
 
 
 def mode_hierarchical(ns: argparse.Namespace) -> dict[str, Any]:

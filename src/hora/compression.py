@@ -4,6 +4,12 @@
 ``Compression.none``, ``Compression.fp16`` (Horovod's) and ``Compression.bf16`` (hora's; same range as
 fp32, so no overflow on large gradients).
 
+The built-in casts of large CPU tensors (>= 1 MiB on the wire) do not allocate a 16-bit tensor per call: the
+wire is a buffer taken from :data:`WIRE_BUFFERS` and given back when the op finishes, so a training loop's
+compressed allreduces reuse the same memory (a fresh tensor above 32 MB is new pages from the kernel, page
+faults and all, every time). :func:`cast_scaled` casts back with Average's division in the same pass, in
+chunks, so torch's temporary for a cross-dtype ``out=`` stays small.
+
 Example:
     >>> import torch
     >>> c, ctx = Compression.fp16.compress(torch.ones(2))
@@ -13,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -92,3 +100,117 @@ def wire_dtype(compression: Compressor, dtype: torch.dtype) -> torch.dtype:
     if isinstance(compression, CastCompressor) and dtype.is_floating_point:
         return compression.wire_dtype
     return dtype
+
+
+# --- reused wire buffers ---------------------------------------------------------------------------------------
+POOL_MIN_BYTES = 2 << 20  # smaller wires come from the allocator's reused heap (and may be fused): nothing to gain
+_CHUNK = 1 << 19  # elements per step of cast_scaled: its temporary (1 MB of 16-bit) stays in cache
+PIPELINE_BYTES = 2 << 20  # a 16-bit CPU allreduce goes in pieces of at least this many bytes...
+PIPELINE_MAX = 8  # ...and at most this many pieces
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+class WireBuffers:
+    """Idle flat wire buffers, kept for the next call of the same dtype and size (CPU only).
+
+    ``take`` hands out an idle buffer or a new one; ``give`` takes it back once the op has finished with it.
+    A buffer that is never given back (a failed op, a handle never synchronized) is simply freed by Python.
+    At most ``per_size`` idle buffers of one (dtype, size) are kept, for the ``sizes`` most recently used
+    sizes: bounded memory however many shapes a program reduces.
+
+    Example:
+        >>> pool = WireBuffers()
+        >>> a = pool.take(torch.float16, 4); pool.give(a)
+        >>> pool.take(torch.float16, 4).data_ptr() == a.data_ptr(), pool.allocated
+        (True, 1)
+    """
+
+    def __init__(self, per_size: int = 2, sizes: int = 8) -> None:
+        self.per_size = per_size
+        self.sizes = sizes
+        self.allocated = 0  # buffers made so far (tests and diagnostics: it stops growing in a steady loop)
+        self._idle: OrderedDict[tuple[torch.dtype, int], list[torch.Tensor]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A flat CPU buffer of ``numel`` elements of ``dtype`` (its content is garbage)."""
+        key = (dtype, numel)
+        with self._lock:
+            idle = self._idle.get(key)
+            if idle:
+                buf = idle.pop()
+                if not idle:
+                    del self._idle[key]
+                return buf
+            self.allocated += 1
+        return torch.empty(numel, dtype=dtype)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Take back a buffer from :meth:`take`; the caller no longer uses it."""
+        key = (buf.dtype, buf.numel())
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            self._idle.move_to_end(key)
+            if len(idle) < self.per_size:
+                idle.append(buf)
+            while len(self._idle) > self.sizes:
+                self._idle.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+
+
+WIRE_BUFFERS = WireBuffers()
+
+
+def lease_wire(compression: Compressor, tensor: torch.Tensor) -> torch.Tensor | None:
+    """For a built-in cast of a large contiguous CPU float tensor: a reused flat buffer of the wire dtype to
+    cast it into (give it back to :data:`WIRE_BUFFERS` when done). None for everything else, which goes
+    through ``compression.compress`` as usual."""
+    if (type(compression) is not CastCompressor or tensor.device.type != "cpu" or not tensor.is_floating_point()
+            or tensor.dtype == compression.wire_dtype or not tensor.is_contiguous()):
+        return None
+    numel = tensor.numel()
+    if numel * compression.wire_dtype.itemsize < POOL_MIN_BYTES:
+        return None
+    return WIRE_BUFFERS.take(compression.wire_dtype, numel)
+
+
+def cast_scaled(src: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> None:
+    """``out[...] = src * scale``, cast to ``out``'s dtype, with the arithmetic of ``src``'s dtype (a 16-bit
+    wire's product is rounded to 16 bits, as scaling the wire in place and casting it afterwards would).
+
+    torch computes a cross-dtype ``torch.mul(..., out=)`` into a temporary the size of the result and copies it;
+    done in chunks, that temporary stays small and in cache, and the whole is one pass over the memory.
+    ``src`` and ``out`` have the same number of elements.
+    """
+    if scale == 1.0:
+        out.copy_(src.view(out.shape) if src.is_contiguous() else src.reshape(out.shape))
+        return
+    if src.dtype == out.dtype or not (src.is_contiguous() and out.is_contiguous()):
+        torch.mul(src.reshape(out.shape), scale, out=out)
+        return
+    flat_src, flat_out = src.view(-1), out.view(-1)
+    n = flat_out.numel()
+    for start in range(0, n, _CHUNK):
+        stop = min(start + _CHUNK, n)
+        torch.mul(flat_src[start:stop], scale, out=flat_out[start:stop])
+
+
+def pipeline_ranges(numel: int, dtype: torch.dtype, device: str) -> list[tuple[int, int]]:
+    """The pieces (start, stop) a CPU allreduce of a 16-bit wire of ``numel`` elements is issued in: one c10d
+    allreduce each, so the cast of one piece overlaps the wire of another. Decided from what every rank's
+    request says (dtype, shape, device) alone, never from local state, so every rank, a joined one included,
+    issues the same calls.
+
+    >>> pipeline_ranges(10, torch.float16, "cpu")
+    [(0, 10)]
+    >>> len(pipeline_ranges(50 * 2**20 // 2, torch.float16, "cpu")), len(pipeline_ranges(2**22, torch.float32, "cpu"))
+    (8, 1)
+    """
+    count = 1
+    if dtype in SIXTEEN_BIT and device == "cpu":
+        count = max(1, min(PIPELINE_MAX, numel * dtype.itemsize // PIPELINE_BYTES))
+    step = -(-numel // count) if numel else 0
+    return [(a, min(a + step, numel)) for a in range(0, numel, step)] if numel else [(0, 0)]

@@ -26,10 +26,10 @@ import torch.distributed as dist
 from hora import callsite, dataplane, hierarchical
 from hora.adasum import adasum_tree
 from hora.callsite import Site
-from hora.compression import Compression, Compressor
+from hora.compression import WIRE_BUFFERS, Compression, Compressor, cast_scaled, lease_wire, pipeline_ranges
 from hora.dataplane import Work, to_dtype
 from hora.process_sets import ProcessSet
-from hora.reduce_ops import AVERAGE_WIRE, ReduceOp, finish_sum, scale_integers
+from hora.reduce_ops import AVERAGE_WIRE, ReduceOp, finish_sum, float_factor, scale_integers
 
 if TYPE_CHECKING:
     from hora.engine.plan import Entry
@@ -88,6 +88,7 @@ class Call:
     last_joined: int = -1  # set by Join's launch: the rank whose join arrived last
     members: int = 0  # the process set's size when the call was submitted (Average divides by it)
     site: Site = callsite.UNKNOWN  # where the user called it (unnamed ops, when the check is on)
+    lease: torch.Tensor | None = None  # a reused 16-bit wire buffer (compression.WIRE_BUFFERS), given back at finish
     rejected: Exception | None = None  # found invalid while the call was built (raised at submit)
 
     @property
@@ -158,7 +159,17 @@ def _zeros_like_request(launch: Launch, rows: int | None = None) -> torch.Tensor
 
 # --- reductions: allreduce, reducescatter -------------------------------------------------------------------
 def _prepare_reduction(call: Call) -> None:
-    compressed, call.ctx = call.compression.compress(call.tensor.detach())
+    tensor = call.tensor.detach()
+    call.lease = lease_wire(call.compression, tensor)
+    if call.lease is not None:  # a built-in cast into a reused buffer: the same as compress(), no allocation
+        call.wire, call.ctx = call.lease.view(tensor.shape), tensor.dtype
+        if call.kind is Kind.ALLREDUCE:
+            return  # cast piece by piece when it starts, each piece's cast overlapping another's wire
+        call.wire.copy_(tensor)
+        if call.prescale != 1.0:
+            call.wire.mul_(call.prescale)
+        return
+    compressed, call.ctx = call.compression.compress(tensor)
     # never write into the caller's tensor unless asked to (in-place)
     wide = AVERAGE_WIRE.get(compressed.dtype) if call.op == ReduceOp.AVERAGE else None
     if wide is not None:
@@ -175,12 +186,71 @@ def _prepare_reduction(call: Call) -> None:
 
 
 def _finish_reduction(call: Call, result: torch.Tensor) -> torch.Tensor:
+    if call.lease is None:
+        return _finish_wire(call, result)
+    try:  # an allreduce's pieces were cast back as they arrived (_launch_pieces): its result is ready
+        return call.out if call.kind is Kind.ALLREDUCE else _finish_wire(call, result)
+    finally:
+        WIRE_BUFFERS.give(call.lease)
+        call.lease = None
+
+
+def _finish_wire(call: Call, result: torch.Tensor) -> torch.Tensor:
     # in the wire's type: an integer Average divides its wide sum; not call.ps.size(): a handle may be
     # finished after shutdown() unbound the set
     finish_sum(result, call.op, call.postscale, call.members)
     if result.dtype != call.tensor.dtype and call.ctx is None:
         result = _from_wire(call, result)
     return _copy_out(call, call.compression.decompress(result, call.ctx))
+
+
+class _PiecesWork:
+    """The Work of an allreduce issued in pieces: complete when every piece (and its cast back) is."""
+
+    __slots__ = ("_futures",)
+
+    def __init__(self, futures: list[Any]) -> None:
+        self._futures = futures
+
+    def wait(self, timeout: Any = None) -> bool:
+        for future in self._futures:
+            future.wait()  # raises what the piece's collective or its cast back raised
+        return True
+
+    def is_completed(self) -> bool:
+        return all(future.done() for future in self._futures)
+
+    def get_future(self) -> Any:
+        return torch.futures.collect_all(self._futures)
+
+
+def _launch_pieces(wire: torch.Tensor, op: int, group: Any, call: Call | None = None) -> Work:
+    """Allreduce ``wire`` in the pieces :func:`~hora.compression.pipeline_ranges` gives, one c10d call each.
+
+    With ``call`` (a compressed call whose wire is a reused buffer, :func:`_prepare_reduction`): each piece
+    of the caller's tensor is cast down just before its piece is sent, while the previous piece is on the
+    wire, and cast back (with Average's division and postscale) into the result as soon as it arrives, on
+    the backend's thread, while the next piece is on the wire."""
+    ranges = pipeline_ranges(wire.numel(), wire.dtype, wire.device.type)
+    if call is None and len(ranges) == 1:
+        return hierarchical.allreduce(wire, op, group)
+    flat = wire.view(-1)
+    if call is None:
+        return _PiecesWork([hierarchical.allreduce(flat[a:b], op, group).get_future() for a, b in ranges])
+    src = call.tensor.detach().view(-1)  # contiguous: lease_wire's condition
+    call.out = call.tensor if call.inplace else torch.empty(call.tensor.shape, dtype=call.tensor.dtype)
+    dst = call.out.detach().view(-1)
+    factor = float_factor(call.op, call.postscale, call.members)
+    futures = []
+    for a, b in ranges:
+        piece = flat[a:b]
+        piece.copy_(src[a:b])
+        if call.prescale != 1.0:
+            piece.mul_(call.prescale)
+        work = hierarchical.allreduce(piece, op, group)
+        futures.append(work.get_future().then(
+            lambda _done, a=a, b=b: cast_scaled(flat[a:b], dst[a:b], factor)))  # type: ignore[misc]
+    return _PiecesWork(futures)
 
 
 class Allreduce:
@@ -190,14 +260,14 @@ class Allreduce:
     def launch(call: Call, launch: Launch) -> Work | None:
         if call.wire.numel() == 0:  # the same shape everywhere: every rank skips it
             return None
-        return hierarchical.allreduce(call.wire, call.op, launch.group)
+        return _launch_pieces(call.wire, call.op, launch.group, call if call.lease is not None else None)
 
     @staticmethod
     def launch_joined(launch: Launch) -> Work | None:
         req = launch.entry.first
         if torch.Size(req.shape).numel() == 0:
             return None  # the members skip empty tensors too
-        return hierarchical.allreduce(_zeros_like_request(launch), req.op, launch.group)
+        return _launch_pieces(_zeros_like_request(launch), req.op, launch.group)
 
     @staticmethod
     def finish(call: Call) -> torch.Tensor:

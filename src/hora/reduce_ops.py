@@ -78,6 +78,11 @@ def finish_sum(result: torch.Tensor, op: int, postscale: float, size: int) -> No
         result.mul_(postscale)
 
 
+def float_factor(op: int, postscale: float, size: int) -> float:
+    """The one factor :func:`finish_sum` multiplies a floating-point sum by (postscale / size for Average)."""
+    return postscale / size if op == ReduceOp.AVERAGE else postscale
+
+
 def average_values(values: torch.Tensor, op: int, size: int) -> torch.Tensor:
     """A sparse allreduce's gathered values: divided by ``size`` for Average (a new tensor), else as they are."""
     return values / size if op == ReduceOp.AVERAGE else values

@@ -101,11 +101,13 @@ def test_cpu_term_adds_hora_local_passes_to_the_wire() -> None:
     # out-of-place Average, uncompressed: the wire, a copy into a fresh tensor, the division
     assert plan.hora_allreduce(s, 2, call="out_of_place", average=True) == pytest.approx(
         _ring(s, 2) + s * 3e-10 + s * 1e-10)
-    # fp16: half the wire, two casts, the division of the 16-bit wire
+    # fp16: half the wire, two casts (the division is folded into the cast back)
     assert plan.hora_allreduce(s, 2, compression="fp16", call="out_of_place", average=True) == pytest.approx(
-        _ring(s / 2, 2) + s * 4.5e-10 + s / 2 * 1e-10)
-    # in place: the result is also copied back into the caller's tensor
-    assert plan.hora_allreduce(s, 2, compression="bf16") == pytest.approx(_ring(s / 2, 2) + s * 7.5e-10)
+        _ring(s / 2, 2) + s * 4.5e-10)
+    # in place: the cast back goes into the caller's tensor (a record without that rate: the fresh one's)
+    assert plan.hora_allreduce(s, 2, compression="bf16") == pytest.approx(_ring(s / 2, 2) + s * 4.5e-10)
+    into = planner.fit_sweep({**sweep, "cpu": {**rates.as_dict(), "cast_up_into": 1.5e-10}})
+    assert into.hora_allreduce(s, 2, compression="bf16", average=True) == pytest.approx(_ring(s / 2, 2) + s * 3.5e-10)
     # without the sweep's CPU timings the prediction is the wire alone
     assert planner.fit_sweep(_sweep(parse_sizes("64KB..64MB"), hosts=2, per_host=1)).hora_allreduce(
         s, 4, compression="bf16") == pytest.approx(_ring(s / 2, 4))

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 import hora as hvd
+from hora import collectives
+from hora.compression import POOL_MIN_BYTES, WIRE_BUFFERS, CastCompressor
+from hora.kinds import Call, Kind
 from tests.distributed.expect import ALL, FLOATS, close, ops_for, rank_input, reduce
 from tests.distributed.harness import run_ranks
 
@@ -62,6 +65,76 @@ def _scaling_and_compression(rank: int, size: int) -> None:
 
 def test_allreduce_scaling_compression_and_deprecated_average() -> None:
     run_ranks(_scaling_and_compression, 2)
+
+
+class _FreshCast(CastCompressor):
+    """The built-in cast through the generic compress/decompress path (a fresh 16-bit tensor per call)."""
+
+
+BIG = (2500, 1000)  # 5 MB on a 16-bit wire: a reused buffer (above POOL_MIN_BYTES), sent in 2 pieces
+
+
+def _large_compressed(rank: int, size: int) -> int:
+    assert 2500 * 1000 * 2 >= POOL_MIN_BYTES
+    x = torch.randn(BIG, generator=torch.Generator().manual_seed(rank)) * 100
+    cases = [(comp, op, pre, post) for comp in (hvd.Compression.fp16, hvd.Compression.bf16)
+             for op, pre, post in ((hvd.Sum, 1.0, 1.0), (hvd.Average, 1.0, 1.0), (hvd.Average, 0.5, 3.0))]
+
+    def one_pass() -> None:
+        for comp, op, pre, post in cases:
+            fresh, pooled, again = (hvd.allreduce(x, op=op, prescale_factor=pre, postscale_factor=post, compression=c)
+                                    for c in (_FreshCast(comp.wire_dtype), comp, comp))  # type: ignore[attr-defined]
+            assert pooled.dtype == torch.float32 and pooled.data_ptr() != again.data_ptr(), "results are new tensors"
+            assert torch.equal(pooled, fresh), f"{comp} {op.name} {pre} {post}: reused wire = generic path, bitwise"
+            assert torch.equal(again, pooled), "a later call did not overwrite an earlier result"
+            y = x.clone()  # in place (the DistributedOptimizer's private entry): cast back into the tensor
+            call = Call(Kind.ALLREDUCE, y, "", hvd.global_process_set, op=op, prescale=pre, postscale=post,
+                        compression=comp, inplace=True)
+            assert hvd.synchronize(collectives.submit(call)) is y and torch.equal(y, fresh), "in place"
+        # two in flight at once take two buffers; both right
+        outs = hvd.grouped_allreduce([x, x * 2], op=hvd.Sum, compression=hvd.Compression.bf16)
+        want = hvd.allreduce(x, op=hvd.Sum, compression=_FreshCast(torch.bfloat16))
+        assert torch.equal(outs[0], want) and torch.equal(outs[1], want * 2)
+        # reducescatter leases its wire too, and gives it back
+        rs = hvd.reducescatter(x, op=hvd.Sum, compression=hvd.Compression.fp16)
+        assert torch.equal(rs, hvd.reducescatter(x, op=hvd.Sum, compression=_FreshCast(torch.float16)))
+
+    one_pass()
+    made = WIRE_BUFFERS.allocated
+    one_pass()
+    assert WIRE_BUFFERS.allocated == made, f"the second pass allocated {WIRE_BUFFERS.allocated - made} wire buffers"
+    return made
+
+
+def test_large_compressed_allreduce_reuses_its_wire_buffers_and_matches_the_generic_path() -> None:
+    """fp16/bf16 of large CPU tensors: the 16-bit wire is a reused buffer (no allocation in a steady loop) and the
+    result is bitwise the generic compress/sum/scale/decompress path's, out of place, in place, grouped, scattered."""
+    made = run_ranks(_large_compressed, 2)
+    assert made[0] == made[1] and made[0] >= 2
+
+
+def _pieces_match_on_every_rank(rank: int, size: int) -> None:
+    """A large 16-bit CPU allreduce goes in pieces, decided from the request alone: a rank with its own
+    compressor (no reused buffer), a rank sending raw fp16, and a joined rank all issue the same calls."""
+    n = 1600  # 1600 x 1600 as fp16: 5 MB, two pieces
+    x = torch.randn(n, n, generator=torch.Generator().manual_seed(rank))
+    comp = _FreshCast(torch.float16) if rank == 0 else hvd.Compression.fp16
+    out = hvd.allreduce(x, op=hvd.Sum, compression=comp, name="mixed")
+    others = [torch.randn(n, n, generator=torch.Generator().manual_seed(r)) for r in range(size)]
+    want = sum((o.to(torch.float16) for o in others), torch.zeros(n, n))
+    close(out, want, "pieces with one rank on the generic path", atol=0.1, rtol=1e-2)
+    raw = (x * 0 + rank).to(torch.float16)  # uncompressed fp16: sent in the same pieces
+    close(hvd.allreduce_(raw, op=hvd.Sum, name="raw16"), torch.full((n, n), float(sum(range(size)))).half(), "raw fp16")
+    if rank == 1:
+        hvd.join()  # contributes zeros to rank 0's pieces, in pieces
+    else:
+        alone = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.bf16, name="joined")
+        close(alone, x.to(torch.bfloat16).float(), "rank 1 joined: its zeros came in the same pieces")
+        hvd.join()
+
+
+def test_sixteen_bit_allreduce_pieces_match_across_ranks_and_a_joined_rank() -> None:
+    run_ranks(_pieces_match_on_every_rank, 2, timeout=60)
 
 
 def _variants(rank: int, size: int) -> None:

@@ -4,11 +4,14 @@ A wire model (alpha-beta) predicts a bare in-place allreduce; hora's other allre
 scale the data on the CPU, serially before or after the wire:
 
 * out-of-place (``hvd.allreduce``): the input is copied into a fresh wire tensor;
-* compression (``fp16``/``bf16``): a cast of the float32 input down, a cast of the result back up;
-* Average: one multiply of the wire tensor.
+* compression (``fp16``/``bf16``): a cast of the float32 input down into a reused 16-bit buffer
+  (:data:`hora.compression.WIRE_BUFFERS`), and a cast of the result back up, Average's division done in the
+  same pass (:func:`hora.compression.cast_scaled`): into a fresh tensor out of place, into the caller's tensor
+  in place;
+* Average, uncompressed: one multiply of the wire tensor.
 
-A fresh tensor of more than 32 MB is new memory from the kernel (glibc serves it with mmap), so each of those
-copies and casts also pays the page faults of touching it: sweep up to 64 MB for rates that include them.
+A fresh tensor of more than 32 MB is new memory from the kernel (glibc serves it with mmap), so the copy and the
+out-of-place cast back also pay the page faults of touching it: sweep up to 64 MB for rates that include them.
 The DistributedOptimizer reuses its buckets: its gradients are copied (or cast) into them during backward
 whatever the compression, so it pays none of these (``call="bucket"``). The 16-bit sum itself is Gloo's, on
 the wire: :mod:`hora.bench.planner` fits it as a 16-bit wire from a sweep run with ``--compression``.
@@ -20,7 +23,7 @@ the wire time (:func:`extra_seconds`).
 Example:
     >>> rates = CpuRates(copy=1e-10, cast_down=2e-10, cast_up=2e-10, scale=1e-10)
     >>> round(extra_seconds(rates, 100e6, ranks=2, compression="fp16", call="out_of_place", average=True) * 1e3, 1)
-    45.0
+    40.0
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from typing import Any
 
 import torch
 
+from hora.compression import cast_scaled
+
 __all__ = ["CpuRates", "extra_seconds", "measure"]
 
 
@@ -40,17 +45,22 @@ __all__ = ["CpuRates", "extra_seconds", "measure"]
 class CpuRates:
     """Seconds per byte (of the float32 tensor) of each local pass."""
 
-    copy: float  # clone of a float32 tensor
-    cast_down: float  # float32 -> 16-bit
-    cast_up: float  # 16-bit -> float32
+    copy: float  # clone of a float32 tensor (a fresh tensor)
+    cast_down: float  # float32 -> 16-bit, into a reused buffer
+    cast_up: float  # 16-bit -> float32 and scaled, into a fresh tensor (an out-of-place result)
     scale: float  # in-place multiply
+    cast_up_into: float = -1.0  # 16-bit -> float32 and scaled, into an existing tensor; -1: as cast_up
+
+    def __post_init__(self) -> None:
+        if self.cast_up_into < 0:  # a record from before it was timed
+            object.__setattr__(self, "cast_up_into", self.cast_up)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CpuRates:
-        return cls(**{f.name: float(data[f.name]) for f in fields(cls)})
+        return cls(**{f.name: float(data[f.name]) for f in fields(cls) if f.name in data})
 
     def slowest(self, other: CpuRates) -> CpuRates:
         return CpuRates(**{f.name: max(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
@@ -67,15 +77,17 @@ def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def measure(nbytes: int = 64 * 2**20, repeats: int = 3) -> CpuRates:
-    """Time each pass on a ``nbytes`` float32 tensor on this host (median of ``repeats``)."""
+    """Time each pass on a ``nbytes`` float32 tensor on this host (median of ``repeats``), as hora does it."""
     x = torch.randn(nbytes // 4)
     half = x.to(torch.float16)
+    into = torch.empty_like(x)
     scaled = x.clone()
     n = float(x.numel() * 4)
     return CpuRates(copy=_median_seconds(x.clone, repeats) / n,
-                    cast_down=_median_seconds(lambda: x.to(torch.float16), repeats) / n,
-                    cast_up=_median_seconds(lambda: half.to(torch.float32), repeats) / n,
-                    scale=_median_seconds(lambda: scaled.mul_(1.0), repeats) / n)
+                    cast_down=_median_seconds(lambda: half.copy_(x), repeats) / n,
+                    cast_up=_median_seconds(lambda: cast_scaled(half, torch.empty_like(x), 0.5), repeats) / n,
+                    scale=_median_seconds(lambda: scaled.mul_(1.0), repeats) / n,
+                    cast_up_into=_median_seconds(lambda: cast_scaled(half, into, 0.5), repeats) / n)
 
 
 def extra_seconds(rates: CpuRates, nbytes: float, ranks: int, compression: str = "none", call: str = "inplace",
@@ -86,18 +98,11 @@ def extra_seconds(rates: CpuRates, nbytes: float, ranks: int, compression: str =
     ``bucket`` (the DistributedOptimizer: gradients are copied into a reused bucket during backward whatever
     the compression; a compressed bucket only changes that copy into a cast).
     """
-    if ranks < 2:
+    if ranks < 2 or call == "bucket":
         return 0.0
-    compressed = compression != "none"
-    wire = nbytes / 2 if compressed else nbytes
-    extra = 0.0
-    if compressed:
-        if call != "bucket":
-            extra += nbytes * (rates.cast_down + rates.cast_up)
-        if call == "inplace":
-            extra += nbytes * rates.copy  # the decompressed result is copied into the caller's tensor
-    elif call == "out_of_place":
-        extra += nbytes * rates.copy
-    if average and call != "bucket":
-        extra += wire * rates.scale
+    if compression != "none":  # cast down into a reused buffer; cast back with the division folded in
+        return nbytes * (rates.cast_down + (rates.cast_up if call == "out_of_place" else rates.cast_up_into))
+    extra = nbytes * rates.copy if call == "out_of_place" else 0.0
+    if average:
+        extra += nbytes * rates.scale
     return extra
