@@ -89,6 +89,12 @@ class CollectiveTimeoutError(CollectiveError):
     """A collective waited longer than the stall shutdown time."""
 
 
+class WorldMemberLostError(CollectiveError):
+    """Elastic: a member of the launcher's new world ended before the world's process groups were built (the
+    launcher posted it on that world's board). ``init()`` handles it itself: it posts ready again and joins the
+    world after it."""
+
+
 class HostsUpdatedInterrupt(HoraError):
     """The set of hosts changed; elastic training resets to pick up the new world, keeping its current state.
 
@@ -148,4 +154,5 @@ __all__ = [
     "SetupError",
     "UnsupportedCallError",
     "UnsupportedDtypeError",
+    "WorldMemberLostError",
 ]

@@ -35,7 +35,7 @@ from hora.diagnostics.board import Board
 from hora.engine.context import EngineContext
 from hora.engine.negotiator import Negotiator
 from hora.env import Knobs, WorkerEnv
-from hora.errors import CollectiveError, ConfigError, NotInitializedError
+from hora.errors import CollectiveError, ConfigError, NotInitializedError, WorldMemberLostError
 from hora.process_sets import ProcessSet, ProcessSetTable, global_process_set
 from hora.topology import Topology, derive_topology
 
@@ -103,7 +103,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         sets: list[Any] = [] if process_sets == "dynamic" else list(process_sets or ())
         ProcessSetTable.check(sets, env.size)
         _generation = generation
-        rt = _build(env, knobs, _generation)
+        rt = _build_elastic(env, knobs, sets) if env.elastic else _build(env, knobs, _generation)
+        env = rt.env
         try:  # a failed init leaves nothing behind: is_initialized() stays False and init() can be retried
             for ps in sets:
                 rt.process_sets.register(ps)
@@ -118,6 +119,22 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         _state = rt
         user_errors.install(knobs.full_tracebacks, under_launcher=bool(env.job_id))
         log.info("hora initialised: rank %d of %d on %s (%s)", env.rank, env.size, env.hostname, rt.backend)
+
+
+def _build_elastic(env: WorkerEnv, knobs: Knobs, sets: list[Any]) -> Runtime:
+    """Build the launcher's world that ``env`` joined. A member of it that ends before the world's process
+    groups stand (the launcher posts it on the world's board) makes the others post ready again and join the
+    world after it, here, at once (not after --start-timeout)."""
+    global _generation
+    while True:
+        try:
+            return _build(env, knobs, _generation)
+        except WorldMemberLostError as e:
+            log.warning("hora elastic: %s; joining the next world", e)
+        store = rendezvous.store(env, datetime.timedelta(seconds=knobs.start_timeout))
+        env, elastic_world = world.join(store, env, _generation, knobs.elastic_timeout)
+        ProcessSetTable.check(sets, env.size)
+        _generation = elastic_world.gen
 
 
 def _engine_context(rt: Runtime) -> EngineContext:
@@ -143,6 +160,7 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
     device = _bind_device(env)
     backend = "cpu:gloo,cuda:nccl" if device is not None else "gloo"
     owns = not dist.is_initialized()
+    board: Board | None = None
     if owns:
         raw = rendezvous.store(env, timeout)
         prefix = f"hora/{env.job_id}/g{generation}"
@@ -151,23 +169,25 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
         hook = sys.excepthook
         board = Board(raw, env.board_id, env.rank)
         board.arrive(generation)
+        if env.elastic:  # wait for the members here, where the launcher's word that one ended is heard
+            late, ended = board.wait_arrivals(env.size, generation, knobs.start_timeout)
+            if ended:
+                raise _member_lost(env, generation, ended)
+            if late:
+                raise _late_error(board, env, knobs, late)
         try:
             dist.init_process_group(
                 backend, store=dist.PrefixStore("default", base), rank=env.rank, world_size=env.size, timeout=timeout
             )
         except Exception as e:  # c10d raises DistStoreError with an internal key: say who is late instead
+            ended = board.ended(range(env.size)) if env.elastic else {}
+            if ended:
+                raise _member_lost(env, generation, ended) from e
             late = board.not_arrived(env.size, generation) if board.active else []
             if not late:
                 raise
             log.debug("rank %d: init_process_group failed: %s", env.rank, e)
-            who = f"rank {late[0]}" if len(late) == 1 else f"ranks {', '.join(map(str, late))}"
-            board.blame(late[0], f"did not call hvd.init() within --start-timeout {knobs.start_timeout:g} s "
-                                 "(its peers waited for it)")
-            raise CollectiveError(
-                f"rank {env.rank}: {who} did not call hvd.init() within the start timeout of {knobs.start_timeout:g} s "
-                "(--start-timeout, HORA_START_TIMEOUT); every rank must call it. Look at the late rank's output: "
-                "slow work before init() (imports, data loading) needs a longer --start-timeout; a rank that "
-                "never gets there is stuck or takes another branch") from None
+            raise _late_error(board, env, knobs, late) from None
         if env.source == "hora":  # hora run already tags each line "[1]<stderr>:"; torch would add "[rank1]: "
             sys.excepthook = hook
     else:  # the script made the default group itself (e.g. under torchrun): join it
@@ -187,15 +207,38 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
         sets.add_global(dist.new_group(backend=backend))
         if knobs.hierarchical_allreduce and env.size > 1:
             hierarchical.build(topo.hosts, env.rank, global_process_set.group, backend)
-    except BaseException:  # leave nothing half-built behind (init() may be retried)
+    except BaseException as e:  # leave nothing half-built behind (init() may be retried)
         hierarchical.clear()
         ProcessSetTable(env.size, env.rank, backend).unbind_all()
         if owns and dist.is_initialized():
             dist.destroy_process_group()
+        ended = board.ended(range(env.size)) if board is not None and env.elastic and isinstance(e, Exception) \
+            else {}
+        if ended:  # a member died while the groups were built: its peers' connections to it failed
+            raise _member_lost(env, generation, ended) from e
         raise
     rt = Runtime(env=env, knobs=knobs, store=base, topo=topo, backend=backend, owns_default_group=owns,
                  ctrl_group=ctrl, device=device, process_sets=sets, connect_store=connect)
     return rt
+
+
+def _late_error(board: Board, env: WorkerEnv, knobs: Knobs, late: list[int]) -> CollectiveError:
+    """The error of a rank whose peers ``late`` did not reach ``init()`` in time (they are blamed on the board)."""
+    who = f"rank {late[0]}" if len(late) == 1 else f"ranks {', '.join(map(str, late))}"
+    board.blame(late[0], f"did not call hvd.init() within --start-timeout {knobs.start_timeout:g} s "
+                         "(its peers waited for it)")
+    return CollectiveError(
+        f"rank {env.rank}: {who} did not call hvd.init() within the start timeout of {knobs.start_timeout:g} s "
+        "(--start-timeout, HORA_START_TIMEOUT); every rank must call it. Look at the late rank's output: "
+        "slow work before init() (imports, data loading) needs a longer --start-timeout; a rank that "
+        "never gets there is stuck or takes another branch")
+
+
+def _member_lost(env: WorkerEnv, generation: int, ended: dict[int, str]) -> WorldMemberLostError:
+    """The error of a member of elastic world ``generation`` whose peers ``ended`` (rank -> how) are gone."""
+    rank, how = min(ended.items())
+    return WorldMemberLostError(f"rank {env.rank}: rank {rank} of the launcher's world {generation} ended ({how}) "
+                                "before the world's process groups were built")
 
 
 def _control_timeout(knobs: Knobs) -> datetime.timedelta:

@@ -108,6 +108,33 @@ class Board:
         except Exception as e:
             log.debug("board: cannot mark arrival: %s", e)
 
+    def wait_arrivals(self, size: int, generation: int, timeout_s: float,
+                      poll_s: float = 0.005) -> tuple[list[int], dict[int, str]]:
+        """Wait until every rank below ``size`` has reached its ``generation``-th ``init()`` (:meth:`arrive`),
+        watching the launcher's ``ended/<rank>`` posts meanwhile (an elastic world's member can die after the
+        world was published: its peers must not wait for it inside the backend's rendezvous).
+
+        Returns:
+            ``(late ranks, ended ranks with how)``: ``([], {})`` once every rank arrived (or when the board is
+            off); as soon as the launcher saw one of them end, the ended ones; after ``timeout_s``, the late
+            ranks alone.
+        """
+        if self._store is None:
+            return [], {}
+        keys = [self._key(protocol.ARRIVED, gen=generation, rank=r) for r in range(size)]
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self._store.check(keys):  # one round trip for all of them
+                ended = self.ended(range(size))  # one round trip while nobody ended
+                if ended:
+                    return self.not_arrived(size, generation), ended
+                if time.monotonic() > deadline:
+                    return self.not_arrived(size, generation), {}
+                time.sleep(poll_s)
+        except Exception as e:  # the store went away with the launcher: the backend's rendezvous will say so
+            log.debug("board: cannot read arrivals: %s", e)
+        return [], {}
+
     def not_arrived(self, size: int, generation: int) -> list[int]:
         """The ranks that have not reached their ``generation``-th ``init()``."""
         if self._store is None:

@@ -1,0 +1,45 @@
+"""Board.wait_arrivals: the elastic members' wait for each other in ``init()``, which hears the launcher's word
+that a member ended (the end-to-end case is tests/distributed/test_elastic_robust.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from torch.distributed import HashStore
+
+from hora.diagnostics.board import Board
+from hora.launch import protocol
+
+
+def _boards(store: HashStore, size: int) -> list[Board]:
+    return [Board(store, "job/g2", r) for r in range(size)]
+
+
+def test_every_member_arrived_returns_at_once() -> None:
+    boards = _boards(HashStore(), 3)
+    for b in boards:
+        b.arrive(2)
+    assert boards[0].wait_arrivals(3, 2, timeout_s=30.0) == ([], {})
+
+
+def test_a_member_the_launcher_saw_end_stops_the_wait() -> None:
+    store = HashStore()
+    boards = _boards(store, 3)
+    boards[0].arrive(2)
+    boards[1].arrive(2)
+
+    def launcher() -> None:  # what the elastic driver posts when rank 2 of world 2 dies
+        time.sleep(0.2)
+        store.set(protocol.board_key("job/g2", protocol.ENDED, rank=2), "signal SIGKILL (9)")
+        store.add(protocol.board_key("job/g2", protocol.ENDS), 1)
+
+    threading.Thread(target=launcher).start()
+    assert boards[0].wait_arrivals(3, 2, timeout_s=30.0) == ([2], {2: "signal SIGKILL (9)"})
+
+
+def test_late_members_are_named_after_the_timeout_and_an_inactive_board_never_waits() -> None:
+    boards = _boards(HashStore(), 3)
+    boards[1].arrive(2)
+    assert boards[1].wait_arrivals(3, 2, timeout_s=0.1) == ([0, 2], {})
+    assert Board(None, "", 0).wait_arrivals(3, 2, timeout_s=30.0) == ([], {})
