@@ -1,4 +1,5 @@
-"""``hora.run(fn)``: results in rank order, closures and lambdas, a rank's exception re-raised here."""
+"""``hora.run(fn)``: results in rank order, closures and lambdas, a rank's exception re-raised here; elastic
+runs (Horovod's ``min_np=``...) going on without a worker that died."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 
 import pytest
 
-from hora.errors import LaunchError
+from hora.errors import ConfigError, LaunchError
 from hora.launch.pyrun import RemoteTraceback, run
 
 
@@ -44,3 +45,40 @@ def test_a_rank_that_dies_without_raising_is_a_launch_error() -> None:
     with pytest.raises(LaunchError, match=r"^hora.run: rank 0 on host localhost failed: exit code 7$") as info:
         run(lambda: os._exit(7), np=1)
     assert info.value.exit_code == 7
+
+
+def test_an_elastic_run_goes_on_without_a_worker_that_died() -> None:
+    def train(steps: int) -> tuple[int, int, int, float]:
+        import signal
+
+        import torch
+
+        import hora as hvd
+
+        hvd.init()
+
+        @hvd.elastic.run
+        def loop(state: hvd.elastic.ObjectState) -> None:
+            while state.step < steps:
+                if state.step == 5 and os.environ["HORA_WORKER_ID"] == "127.0.0.2:0":
+                    os.kill(os.getpid(), signal.SIGKILL)  # its peers' next allreduce fails: they restore, reset
+                state.total += hvd.allreduce(torch.ones(1), op=hvd.Sum, name="one").item()
+                state.step += 1
+                state.commit()
+
+        state = hvd.elastic.ObjectState(step=0, total=0.0)
+        loop(state)
+        return hvd.rank(), hvd.size(), state.step, state.total
+
+    results = run(train, args=(20,), np=3, min_np=2, hosts="127.0.0.1:2,127.0.0.2:1")
+    # 5 committed steps of 3 ranks, then 15 of 2: no committed step lost or repeated
+    assert results == [(0, 2, 20, 45.0), (1, 2, 20, 45.0)]
+
+
+def test_elastic_settings_without_an_elastic_job_and_both_host_sources_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"hora.run\(reset_limit=...\) is an elastic setting: give min_np="):
+        run(print, np=1, reset_limit=3)
+    with pytest.raises(ConfigError, match="an elastic job takes its hosts from one of them"):
+        run(print, min_np=1, hosts="a:1", host_discovery_script="cat hosts")
+    with pytest.raises(ConfigError, match=r"np=5\) is more than max_np=4"):
+        run(print, np=5, min_np=2, max_np=4)

@@ -177,8 +177,7 @@ def test_average_argument_warns_as_deprecated_as_in_horovod() -> None:
         resolve_op(hvd.Sum, True)
 
 
-def test_run_refuses_horovods_elastic_and_mpi_arguments_with_the_reason() -> None:
-    for kwargs, needle in (({"min_np": 2}, "elastic"), ({"use_mpi": True}, "MPI"), ({"mpi_args": "-x"}, "MPI"),
-                           ({"use_gloo": False}, "Gloo")):
+def test_run_refuses_horovods_mpi_arguments_with_the_reason() -> None:
+    for kwargs, needle in (({"use_mpi": True}, "MPI"), ({"mpi_args": "-x"}, "MPI"), ({"use_gloo": False}, "Gloo")):
         with pytest.raises(hvd.ConfigError, match=needle):
             hvd.run(print, np=1, **kwargs)

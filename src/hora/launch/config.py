@@ -93,6 +93,15 @@ def _refuse_unsupported(ns: argparse.Namespace) -> None:
                           "with jsrun yourself and let hora.init() read their environment")
 
 
+def default_elastic_timeout(environ: dict[str, str]) -> float:
+    """``--elastic-timeout`` when not given: ``HOROVOD_ELASTIC_TIMEOUT`` / ``HORA_ELASTIC_TIMEOUT``, else 600 s."""
+    text = environ.get("HOROVOD_ELASTIC_TIMEOUT") or environ.get("HORA_ELASTIC_TIMEOUT")
+    try:
+        return float(text) if text else DEFAULT_ELASTIC_TIMEOUT
+    except ValueError:
+        raise ConfigError(f"HOROVOD_ELASTIC_TIMEOUT={text!r}: not a number of seconds") from None
+
+
 def _elastic(ns: argparse.Namespace, environ: dict[str, str]) -> ElasticConfig | None:
     """The elastic settings, when any elastic flag is given (``--min-np``, ``--host-discovery-script`` ...)."""
     if all(getattr(ns, name) is None for name in ELASTIC_FLAGS):
@@ -103,13 +112,7 @@ def _elastic(ns: argparse.Namespace, environ: dict[str, str]) -> ElasticConfig |
     if ns.host_discovery_script is None and ns.min_np is None:
         raise ConfigError("elastic flags without --host-discovery-script or --min-np: give --min-np N (with "
                           "-H/--hostfile) or a --host-discovery-script")
-    timeout = ns.elastic_timeout
-    if timeout is None:
-        text = environ.get("HOROVOD_ELASTIC_TIMEOUT") or environ.get("HORA_ELASTIC_TIMEOUT")
-        try:
-            timeout = float(text) if text else DEFAULT_ELASTIC_TIMEOUT
-        except ValueError:
-            raise ConfigError(f"HOROVOD_ELASTIC_TIMEOUT={text!r}: not a number of seconds") from None
+    timeout = ns.elastic_timeout if ns.elastic_timeout is not None else default_elastic_timeout(environ)
     min_np = ns.min_np if ns.min_np is not None else (ns.np if ns.np is not None else 1)
     cooldown = ns.blacklist_cooldown_range
     return ElasticConfig(min_np=min_np, max_np=ns.max_np, slots_per_host=ns.slots_per_host,

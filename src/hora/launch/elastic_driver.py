@@ -13,6 +13,12 @@ It runs the contract of :mod:`hora.launch.elastic_protocol` from the launcher's 
   collectives fail with ``HorovodInternalError``), its host is blacklisted (cooldown with backoff when a
   range is given), the host's other workers are stopped, and once every survivor posted ready the next
   world goes out without them.
+* a member frozen (stopped, stuck in a native call, cut off): the newest world's board is read as the fixed
+  driver reads it (:mod:`hora.launch.stalls`): its agent says what its process is doing; past the stall
+  shutdown time (``--stall-check-shutdown-time-seconds``), once its peers gave up on it (they reset) or it
+  holds up a data transfer, it is stopped as a failed worker (its host blacklisted) and the others go on.
+* a member of a new world that ends before the world's process groups stand: ``ended/<rank>`` on that world's
+  board makes the other members give up that world at once and post ready again (``hora.runtime``).
 * the job fails, with one line and the root cause's report, when fewer than ``--min-np`` slots stay
   available for ``--elastic-timeout``, when more than ``--reset-limit`` resets happen, when every host is
   blacklisted for good, or when no worker of a world survives (no state to go on from). It succeeds when the
@@ -57,6 +63,8 @@ class ElasticDriver(ElasticWorlds):
     Args:
         cfg: the checked job (``cfg.elastic`` set).
         transport_for: ``(host, is_local) -> Transport``; tests pass their own.
+        store_ready: called with the rendezvous store before any worker starts (``hora.run`` ships its
+            function through it).
     """
 
     # --- running ---------------------------------------------------------------------------------------
@@ -163,6 +171,7 @@ class ElasticDriver(ElasticWorlds):
                 log.info("worker %s (%d) did not leave by itself: stopping it", w.wid, w.number)
                 w.agent.send({"t": protocol.STOP, "grace": self.cfg.grace, "r": [w.number]})
         self._read_ready()
+        self._watch_stalls()
         if self._check_hopeless(now):
             return
         self._start_missing(now)
@@ -249,11 +258,18 @@ class ElasticDriver(ElasticWorlds):
             state.done, state.code, state.sig = True, message.get("code"), message.get("sig")
             state.stopped = bool(message.get("stopped"))
             state.exit_ts = float(message.get("ts") or time.time())
+            if w.stalled and self._stop_deadline is None:  # the stall inspector's stop: a failure
+                state.stopped, state.how = False, w.stalled
             self._on_exit(w)
         elif kind == protocol.STARTED:
             agent.started = True
         elif kind == protocol.DONE:
             agent.finished = True
+        elif kind == protocol.PROBE and self._stop_deadline is None and self.world is not None:
+            w = self.workers[int(message["r"])]
+            rank = self.world.rank_of(w.wid) if self._member(w) else None
+            if rank is not None:
+                output.note(self.stalls.on_probe(rank, str(message.get("how", ""))))
 
     def _on_exit(self, w: Worker) -> None:
         state = w.state

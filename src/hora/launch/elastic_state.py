@@ -18,6 +18,7 @@ from hora.launch.agent_handle import KILL_AFTER_GRACE, AgentHandle, default_tran
 from hora.launch.config import RunConfig
 from hora.launch.elastic_hosts import ElasticConfig, HostManager
 from hora.launch.failures import RankState
+from hora.launch.stalls import StallWatch
 from hora.launch.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class Worker:
     leaving: bool = False  # its host (or slot) is gone or blacklisted: no world will hold it again
     leave_by: float | None = None  # stop it at this time if it is still running
     announced: bool = False  # an update told the members it is ready to join
+    stalled: str = ""  # why the stall inspector had it stopped (its exit is then a failure, not a stop)
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -70,11 +72,14 @@ class ElasticState:
     Args:
         cfg: the checked job (``cfg.elastic`` set).
         transport_for: ``(host, is_local) -> Transport``; tests pass their own.
+        store_ready: called with the rendezvous store before any worker starts.
     """
 
-    def __init__(self, cfg: RunConfig, *, transport_for: Callable[[str, bool], Transport] | None = None) -> None:
+    def __init__(self, cfg: RunConfig, *, transport_for: Callable[[str, bool], Transport] | None = None,
+                 store_ready: Callable[[Any], None] | None = None) -> None:
         assert cfg.elastic is not None
         self.cfg = cfg
+        self.store_ready = store_ready  # called with the store once it listens (hora.run ships its function)
         self.ecfg: ElasticConfig = cfg.elastic
         self.transport_for = transport_for or default_transport(cfg)
         self.job_id = ""
@@ -87,6 +92,7 @@ class ElasticState:
         self.world: ep.World | None = None
         self.member_numbers: set[int] = set()  # the worker processes of the newest world
         self.updates = 0  # the value of the store's ``updates`` counter
+        self.stalls = StallWatch(None, "", {})  # the newest world's board (see _watch_stalls)
         self.console = output.Console(prefix_timestamp=cfg.prefix_timestamp, output_dir=cfg.output_filename)
         self.failure: _Failure | None = None
         self.finishing = False  # a member returned: no more worlds, the others finish too
@@ -128,10 +134,47 @@ class ElasticState:
         return [w for w in self.workers.values()
                 if w.alive and not w.leaving and w.ready is not None and not self._member(w)]
 
+    def _member_at(self, rank: int) -> Worker | None:
+        """The live worker with rank ``rank`` in the newest world."""
+        if self.world is None:
+            return None
+        return next((w for w in self._members() if self.world.rank_of(w.wid) == rank), None)
+
     def _last_failed(self) -> Worker | None:
         return self._last
 
     # --- failing and stopping the job ------------------------------------------------------------------
+    def _watch_stalls(self) -> None:
+        """The newest world's board, as the fixed driver reads it (:mod:`hora.launch.stalls`): the silent peers
+        of waiting ranks are probed by their agents; a member that the stall shutdown time gave up on (frozen in
+        a data transfer, or named by the ranks that stopped waiting for it and reset) is stopped as a failed
+        worker: its host is blacklisted and the next world goes on without it."""
+        if self.world is None:
+            return
+        probe, notes = self.stalls.poll()
+        for line in notes:
+            output.note(line)
+        for rank in probe:
+            w = self._member_at(rank)
+            if w is not None:
+                w.agent.send({"t": protocol.PROBE, "r": [w.number]})
+        found = self.stalls.shutdown_due("hora run stopped it; the others go on without it")
+        if found is None and any(w.ready == self.world.gen for w in self._members()):
+            found = self.stalls.culprit()  # the others reset after their stall shutdown: is it the late one?
+            w = self._member_at(found.rank) if found is not None else None
+            if w is None or w.ready == self.world.gen:
+                found = None
+        if found is not None:
+            self._stop_stalled(found.rank, found.how)
+
+    def _stop_stalled(self, rank: int, how: str) -> None:
+        w = self._member_at(rank)
+        if w is None or w.stalled:
+            return
+        w.stalled = how
+        note(f"worker {w.wid} (process [{w.number}], rank {rank}) on host {w.host}: {how}; stopping it")
+        w.agent.send({"t": protocol.STOP, "grace": 0, "r": [w.number]})
+
     def _post_ended(self, w: Worker, how: str) -> None:
         """Tell the newest world's ranks that ``w`` is gone (their collectives with it fail at once)."""
         if self.world is None or not self._member(w) or self.store is None:

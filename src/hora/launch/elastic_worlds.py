@@ -11,6 +11,7 @@ from hora import network
 from hora.launch import elastic_protocol as ep
 from hora.launch.elastic_state import ElasticState, Worker, note
 from hora.launch.hosts import HostSpec
+from hora.launch.stalls import StallWatch
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ class ElasticWorlds(ElasticState):
         self.store = TCPStore(self.addr, 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=max(self.cfg.start_timeout, 60)))
         self.port = int(self.store.port)
+        if self.store_ready is not None:
+            self.store_ready(self.store)
         log.info("rendezvous store on %s:%d (job %s)", self.addr, self.port, self.job_id)
 
     def _read_ready(self) -> None:
@@ -187,6 +190,8 @@ class ElasticWorlds(ElasticState):
         self.store.set(self._key(ep.GEN), str(gen))
         self.world = world
         self.member_numbers = {w.number for w in chosen}
+        self.stalls = StallWatch(self.store, ep.world_job_id(self.job_id, gen),
+                                 {p.rank: p.hostname for p in world.workers.values()})
         self._reset_since, self._lost_member = None, False
         if previous is not None:
             self.stats.resets += 1

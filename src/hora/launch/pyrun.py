@@ -1,5 +1,9 @@
 """``hora.run(fn)``: run a Python function on every rank, from a script or a Jupyter notebook.
 
+With Horovod's elastic arguments (``min_np``, ``max_np``, ...) or a host discovery script the job is elastic,
+as under ``hora run --min-np``: workers may fail or hosts come and go while ``fn`` trains with
+``hvd.elastic.run``; the values come from the members of the last world (docs/elastic.md).
+
 Example:
     >>> import hora
     >>> def work(scale):
@@ -16,12 +20,17 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from hora import env as hora_env
 from hora.errors import ConfigError, HoraError, JobFailedError
 from hora.launch import shipping
-from hora.launch.config import RunConfig
+from hora.launch.config import RunConfig, default_elastic_timeout
 from hora.launch.driver import Driver
-from hora.launch.hosts import hosts_from
+from hora.launch.elastic_driver import ElasticDriver
+from hora.launch.elastic_hosts import ElasticConfig
+from hora.launch.hosts import HostSpec, hosts_from
 from hora.launch.procs import describe_exit
+from hora.launch.protocol import PYRUN_ELASTIC_ERROR_KEY as ELASTIC_ERROR_KEY
+from hora.launch.protocol import PYRUN_ELASTIC_RESULT_KEY as ELASTIC_RESULT_KEY
 from hora.launch.protocol import PYRUN_FN_KEY as FN_KEY
 from hora.launch.protocol import PYRUN_RESULT_KEY as RESULT_KEY
 
@@ -35,16 +44,40 @@ class RemoteTraceback(Exception):
 
 def _refuse_unsupported(**given: Any) -> None:
     """Horovod's run() arguments that hora cannot honour fail with the reason, never silently."""
-    elastic = [name for name in ("min_np", "max_np", "slots", "reset_limit", "cooldown_range")
-               if given[name] is not None]
-    if elastic:
-        raise ConfigError(f"hora.run({elastic[0]}=...): elastic jobs are not supported by hora yet; run with a "
-                          "fixed np=")
     if given["use_mpi"] or given["mpi_args"] is not None:
         raise ConfigError("hora.run(use_mpi/mpi_args): hora has no MPI controller (it runs on torch.distributed "
                           "with Gloo/NCCL); drop the argument")
     if given["use_gloo"] is False:
         raise ConfigError("hora.run(use_gloo=False): Gloo is hora's only controller; drop the argument")
+
+
+def _elastic(np: int, min_np: int | None, max_np: int | None, slots: int | None, reset_limit: int | None,
+             cooldown_range: Any, discovery: str | None, elastic_timeout: float | None, fixed_hosts: bool
+             ) -> ElasticConfig | None:
+    """The elastic settings of a ``run()`` call (None: a fixed job), as ``hora run``'s flags make them."""
+    if min_np is None and max_np is None and discovery is None:
+        extra = [n for n, v in (("slots", slots), ("reset_limit", reset_limit), ("cooldown_range", cooldown_range),
+                                ("elastic_timeout", elastic_timeout)) if v is not None]
+        if extra:
+            raise ConfigError(f"hora.run({extra[0]}=...) is an elastic setting: give min_np= (with hosts=) or "
+                              "host_discovery_script= too, or drop it")
+        return None
+    if discovery is not None and fixed_hosts:
+        raise ConfigError("hora.run(host_discovery_script=..., hosts=/hostfile=...): an elastic job takes its hosts "
+                          "from one of them")
+    if cooldown_range is not None:
+        try:
+            low, high = (float(x) for x in cooldown_range)
+        except (TypeError, ValueError):
+            raise ConfigError(f"hora.run(cooldown_range={cooldown_range!r}): give (MIN, MAX) seconds") from None
+        cooldown: tuple[float, float] | None = (low, high)
+    else:
+        cooldown = None
+    timeout = elastic_timeout if elastic_timeout is not None else default_elastic_timeout(
+        hora_env.launcher_environ())
+    return ElasticConfig(min_np=min_np if min_np is not None else np, max_np=max_np, slots_per_host=slots,
+                         discovery_script=discovery, elastic_timeout=float(timeout), reset_limit=reset_limit,
+                         cooldown=cooldown)
 
 
 def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, np: int = 1,
@@ -54,6 +87,7 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str,
         ssh_identity_file: str | None = None, disable_cache: bool | None = None, output_filename: str | None = None,
         verbose: int | None = None, use_gloo: bool | None = None, use_mpi: bool | None = None,
         mpi_args: str | None = None, network_interface: str | None = None, executable: str | None = None, *,
+        host_discovery_script: str | None = None, elastic_timeout: float | None = None,
         ssh_options: Sequence[str] = (), env: Mapping[str, str] | None = None,
         prefix_output_with_timestamp: bool = False) -> list[Any]:
     """Run ``func(*args, **kwargs)`` on ``np`` ranks and return the per-rank results in rank order.
@@ -71,28 +105,52 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str,
         executable: the Python the ranks run (default: this one).
         disable_cache, verbose: accepted for Horovod's sake; hora keeps no host cache and logs through ``logging``.
         use_gloo: accepted (Gloo is hora's only controller); ``use_gloo=False`` fails.
-        min_np, max_np, slots, reset_limit, cooldown_range (elastic), use_mpi, mpi_args: fail with a
-            :class:`~hora.errors.ConfigError` saying why (hora has no elastic mode and no MPI controller).
+        use_mpi, mpi_args, ``use_gloo=False``: fail with a :class:`~hora.errors.ConfigError` saying why (hora
+            has no MPI controller).
         env: extra variables for every worker (like ``-x NAME=VALUE``).
 
+    Elastic (any of ``min_np``, ``max_np``, ``host_discovery_script``; the others need one of them), as
+    ``hora run`` with horovodrun's elastic flags: ``min_np``/``max_np`` (``--min-np``/``--max-np``; ``min_np``
+    defaults to ``np``), ``slots`` (``--slots-per-host``, for discovered hosts printed without slots),
+    ``reset_limit``, ``cooldown_range=(MIN, MAX)`` (``--blacklist-cooldown-range``), and the keyword-only
+    ``host_discovery_script`` and ``elastic_timeout`` (``--host-discovery-script``, ``--elastic-timeout``;
+    hora's additions). ``np`` is the number of slots to wait for before starting (at least ``min_np``); hosts
+    come from ``hosts``/``hostfile`` or the discovery script. ``func`` trains with ``hvd.elastic.run`` (see
+    docs/elastic.md): a failed worker's host is blacklisted and the others go on.
+
     Returns:
-        ``[result of rank 0, result of rank 1, ...]``.
+        ``[result of rank 0, result of rank 1, ...]``; elastic: of the ranks of the last world (workers that
+        failed or left before it return nothing).
 
     Raises:
-        The exception a rank raised (the first to fail), chained to a :class:`RemoteTraceback` with that
-        rank's traceback; :class:`~hora.errors.JobFailedError` if a rank died without raising (a signal).
+        The exception a rank raised (the first to fail; elastic: the failure that ended the job), chained to a
+        :class:`RemoteTraceback` with its traceback; :class:`~hora.errors.JobFailedError` if a rank died
+        without raising (a signal) or an elastic job failed (its one-line reason).
     """
-    _refuse_unsupported(min_np=min_np, max_np=max_np, slots=slots, reset_limit=reset_limit,
-                        cooldown_range=cooldown_range, use_gloo=use_gloo, use_mpi=use_mpi, mpi_args=mpi_args)
+    _refuse_unsupported(use_gloo=use_gloo, use_mpi=use_mpi, mpi_args=mpi_args)
+    elastic = _elastic(np, min_np, max_np, slots, reset_limit, cooldown_range, host_discovery_script,
+                       elastic_timeout, hosts is not None or hostfile is not None)
+    if elastic is not None:
+        np = max(np, elastic.min_np)
+        if elastic.max_np is not None and np > elastic.max_np:
+            raise ConfigError(f"hora.run(np={np}) is more than max_np={elastic.max_np}")
     payload = shipping.dumps((func, tuple(args), dict(kwargs or {})))
+    job_hosts = ((HostSpec("localhost", 1),) if host_discovery_script is not None  # the script names the hosts
+                 else hosts_from(hosts or None, hostfile or None, np, flags=("hosts=", "hostfile=")))
     cfg = RunConfig(
-        command=(executable or sys.executable, "-m", "hora.launch.pyworker"), np=np,
-        hosts=hosts_from(hosts or None, hostfile or None, np, flags=("hosts=", "hostfile=")),
-        ssh_port=ssh_port, ssh_identity_file=ssh_identity_file,
+        command=(executable or sys.executable, "-m", "hora.launch.pyworker"), np=np, hosts=job_hosts,
+        elastic=elastic, ssh_port=ssh_port, ssh_identity_file=ssh_identity_file,
         ssh_options=tuple(ssh_options), network_interfaces=(network_interface,) if network_interface else (),
         start_timeout=30.0 if start_timeout is None else float(start_timeout), env=dict(env or {}),
         prefix_timestamp=prefix_output_with_timestamp, output_filename=output_filename,
     )
+    if elastic is not None:
+        edriver = ElasticDriver(cfg, store_ready=lambda store: store.set(FN_KEY, payload))
+        code = edriver.run()
+        try:
+            return _collect_elastic(edriver, code)
+        finally:
+            edriver.store = None
     driver = Driver(cfg, store_ready=lambda store: store.set(FN_KEY, payload))
     code = driver.run()
     try:
@@ -117,16 +175,35 @@ def _collect(driver: Driver, code: int) -> list[Any]:
     for rank in order:
         record = records.get(rank)
         if record is not None and record[0] == "error":
-            _reraise(rank, driver.ranks[rank].slot.hostname, record)
+            _reraise(f"rank {rank} on host {driver.ranks[rank].slot.hostname}", record)
     if failed is not None:
         raise JobFailedError(f"hora.run: rank {failed.slot.rank} on host {failed.slot.hostname} failed: "
                           f"{describe_exit(failed.code, failed.sig)}", code)
     raise JobFailedError(f"hora.run: the job ended with status {code} before every rank returned", code)
 
 
-def _reraise(rank: int, host: str, record: tuple[Any, ...]) -> None:
+def _collect_elastic(driver: ElasticDriver, code: int) -> list[Any]:
+    """The values of the last world's ranks, or the failure that ended the elastic job."""
+    store, world = driver.store, driver.world
+    if code == 0 and world is not None:
+        keys = [ELASTIC_RESULT_KEY.format(gen=world.gen, rank=r) for r in range(world.size)]
+        records = [shipping.loads(store.get(k)) for k in keys if store.check([k])]
+        if len(records) == world.size and all(r[0] == "ok" for r in records):
+            return [r[1] for r in records]
+    if driver.failure is None and driver.interrupted is not None:
+        raise KeyboardInterrupt(f"hora.run: interrupted ({driver.interrupted}); every worker was stopped")
+    failed = driver.failure.worker if driver.failure is not None else None
+    if failed is not None:
+        key = ELASTIC_ERROR_KEY.format(worker_id=failed.wid)
+        if store.check([key]):
+            _reraise(f"worker {failed.wid} on host {failed.host}", shipping.loads(store.get(key)))
+    why = driver.failure.summary if driver.failure is not None else "not every rank of the last world returned"
+    raise JobFailedError(f"hora.run: the elastic job failed: {why}", code or 1)
+
+
+def _reraise(who: str, record: tuple[Any, ...]) -> None:
     _, blob, type_name, message, text = record
-    cause = RemoteTraceback(f"rank {rank} on host {host} raised:\n{text}")
+    cause = RemoteTraceback(f"{who} raised:\n{text}")
     exc: BaseException | None = None
     if blob is not None:
         try:
@@ -134,5 +211,5 @@ def _reraise(rank: int, host: str, record: tuple[Any, ...]) -> None:
         except Exception:  # noqa: BLE001 - the class may not exist here
             exc = None
     if exc is None:
-        exc = HoraError(f"rank {rank} on host {host} raised {type_name}: {message}")
+        exc = HoraError(f"{who} raised {type_name}: {message}")
     raise exc from cause

@@ -2,7 +2,8 @@
 
 Started by the launcher as ``python -m hora.launch.pyworker`` on every rank. The outcome goes to the
 driver's store under ``hora.run/result/<rank>``: ``("ok", value)`` or ``("error", exception or None,
-type name, message, traceback text)``. A rank that raised exits with code 1 after printing its traceback.
+type name, message, traceback text)`` (elastic jobs: see :func:`_keys`). A rank that raised exits with code 1
+after printing its traceback.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
+from hora import runtime
 from hora.env import WorkerEnv
+from hora.launch import elastic_protocol as ep
 from hora.launch import shipping
+from hora.launch.protocol import PYRUN_ELASTIC_ERROR_KEY as ELASTIC_ERROR_KEY
+from hora.launch.protocol import PYRUN_ELASTIC_RESULT_KEY as ELASTIC_RESULT_KEY
 from hora.launch.protocol import PYRUN_FN_KEY as FN_KEY
 from hora.launch.protocol import PYRUN_RESULT_KEY as RESULT_KEY
 
@@ -37,6 +42,20 @@ def _error_record(exc: BaseException) -> bytes:
     return pickle.dumps(("error", exc_blob, type(exc).__qualname__, str(exc), text))
 
 
+def _keys(env: WorkerEnv, store: Any) -> tuple[str, str]:
+    """Where this process's value and its error go. Elastic: the value under the last world it was in and its
+    rank there (the caller reads the last world's), the error under its worker id."""
+    if not env.elastic:
+        return RESULT_KEY.format(rank=env.rank), RESULT_KEY.format(rank=env.rank)
+    error = ELASTIC_ERROR_KEY.format(worker_id=env.worker_id)
+    gen = runtime.world_generation()
+    key = ep.elastic_key(env.job_id, ep.WORLD, gen=gen)
+    member = ep.World.from_json(store.get(key)).workers.get(env.worker_id) if gen and store.check([key]) else None
+    if member is None:
+        return error, error
+    return ELASTIC_RESULT_KEY.format(gen=gen, rank=member.rank), error
+
+
 def main() -> int:
     """Run this rank's share of ``hora.run``; return the process exit code."""
     env = WorkerEnv.from_environ()
@@ -44,20 +63,29 @@ def main() -> int:
     fn, args, kwargs = shipping.loads(store.get(FN_KEY))
     try:
         value = fn(*args, **kwargs)
+    except SystemExit as exc:
+        if env.elastic and exc.code in (0, None):
+            return 0  # an elastic worker whose host was removed: it leaves, with nothing to return
+        return _failed(store, _keys(env, store)[1], exc)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
-        record = _error_record(exc)
-        store.set(RESULT_KEY.format(rank=env.rank), record)
-        sys.stderr.write(pickle.loads(record)[4])
-        return 1
+        return _failed(store, _keys(env, store)[1], exc)
+    ok_key, error_key = _keys(env, store)
     try:
         record = shipping.dumps(("ok", value))
     except Exception as exc:  # noqa: BLE001
-        store.set(RESULT_KEY.format(rank=env.rank), _error_record(
+        store.set(error_key, _error_record(
             TypeError(f"rank {env.rank}: the return value of {getattr(fn, '__name__', fn)} cannot be "
                       f"pickled: {exc}")))
         return 1
-    store.set(RESULT_KEY.format(rank=env.rank), record)
+    store.set(ok_key, record)
     return 0
+
+
+def _failed(store: Any, key: str, exc: BaseException) -> int:
+    record = _error_record(exc)
+    store.set(key, record)
+    sys.stderr.write(pickle.loads(record)[4])
+    return 1
 
 
 if __name__ == "__main__":

@@ -206,9 +206,10 @@ class StallWatch:
             self._expired = (time.monotonic(), first, shutdown)
         return frozen
 
-    def shutdown_due(self) -> Finding | None:
+    def shutdown_due(self, action: str = "hora run stopped the job") -> Finding | None:
         """Once a posted transfer is past the stall shutdown time: the root cause to end the job with (the frozen
-        rank, with what its agent saw; its answer is awaited for up to :data:`PROBE_WAIT_S`), else None."""
+        rank, with what its agent saw; its answer is awaited for up to :data:`PROBE_WAIT_S`), else None.
+        ``action``: what the driver does about it, the finding's last words."""
         if self._expired is None:
             return None
         since, held, shutdown = self._expired
@@ -224,13 +225,12 @@ class StallWatch:
             return Finding(min(held.waiting), (
                 f"{held.describe()} did not finish within {deadline} s, and every member ({_ranks(held.waiting)}) "
                 f"waits for it in the communication backend and is running: the network between hosts "
-                f"{', '.join(hosts)} is slow or cut; hora run stopped the job"))
+                f"{', '.join(hosts)} is slow or cut; {action}"))
         rank = frozen[0]
         held, seen = self.held[rank], self.findings.get(rank)
         return Finding(rank, (
             f"did not finish {held.describe()} within {deadline} s while {_ranks(sorted(held.waiting))} waited for "
-            f"it in the communication backend: {seen.how if seen else 'its agent did not answer'}; hora run stopped "
-            "the job"))
+            f"it in the communication backend: {seen.how if seen else 'its agent did not answer'}; {action}"))
 
     def on_probe(self, rank: int, how: str) -> str:
         """An agent's answer about a silent rank: remember it, and the line to print."""
