@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from torch import nn
 
 import hora as hvd
 from hora import runtime
+from hora.elastic import state as elastic_state
 from tests.distributed.harness import run_ranks
 
 SAMPLES = 24
@@ -202,12 +204,17 @@ def _key(name: str) -> str:
 
 
 def _signal_and_wait(at_step: int) -> Callable[[Any], None]:
-    """Rank 0 tells the test driver it has committed ``at_step`` steps, and waits until the driver acted."""
+    """Rank 0 tells the test driver it has committed ``at_step`` steps, waits until the driver acted, then
+    until its update watcher announced the update to its peers. The peers wait in this step's allreduce
+    meanwhile, so every rank has passed ``at_step`` commits when the announcement arms them: the interrupt
+    comes at the next commit."""
     def hook(state: Any) -> None:
         if state.steps == at_step and hvd.rank() == 0 and runtime.world_generation() == 1:
             store = runtime.state().store.underlying_store
             store.set(_key("at"), "1")
             while not store.check([_key("go")]):
+                time.sleep(0.01)
+            while elastic_state._watch.announced < 1:
                 time.sleep(0.01)
     return hook
 
@@ -310,3 +317,41 @@ def test_a_dead_worker_makes_the_survivors_restore_the_last_commit_and_go_on() -
     assert [(r["rank"], r["size"], r["gen"]) for r in survivors] == [(0, 2, 2), (1, 2, 2)]
     assert survivors[0]["sizes"][:2] == (3, 3) and survivors[0]["sizes"][2] == 2
     _check_training(survivors, [3, 2])
+
+
+def _paced(rank: int, size: int) -> Any:
+    """Ranks commit at different paces, with a collective only every 10 commits (so they drift apart by
+    several commits), while the driver announces a host removal."""
+    if rank == 0:
+        d = _Driver()
+        workers = ["h1:0", "h2:0", "h3:0"]
+        d.wait_ready(workers, 0)
+        d.publish(1, workers)
+        d.wait_key(_key("at"))
+        d.host_update(added=[], removed=["h3"])
+        return "driver"
+    os.environ.update(HORA_ELASTIC="1", HORA_WORKER_ID=f"h{rank}:0", HORA_HOSTNAME=f"h{rank}",
+                      HORA_ELASTIC_TIMEOUT="60")
+    hvd.init()
+    state = hvd.elastic.ObjectState(commits=0)
+    rng = random.Random(rank)
+    try:
+        for i in range(3000):
+            if i == 15 and hvd.rank() == 0:
+                runtime.state().store.underlying_store.set(_key("at"), "1")
+            if i % 10 == 0:
+                hvd.allreduce(torch.ones(1), name=f"sync.{i}")
+            time.sleep(rng.random() * 0.002 * rank)
+            state.commits += 1
+            state.commit()
+    except hvd.elastic.HostsUpdatedInterrupt as e:
+        return state.commits, e.skip_sync
+    return state.commits, None
+
+
+def test_every_rank_raises_hosts_updated_at_the_same_commit() -> None:
+    results = run_ranks(_paced, 4, init=False, timeout=120)
+    commits, skip_sync = results[1]
+    assert skip_sync is True  # only a removal: no sync needed
+    assert commits > 15
+    assert results[1:] == [(commits, True)] * 3, "ranks raised at different commits"

@@ -14,46 +14,86 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
+import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from hora import functions, ops, runtime, world
+from hora import functions, runtime, world
 from hora.elastic.sampler import ElasticSampler
-from hora.errors import HostsUpdatedInterrupt
+from hora.errors import HostsUpdatedInterrupt, NotInitializedError
 
 log = logging.getLogger(__name__)
 
 
+_POLL_S = 0.1  # how often rank 0 reads the launcher's host-update counter (one small store read)
+
+
 class _UpdateWatch:
-    """Rank 0's view of the launcher's host updates, shared by every state of this process: how many it has
-    acted on, and in which world it last looked (a new world takes its starting count afresh)."""
+    """Host updates, with nothing on the step path: no store read and no collective per check.
+
+    Rank 0 of each world runs a thread (started at its first check in that world) that reads the
+    launcher's ``updates`` counter every ``_POLL_S`` and announces a new count through the negotiator
+    (``Negotiator.announce``). Every check is a negotiator checkpoint (``Negotiator.checkpoint``: a lock and
+    a counter); the engine hands the announcement out at the same checkpoint on every rank, agreed in two
+    negotiation rounds (:mod:`hora.engine.notices` has the proof), so every rank raises at the same check.
+    """
 
     def __init__(self) -> None:
-        self.gen = -1
-        self.seen = 0
+        self._lock = threading.Lock()
+        self._watched: weakref.ref[runtime.Runtime] | None = None  # the world this process's thread watches
+        self.announced = 0  # the last count of host updates this process announced (rank 0 of a world)
 
-    def poll(self) -> tuple[int, int, bool]:
-        """(seen before, announced now, only removals since): rank 0 reads the store, the others get its view."""
+    def check(self) -> tuple[int, int, bool] | None:
+        """(count acted on before, count announced now, only removals since) when this check is where every
+        rank learns of host updates; None otherwise (and always outside an elastic job)."""
         rt = runtime.state("check_host_updates()")
         if not rt.env.elastic:
-            return 0, 0, True
+            return None
+        if rt.topo.rank == 0 and (self._watched is None or self._watched() is not rt):
+            self._start(rt)
+        notices = rt.negotiator.checkpoint()
+        if not notices:
+            return None
+        return min(n[0] for n in notices), max(n[1] for n in notices), all(n[2] for n in notices)
+
+    def _start(self, rt: runtime.Runtime) -> None:
+        with self._lock:
+            if self._watched is not None and self._watched() is rt:
+                return
+            self._watched = weakref.ref(rt)
         raw = rt.store.underlying_store  # type: ignore[attr-defined]
-        gen = runtime.world_generation()
-        prev, now, removed_only = self.seen, self.seen, True
-        if rt.topo.rank == 0:
-            if gen != self.gen:  # the count the new world already reflects is no news
-                joined = world.joined()
-                prev = joined.updates if joined is not None else world.updates_count(raw, rt.env.job_id)
-            now, removed_only = world.host_updates(raw, rt.env.job_id, prev)
-        if rt.topo.size > 1:  # every rank raises at the same commit, or none does
-            view = torch.tensor([prev, now, int(removed_only)], dtype=torch.int64)
-            ops.broadcast_(view, 0, name="hora.elastic.host_updates")
-            prev, now, flag = view.tolist()
-            removed_only = bool(flag)
-        self.gen, self.seen = gen, now
-        return prev, now, removed_only
+        joined = world.joined()  # the count the world already reflects is no news
+        seen = joined.updates if joined is not None else world.updates_count(raw, rt.env.job_id)
+        threading.Thread(target=self._watch, args=(rt, raw, seen), name="hora-elastic-updates",
+                         daemon=True).start()
+
+    def _watch(self, rt: runtime.Runtime, raw: Any, seen: int) -> None:
+        """Rank 0's thread: announce each new count of host updates until this world ends."""
+        while True:
+            time.sleep(_POLL_S)
+            if not _current(rt):
+                return
+            try:
+                now, removed_only = world.host_updates(raw, rt.env.job_id, seen)
+            except Exception as e:  # the launcher and its store are gone: the job is ending anyway
+                log.debug("hora elastic: stopped watching host updates: %s", e)
+                return
+            if now > seen:
+                log.info("hora elastic: host update %d announced by the launcher", now)
+                rt.negotiator.announce((seen, now, removed_only))
+                seen = self.announced = now
+
+
+def _current(rt: runtime.Runtime) -> bool:
+    """``rt`` is still this process's live runtime (its world has not ended)."""
+    try:
+        return runtime.state() is rt
+    except NotInitializedError:
+        return False
 
 
 _watch = _UpdateWatch()
@@ -94,11 +134,14 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Raise ``HostsUpdatedInterrupt`` (on every rank at once) if hosts were added or removed since the
-        last check. A collective: every rank calls it at the same point. Costs one store read on rank 0 and a
-        3-integer broadcast; outside an elastic job it does nothing."""
-        prev, now, removed_only = _watch.poll()
-        if now > prev:
+        """Raise ``HostsUpdatedInterrupt`` (on every rank at the same call) once the launcher has announced
+        that hosts were added or removed. Every rank calls it at the same point (with the same number of
+        calls before it), as a collective; it sends nothing itself: rank 0 watches the launcher's updates in
+        the background and the negotiator's rounds agree on the check where every rank raises. Outside an
+        elastic job it does nothing."""
+        news = _watch.check()
+        if news is not None:
+            _, now, removed_only = news
             log.info("hora elastic: host update %d announced; resetting (skip_sync=%s)", now, removed_only)
             raise HostsUpdatedInterrupt(removed_only)
 
@@ -167,12 +210,33 @@ class _Handler:
         """The world changed."""
 
 
+def _copy_into(saved: Any, live: Any) -> Any:
+    """A copy of ``live`` (a ``state_dict()``) that reuses ``saved``, the previous copy: tensors of the same
+    shape, dtype and device are overwritten in place, so a commit allocates nothing once the state's shape
+    is settled (a fresh large allocation costs page faults on every step). Anything else is deep-copied."""
+    if isinstance(live, torch.Tensor) and live.layout == torch.strided:
+        if (isinstance(saved, torch.Tensor) and saved is not live and saved.layout == torch.strided
+                and saved.shape == live.shape and saved.dtype == live.dtype and saved.device == live.device):
+            with torch.no_grad():
+                saved.copy_(live)
+            return saved
+        return live.detach().clone()
+    if isinstance(live, dict) and isinstance(saved, dict) and saved.keys() == live.keys():
+        for key, value in live.items():
+            saved[key] = _copy_into(saved[key], value)
+        return saved
+    if isinstance(live, list) and isinstance(saved, list) and len(saved) == len(live):
+        saved[:] = [_copy_into(old, new) for old, new in zip(saved, live)]
+        return saved
+    return copy.deepcopy(live)
+
+
 class _ModelHandler(_Handler):
     def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
+        self._saved = _copy_into(getattr(self, "_saved", None), self.value.state_dict())
 
     def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
+        self.value.load_state_dict(self._saved)  # copies into the parameters and buffers: no aliasing
 
     def sync(self) -> None:
         functions.broadcast_parameters(self.value.state_dict(), root_rank=0)
@@ -180,10 +244,12 @@ class _ModelHandler(_Handler):
 
 class _OptimizerHandler(_Handler):
     def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
+        self._saved = _copy_into(getattr(self, "_saved", None), self.value.state_dict())
 
     def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
+        # torch may keep the given tensors as the optimizer's state (no copy): hand it a copy, so training
+        # after a restore never changes the saved commit (restores are rare; commits are not)
+        self.value.load_state_dict(copy.deepcopy(self._saved))
 
     def sync(self) -> None:
         functions.broadcast_optimizer_state(self.value, root_rank=0)
@@ -193,10 +259,10 @@ class _SamplerHandler(_Handler):
     value: ElasticSampler
 
     def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
+        self._saved = self.value.state_dict()  # a copy already (of the processed samples' set)
 
     def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
+        self.value.load_state_dict(self._saved)  # copies the set again
 
     def sync(self) -> None:
         # every rank's processed samples (record_indices() records only the caller's), then rank 0's epoch
@@ -221,7 +287,8 @@ _HANDLERS: tuple[tuple[type, type[_Handler]], ...] = (
 class TorchState(ObjectState):
     """A model, an optimizer, ``ElasticSampler`` objects and any other values, kept across resets.
 
-    ``save()`` copies the model's and optimizer's ``state_dict()`` in memory; ``sync()`` broadcasts the
+    ``save()`` copies the model's and optimizer's ``state_dict()`` in memory (into the last commit's tensors
+    when their shapes still match: no allocation per commit); ``sync()`` broadcasts the
     model's parameters and buffers and the optimizer's state from rank 0 and unites the samplers' processed
     samples; ``reset()`` re-splits the samplers' remaining samples over the new world. Other keyword values
     behave as in :class:`ObjectState`. Assigning a new model or optimizer to the attribute (``state.model =

@@ -24,6 +24,9 @@ States (:class:`Phase`, changed only under the negotiator's lock)::
   later op fails with ``error``; the thread ends. ``shutdown()`` + ``init()`` starts a fresh negotiator.
 - STOPPED: ``stop()`` ended the thread, the timers and the plane. Terminal.
 
+Besides ops, a round carries flags: stall queries and answers, and notices (``announce`` / ``checkpoint``,
+:mod:`hora.engine.notices`: a value every rank gets at the same checkpoint, agreed in two rounds).
+
 A round also runs on a caller's thread (``drive``, mesh only) while the negotiator thread stays parked;
 rounds run on one thread at a time (the round lock). Threads: the negotiator's, one timer thread
 (:mod:`hora.engine.timers`: stall check, listen timer), and on the Gloo plane the death watch and rank 0's
@@ -43,6 +46,7 @@ import enum
 import logging
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -51,6 +55,7 @@ from hora.engine.context import EngineContext
 from hora.engine.control import death_watch, make_control_plane
 from hora.engine.dispatch import LocalOp
 from hora.engine.mesh import Mesh
+from hora.engine.notices import NOTICE, Notices
 from hora.engine.pending import Pending
 from hora.engine.plan import SHUTDOWN, Request, Table
 from hora.engine.rounds import Rounds, record_lost
@@ -108,7 +113,8 @@ class Negotiator:
         self._stopped = threading.Event()  # the negotiator thread has ended
         self._plane = make_control_plane(ctx)
         self._inline_ok = self._plane.inline_rounds
-        self._rounds = Rounds(ctx, self._pending, self._plane)
+        self._notices = Notices(self._pending, wake=self._ring_if_parked)
+        self._rounds = Rounds(ctx, self._pending, self._plane, self._notices)
         inflight.configure(ctx.board, self.rank, self._rounds.stall.policy)  # transfers a frozen peer holds up
         if isinstance(self._plane, Mesh):
             self._plane.on_wait = self._rounds.on_wait
@@ -179,6 +185,20 @@ class Negotiator:
                 self._ring_if_parked()
         return [op.handle for op in ops]
 
+    def announce(self, value: Any) -> None:
+        """Give ``value`` to every rank at the same checkpoint (:meth:`checkpoint`, :mod:`hora.engine.notices`):
+        it goes out in this rank's next round. Any thread; does nothing once negotiation is over."""
+        with self._lock:
+            if self._phase in (Phase.BROKEN, Phase.STOPPED):
+                return
+            self._pending.flags.setdefault(NOTICE, []).append(value)
+            self._ring_if_parked()
+
+    def checkpoint(self) -> list[Any]:
+        """Pass one checkpoint: every rank calls this the same number of times; an announced value comes out
+        at the same call on every rank (usually []: no message, no wait). See :mod:`hora.engine.notices`."""
+        return self._notices.checkpoint()
+
     def done(self, handle: Handle) -> None:
         """Called when a handle is synchronized: its name may be used again."""
         self._pending.release(handle.name)
@@ -237,6 +257,7 @@ class Negotiator:
             self._thread.join(timeout=1.0)
             self._timers.stop()
             inflight.stop()
+            self._notices.fail(CollectiveError("hora has shut down"))
             if self._death_watch is not None:
                 self._death_watch.close()
             self._plane.close()
@@ -393,5 +414,6 @@ class Negotiator:
             if self._move(Phase.BROKEN):
                 self.error = error
                 log.error("%s", f"{error}")  # the text: a kept log record must not keep the error's frames
+        self._notices.fail(error)
         for op in self._pending.take_all():
             op.handle.fail(error)

@@ -6,7 +6,8 @@ Whoever holds the negotiator's round lock calls :meth:`Rounds.run`; when and why
 launches, in the agreed order, what it takes part in (:class:`~hora.engine.dispatch.Dispatcher`).
 
 A name seen before with identical metadata travels as a small integer (the response cache), so
-steady-state frames are a few bytes. Stall queries and answers ride in the frames' flags.
+steady-state frames are a few bytes. Stall queries and answers, and notices (values every rank gets at the
+same checkpoint, :mod:`hora.engine.notices`), ride in the frames' flags.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hora.engine.context import EngineContext
 from hora.engine.control import ControlPlane
 from hora.engine.dispatch import Dispatcher
 from hora.engine.mesh import PeerLost
+from hora.engine.notices import Notices
 from hora.engine.pending import Pending
 from hora.engine.plan import JOIN, SHUTDOWN, UNNAMED, Decision, Request, Table
 from hora.engine.response_cache import ResponseCache
@@ -36,11 +38,12 @@ log = logging.getLogger(__name__)
 class Rounds:
     """The table, the response cache and the dispatcher of one rank, and the round that feeds them."""
 
-    def __init__(self, ctx: EngineContext, pending: Pending, plane: ControlPlane) -> None:
+    def __init__(self, ctx: EngineContext, pending: Pending, plane: ControlPlane, notices: Notices) -> None:
         self.ctx = ctx
         self.rank = ctx.rank
         self.pending = pending
         self.plane = plane
+        self.notices = notices
         self.table = Table(ctx.size)
         self.stall = StallInspector(self.table, stall_mod.StallPolicy.from_knobs(ctx.knobs), ctx.rank, ctx.hostnames)
         self.cache = ResponseCache(ctx.rank, enabled=not ctx.knobs.disable_cache)
@@ -96,8 +99,11 @@ class Rounds:
                 self.pending.advance_sequence(entry.name)
 
     def _handle_flags(self, gathered: list[Any]) -> None:
-        """Stall queries and answers travel as round flags (most rounds carry none)."""
-        answer = self.stall.answer_queries([f for _, _, f in gathered])
+        """Stall queries and answers, and notices (:mod:`hora.engine.notices`), travel as round flags (most
+        rounds carry none)."""
+        flags = [f for _, _, f in gathered]
+        self.notices.on_round(flags)
+        answer = self.stall.answer_queries(flags)
         if answer is not None:  # every rank says where it is, in the next round
             with self.pending.lock:
                 self.pending.flags["where"] = answer

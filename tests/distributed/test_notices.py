@@ -1,0 +1,64 @@
+"""Notices (hora.engine.notices): a value any rank announces comes out at the same checkpoint on every rank,
+however far apart the ranks' checkpoints are when it is announced."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+import torch
+
+import hora as hvd
+from hora import runtime
+from tests.distributed.harness import run_ranks
+
+CHECKPOINTS = 200
+SYNC_EVERY = 25  # the only collective: between two of them the ranks drift apart by many checkpoints
+ANNOUNCE = {(0, 10), (1, 10), (2, 40), (0, 41), (1, 120), (2, 199)}  # (rank, before its checkpoint i + 1)
+
+
+def _ranks(rank: int, size: int) -> dict[str, Any]:
+    negotiator = runtime.state().negotiator
+    rng = random.Random(rank)
+    got: list[tuple[int, list[Any]]] = []
+    passed = 0
+
+    def checkpoint() -> None:
+        nonlocal passed
+        passed += 1
+        values = negotiator.checkpoint()
+        if values:
+            got.append((passed, sorted(values)))
+
+    # one more announcement from another thread, at no particular checkpoint
+    side = threading.Thread(target=lambda: (time.sleep(0.05), negotiator.announce((rank, -1))))
+    if rank == 1:
+        side.start()
+    for i in range(CHECKPOINTS):
+        if (rank, i) in ANNOUNCE:
+            negotiator.announce((rank, i))
+        checkpoint()
+        if i % SYNC_EVERY == 0:
+            hvd.allreduce(torch.ones(1), name=f"sync.{i}")
+        time.sleep(rng.random() * 0.002 * (rank + 1))  # different paces
+    if rank == 1:
+        side.join()
+    # every announcement went out by this allreduce's round, so each is decided by the time a checkpoint
+    # after it returns, at the latest CHECKPOINTS + one per announcement (targets only grow)
+    hvd.allreduce(torch.ones(1), name="end")
+    for _ in range(len(ANNOUNCE) + 1):
+        checkpoint()
+    return {"got": got}
+
+
+def test_every_rank_gets_each_notice_at_the_same_checkpoint() -> None:
+    results = run_ranks(_ranks, 3, timeout=120)
+    got = results[0]["got"]
+    for other in results[1:]:
+        assert other["got"] == got, "ranks got notices at different checkpoints"
+    values = [tuple(v) for _, vs in got for v in vs]
+    assert sorted(values) == sorted([*ANNOUNCE, (1, -1)]), "a notice was lost or repeated"
+    for n, vs in got:  # never before the announcing rank reached the checkpoint after its announcement
+        assert all(n > i for _, i in vs), (n, vs)
