@@ -1,9 +1,10 @@
-"""Elastic recovery: hora's in-process elastic mode against torchrun's restart, on the same script.
+"""Elastic recovery: hora's in-process elastic mode against torchrun's restart, on the same script, and every
+failure test many times in a row.
 
-Three figures, each from one run on this machine, with the load average beside it:
+Each figure is from one run on this machine, with the load average beside it:
 
 * recovery: from a SIGKILL of one worker to the survivors' next completed step (every survivor done with a
-  step in the new world), median and max over ``--trials`` kills. hora: ``hora run --min-np 2 -H
+  step in the new world), median and max over ``--trials`` kills. hora: ``hora run -np 4 --min-np 2 -H
   127.0.0.1:2,127.0.0.2:2 --blacklist-cooldown-range 1 1`` (two "hosts" on loopback addresses, no ssh; the
   killed worker's host is blacklisted for about a second, then comes back, so every trial starts from 4
   workers). torchrun: ``torchrun --nnodes=1:2 --nproc-per-node=4 --max-restarts=N`` (c10d rendezvous): it
@@ -13,10 +14,15 @@ Three figures, each from one run on this machine, with the load average beside i
   longest gap between two steps.
 * no-event overhead: the median step time of the same script under ``hora run -np 4 --min-np 4`` (elastic,
   nothing happens) over ``hora run -np 4`` (fixed), alternating A B A B.
+* failures in a row (``--kill-runs N``): each of SIGKILL / an exception, with fixed ``-H`` + ``--min-np`` and
+  with a discovery script, N times in one job; each failure checked (survivors recover, the failed host's
+  processes are gone, equal parameters on every rank at every step), and the job's end (exit 0, equal final
+  parameters, no process left). The exit status is 1 when any of them failed.
 
-The worker is benchmarks/elastic_worker.py (hvd.elastic.run + TorchState, a commit every step).
+The worker is benchmarks/elastic_worker.py (hvd.elastic.run + TorchState, a commit every step). The report
+is rewritten after every part, so a run cut short keeps what it measured.
 
-    python benchmarks/elastic_bench.py [--trials 10] [--quick] [--out DIR]
+    python benchmarks/elastic_bench.py [--trials 10] [--kill-runs 20] [--torchrun-trials N] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -103,69 +109,176 @@ class Job:
                 pass
 
 
-def _live(steps: list[dict[str, Any]], since: float) -> dict[int, dict[str, Any]]:
-    """pid -> its latest step after ``since``."""
-    latest: dict[int, dict[str, Any]] = {}
-    for s in steps:
-        if s["t"] > since:
-            latest[s["pid"]] = s
-    return latest
-
-
-def _full_world(job: Job, since: float, size: int, min_steps: int) -> dict[int, dict[str, Any]]:
-    """Wait until ``size`` processes each made ``min_steps`` steps in a world of ``size`` after ``since``."""
+def _full_world(job: Job, since: float, size: int, min_steps: int, exclude: frozenset[int] = frozenset(),
+                timeout: float = WAIT_S) -> dict[int, dict[str, Any]]:
+    """Wait until ``size`` processes (not in ``exclude``) each made ``min_steps`` steps in a world of ``size``
+    after ``since``; their latest steps by pid."""
     found: dict[int, dict[str, Any]] = {}
 
     def ready(steps: list[dict[str, Any]]) -> bool:
         counts: dict[int, int] = {}
         for s in steps:
-            if s["t"] > since and s["size"] == size:
+            if s["t"] > since and s["size"] == size and s["pid"] not in exclude:
                 counts[s["pid"]] = counts.get(s["pid"], 0) + 1
                 found[s["pid"]] = s
         return sum(1 for c in counts.values() if c >= min_steps) >= size
 
-    job.wait_for(f"{size} workers stepping", ready)
+    job.wait_for(f"{size} workers stepping", ready, timeout)
     return found
 
 
-def hora_kills(trials: int, tmp: Path) -> dict[str, Any]:
-    out = tmp / "hora"
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name ([] when the process is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return []
+
+
+def _descendants(pid: int) -> set[tuple[int, str]]:
+    """Every live process below ``pid`` (agents, workers and what they started), as (pid, start time): a pid
+    reused later by another process does not count as the same process."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat(int(entry.name))
+            if len(fields) > 19:
+                children.setdefault(int(fields[1]), []).append((int(entry.name), fields[19]))
+    found: set[tuple[int, str]] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child[0])
+    return found
+
+
+def _still_running(procs: set[tuple[int, str]]) -> list[int]:
+    return sorted(pid for pid, start in procs if (f := _stat(pid)) and len(f) > 19 and f[19] == start
+                  and f[0] not in ("Z", "X"))
+
+
+def _digests_differ(steps: list[dict[str, Any]], since: float) -> list[str]:
+    """(world, step) pairs after ``since`` where the ranks' parameters differ."""
+    seen: dict[tuple[int, int], set[str]] = {}
+    for s in steps:
+        if s["t"] > since and "digest" in s:
+            seen.setdefault((s["gen"], s["step"]), set()).add(s["digest"])
+    return [f"world {g} step {n}" for (g, n), d in sorted(seen.items()) if len(d) > 1]
+
+
+# (how the worker fails, where the hosts come from)
+VARIANTS: dict[str, tuple[str, str]] = {
+    "SIGKILL, -H + --min-np": ("kill", "fixed"),
+    "raise, -H + --min-np": ("raise", "fixed"),
+    "SIGKILL, discovery script": ("kill", "discovery"),
+    "raise, discovery script": ("raise", "discovery"),
+}
+HOSTS = ("127.0.0.2", "127.0.0.1")  # the host of the failing worker, in turn (127.0.0.1 holds rank 0 at first)
+RECOVER_S = 60.0  # a failure whose survivors have not stepped again by then counts as failed
+LEAVE_S = 30.0  # the failed host's processes (the failed one and the host-mate the launcher stops) must be gone
+
+
+def _cycle(job: Job, trial: int, how: str, since: float) -> tuple[dict[str, Any], float]:
+    """One failure in a world of 4, the survivors' recovery, the failed host's return; checks each step."""
+    world = _full_world(job, since, 4, 3)
+    host = HOSTS[trial % 2]
+    on_host = sorted((s for s in world.values() if s["host"] == host), key=lambda s: s["wid"])
+    victim = on_host[(trial // 2) % len(on_host)]
+    survivors = {pid for pid, s in world.items() if s["host"] != host}
+    doomed = frozenset(s["pid"] for s in on_host)
+    load = os.getloadavg()[0]
+    failed_at = time.time()
+    if how == "kill":
+        os.kill(victim["pid"], signal.SIGKILL)
+    else:
+        (job.out / f"raise.{victim['wid']}").touch()
+    job.wait_for("the survivors' next step", lambda steps: survivors <= {
+        s["pid"] for s in steps if s["t"] > failed_at and s["size"] == 2}, RECOVER_S)
+    firsts: dict[int, float] = {}
+    for s in job.steps:
+        if s["t"] > failed_at and s["size"] == 2 and s["pid"] in survivors:
+            firsts.setdefault(s["pid"], s["t"])
+    deadline = time.monotonic() + LEAVE_S
+    while any(_alive(p) for p in doomed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = sorted(p for p in doomed if _alive(p))
+    # the host comes back after its cooldown (~1 s): its new workers import, build and join
+    _full_world(job, failed_at, 4, 2, exclude=doomed)
+    joined = min(s["t"] for s in job.steps if s["t"] > failed_at and s["size"] == 4 and s["pid"] not in doomed
+                 and s["pid"] not in survivors)
+    times = sorted(s["t"] for s in job.steps if s["pid"] in survivors and min(firsts.values()) <= s["t"] <= joined + 1)
+    differ = _digests_differ(job.read(), since)
+    problems = ([f"processes of the failed host left running: {left}"] if left else []) + (
+        [f"parameters differ between ranks at {', '.join(differ[:3])}"] if differ else [])
+    record = {"trial": trial, "victim": victim["wid"], "victim_rank": victim["rank"], "load_1min": load,
+              "recovery_s": max(firsts.values()) - failed_at,
+              "scale_up_gap_s": max((b - a for a, b in zip(times, times[1:])), default=0.0),
+              "ok": not problems, "problems": problems}
+    return record, joined
+
+
+def kill_runs(name: str, cycles: int, tmp: Path) -> dict[str, Any]:
+    """One elastic job of 4 workers on two loopback hosts; ``cycles`` failures in a row (each: a worker fails,
+    the survivors recover, the failed host comes back after its cooldown); then the job is stopped and must
+    end with exit code 0, equal parameters on every rank and no process left."""
+    how, source = VARIANTS[name]
+    out = tmp / f"kills-{how}-{source}"
     out.mkdir()
-    job = Job([*HORA, "--min-np", "2", "-H", "127.0.0.1:2,127.0.0.2:2", "--blacklist-cooldown-range", "1", "1",
-               PYTHON, WORKER, str(out), "--sleep", "0.02"], out)
-    recovery, gaps, loads = [], [], []
+    if source == "fixed":
+        hosts = ["-H", "127.0.0.1:2,127.0.0.2:2"]
+    else:
+        listing = out / "hosts.txt"
+        listing.write_text("127.0.0.1:2\n127.0.0.2:2\n")
+        hosts = ["--max-np", "4", "--host-discovery-script", f"cat {listing}"]
+    job = Job([*HORA, "-np", "4", "--min-np", "2", *hosts, "--blacklist-cooldown-range", "1", "1",
+               PYTHON, WORKER, str(out), "--sleep", "0.02", "--digest"], out)
+    trials: list[dict[str, Any]] = []
+    result: dict[str, Any] = {"variant": name, "cycles": cycles, "trials": trials}
+    seen: set[tuple[int, str]] = set()  # every process seen below the job's launcher (agents, workers)
     try:
         since = 0.0
-        for trial in range(trials):
-            world = _full_world(job, since, 4, 5)
-            world_pids = list(world)
-            victim = next(s for s in world.values() if s["host"] == "127.0.0.2")
-            survivors = {pid for pid, s in world.items() if s["host"] == "127.0.0.1"}
-            loads.append(os.getloadavg()[0])
-            killed = time.time()
-            os.kill(victim["pid"], signal.SIGKILL)
-            job.wait_for("the survivors' next step", lambda steps, survivors=survivors, killed=killed: survivors <= {
-                s["pid"] for s in steps if s["t"] > killed and s["size"] == 2})
-            firsts = {}
-            for s in job.steps:
-                if s["t"] > killed and s["size"] == 2 and s["pid"] in survivors:
-                    firsts.setdefault(s["pid"], s["t"])
-            recovery.append(max(firsts.values()) - killed)
-            # scale-up: the host comes back (cooldown ~1 s), its new workers import and join
-            grown = time.time()
-            world = _full_world(job, killed, 4, 2)
-            before = set(world_pids)
-            joined = min(s["t"] for s in job.steps if s["t"] > killed and s["size"] == 4 and s["pid"] not in before)
-            times = sorted(s["t"] for s in job.steps if s["pid"] in survivors and killed < s["t"] <= joined + 1.0)
-            gaps.append(max((b - a for a, b in zip(times, times[1:])), default=0.0))
-            print(f"hora trial {trial}: recovery {recovery[-1]:.2f} s, longest survivor gap while the host "
-                  f"rejoined {gaps[-1]:.2f} s (load {loads[-1]:.1f}; waited {joined - grown:.1f} s for the join)",
-                  flush=True)
-            since = joined
-        code = job.stop()
+        for trial in range(cycles):
+            try:
+                seen |= _descendants(job.proc.pid)
+                record, since = _cycle(job, trial, how, since)
+                seen |= _descendants(job.proc.pid)
+            except RuntimeError as exc:  # the job is in an unknown state: the rest of this variant is not run
+                trials.append({"trial": trial, "ok": False, "problems": [str(exc)[:2000]]})
+                print(f"{name} {trial}: FAILED: {str(exc)[:300]}", flush=True)
+                break
+            trials.append(record)
+            print(f"{name} {trial}: {'ok' if record['ok'] else 'FAILED: ' + '; '.join(record['problems'])}, "
+                  f"recovery {record['recovery_s']:.2f} s, longest survivor gap while the host rejoined "
+                  f"{record['scale_up_gap_s']:.2f} s (load {record['load_1min']:.1f})", flush=True)
+        seen |= _descendants(job.proc.pid)
+        result["exit_code"] = code = job.stop()
+        finals = [json.loads(p.read_text()) for p in sorted(out.glob("final.*"))]
+        result["final_params_equal"] = bool(finals) and all(f["params"] == finals[0]["params"] for f in finals)
+        result["final_ranks"] = len(finals)
+        deadline = time.monotonic() + LEAVE_S
+        while _still_running(seen) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        result["left_running"] = _still_running(seen)
+        result["processes_watched"] = len(seen)
+        if code != 0:
+            result["log_tail"] = job.log.read_text()[-3000:]
     finally:
         job.kill()
-    return {"recovery_s": recovery, "scale_up_gap_s": gaps, "load_1min": loads, "exit_code": code}
+    failures = sum(1 for t in trials if not t["ok"])
+    result["failures"] = failures + (0 if result.get("exit_code") == 0 and result.get("final_params_equal")
+                                     and not result.get("left_running") else 1)
+    result["not_run"] = cycles - len(trials)
+    return result
 
 
 def torchrun_kills(trials: int, tmp: Path) -> dict[str, Any]:
@@ -227,66 +340,117 @@ def step_time(elastic: bool, steps: int, tmp: Path, index: int) -> float:
     return statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trials", type=int, default=10, help="kills per launcher (default 10)")
-    p.add_argument("--steps", type=int, default=300, help="steps per no-event overhead run")
-    p.add_argument("--pairs", type=int, default=2, help="fixed/elastic run pairs for the overhead")
-    p.add_argument("--skip-torchrun", action="store_true")
-    add_output_flags(p, "2 kills each, 60-step overhead runs, 1 pair")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.trials, args.steps, args.pairs = 2, 60, 1
-    machine = machine_info()
-    with tempfile.TemporaryDirectory(prefix="elastic-bench-", ignore_cleanup_errors=True) as tmpdir:
-        tmp = Path(tmpdir)
-        hora_res = hora_kills(args.trials, tmp)
-        torch_res = {"recovery_s": [], "load_1min": [], "failures": ["skipped"]} if args.skip_torchrun \
-            else torchrun_kills(args.trials, tmp)
-        fixed, elastic = [], []
-        for i in range(args.pairs):
-            fixed.append(step_time(False, args.steps, tmp, 2 * i))
-            elastic.append(step_time(True, args.steps, tmp, 2 * i + 1))
-    overhead = [e / f for e, f in zip(elastic, fixed)]
-    data = {"machine": machine, "trials": args.trials, "hora": hora_res, "torchrun": torch_res,
-            "step_time_fixed_s": fixed, "step_time_elastic_s": elastic, "elastic_over_fixed": overhead,
-            "load_avg_end": [round(x, 2) for x in os.getloadavg()]}
+def _fmt(samples: list[float]) -> tuple[str, str, str]:
+    if not samples:
+        return "-", "-", "0"
+    s = summarize(samples)
+    return f"{s['median']:.2f}", f"{s['max']:.2f}", str(len(samples))
 
-    def fmt(samples: list[float]) -> tuple[str, str, str]:
-        if not samples:
-            return "-", "-", "0"
-        s = summarize(samples)
-        return f"{s['median']:.2f}", f"{s['max']:.2f}", str(len(samples))
 
+def _report(data: dict[str, Any]) -> str:
+    machine, runs, torch_res = data["machine"], data["kill_runs"], data["torchrun"]
+    headline = runs[0] if runs else {"trials": []}
+    recovery = [t["recovery_s"] for t in headline["trials"] if "recovery_s" in t]
+    gaps = [t["scale_up_gap_s"] for t in headline["trials"] if "scale_up_gap_s" in t]
+    overhead = data["elastic_over_fixed"]
+    loads = [t["load_1min"] for r in runs for t in r["trials"] if "load_1min" in t] + torch_res["load_1min"]
     rows = [
-        ["hora: SIGKILL -> survivors' next step (s)", *fmt(hora_res["recovery_s"]), "<= 3 s"],
-        ["torchrun --max-restarts: SIGKILL -> restarted workers' first step (s)", *fmt(torch_res["recovery_s"]), "-"],
-        ["hora: survivors' longest gap while a host joins (s)", *fmt(hora_res["scale_up_gap_s"]), "<= 1 s"],
-        ["step time elastic / fixed, no events (ratio)", *fmt(overhead), "<= 1.02"],
+        ["hora: SIGKILL -> survivors' next step (s)", *_fmt(recovery), "<= 3 s"],
+        ["torchrun --max-restarts: SIGKILL -> restarted workers' first step (s)", *_fmt(torch_res["recovery_s"]),
+         "-"],
+        ["hora: survivors' longest gap while a host joins (s)", *_fmt(gaps), "<= 1 s"],
+        ["step time elastic / fixed, no events (ratio)", *_fmt(overhead), "<= 1.02"],
     ]
-    loads = hora_res["load_1min"] + torch_res["load_1min"]
+    kill_rows = []
+    for r in runs:
+        rec = [t["recovery_s"] for t in r["trials"] if "recovery_s" in t]
+        gap = [t["scale_up_gap_s"] for t in r["trials"] if "scale_up_gap_s" in t]
+        end = (f"exit {r.get('exit_code')}, final params {'equal' if r.get('final_params_equal') else 'DIFFER'} "
+               f"on {r.get('final_ranks', 0)} ranks, {len(r.get('left_running', [])) or 'no'} process left")
+        kill_rows.append([r["variant"], f"{len(r['trials'])} of {r['cycles']}", str(r["failures"]),
+                          f"{_fmt(rec)[0]} / {_fmt(rec)[1]}", f"{_fmt(gap)[0]} / {_fmt(gap)[1]}", end])
+    problems = [f"- {r['variant']}, failure {t['trial']}: {'; '.join(t['problems'])[:400]}"
+                for r in runs for t in r["trials"] if not t["ok"]]
     md = [
-        "# elastic_bench: recovery from a killed worker, scale-up, no-event overhead",
+        "# elastic_bench: recovery from a failed worker, scale-up, no-event overhead, failures in a row",
         "",
         f"One run, {machine['utc']}, commit {machine['git_commit']}, {machine['cpus']} CPUs, "
-        f"load average at the kills {min(loads, default=0):.1f}..{max(loads, default=0):.1f} "
-        "(other sessions share this machine: every figure is inflated by it).",
+        f"load average (1 min) at the failures {min(loads, default=0):.1f}..{max(loads, default=0):.1f}.",
         "",
         markdown_table(["figure", "median", "max", "n", "target"], rows),
         "",
-        f"hora's job exit code after the kills: {hora_res['exit_code']}. torchrun failures: "
-        f"{'; '.join(torch_res['failures']) or 'none'}.",
+        f"hora's recovery and scale-up figures come from the \"{headline.get('variant', '-')}\" failures below. "
+        f"torchrun failures: {'; '.join(torch_res['failures']) or 'none'}.",
         "",
-        "Setup: 4 workers (benchmarks/elastic_worker.py: hvd.elastic.run, TorchState, a commit every step, "
-        "a 20 ms sleep per step), two hosts on loopback addresses for hora (127.0.0.1:2, 127.0.0.2:2, "
-        "--blacklist-cooldown-range 1 1: the killed worker's host comes back after about a second); torchrun "
-        "with the c10d rendezvous on one node. The overhead rows run 4 workers without sleep.",
+        "## Every failure test many times in a row (target: 0 failures)",
+        "",
+        "Each variant is one elastic job of 4 workers on two loopback hosts (127.0.0.1:2, 127.0.0.2:2, "
+        "--blacklist-cooldown-range 1 1) in which a worker fails again and again, on each host in turn (so rank 0 "
+        "fails every other time): a SIGKILL, or an exception raised in the training loop. A failure counts as "
+        f"passed when both survivors step in a world of 2 within {RECOVER_S:g} s, every process of the failed "
+        f"host (the failed worker and the host-mate the launcher stops) is gone within {LEAVE_S:g} s, the host's "
+        "new workers join after the cooldown (a world of 4 again), and every rank of every world has the same "
+        "parameters at every step (a hash recorded each step). At the end each job must exit 0 with equal final "
+        "parameters on every rank and no process left (none of the agents and workers seen below its launcher); "
+        "a job that does not counts as one more failure.",
+        "",
+        markdown_table(["variant", "failures run", "failed", "recovery median / max (s)",
+                        "rejoin gap median / max (s)", "end of the job"], kill_rows),
+        "",
+        *(problems or ["No failure."]),
+        "",
+        "Setup: benchmarks/elastic_worker.py (hvd.elastic.run, TorchState, a commit every step, a 20 ms sleep "
+        "per step). torchrun: --nnodes=1:2 --nproc-per-node=4 --max-restarts, c10d rendezvous, the same script "
+        "(no state survives a restart). The overhead rows run 4 workers without sleep, elastic (-np 4 --min-np 4) "
+        "and fixed (-np 4) alternately.",
         "",
     ]
-    paths = write_results("elastic_bench", data, "\n".join(md), out_dir=output_dir(args))
-    print("\n".join(md))
+    return "\n".join(md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=10,
+                   help="SIGKILLs (fixed -H) for the recovery and scale-up figures (default 10)")
+    p.add_argument("--kill-runs", type=int, default=0,
+                   help="run every failure variant (SIGKILL/raise x -H/discovery) this many times in a row "
+                        "(the SIGKILL -H one at least --trials times); default 0: only --trials SIGKILLs")
+    p.add_argument("--torchrun-trials", type=int, default=None, help="torchrun restarts (default: --trials)")
+    p.add_argument("--steps", type=int, default=300, help="steps per no-event overhead run")
+    p.add_argument("--pairs", type=int, default=2, help="fixed/elastic run pairs for the overhead")
+    p.add_argument("--skip-torchrun", action="store_true")
+    add_output_flags(p, "2 failures of each kind, 1 torchrun restart, 60-step overhead runs, 1 pair")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.trials, args.kill_runs, args.torchrun_trials, args.steps, args.pairs = 2, 2, 1, 60, 1
+    torchrun_trials = 0 if args.skip_torchrun else (args.trials if args.torchrun_trials is None
+                                                    else args.torchrun_trials)
+    variants = list(VARIANTS) if args.kill_runs else list(VARIANTS)[:1]
+    data: dict[str, Any] = {"machine": machine_info(), "kill_runs": [], "torchrun": {
+        "recovery_s": [], "load_1min": [], "failures": ["not run"]}, "step_time_fixed_s": [],
+        "step_time_elastic_s": [], "elastic_over_fixed": []}
+
+    def save() -> list[Path]:  # after every part: a run cut short still leaves its figures
+        data["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+        return write_results("elastic_bench", data, _report(data), out_dir=output_dir(args))
+
+    with tempfile.TemporaryDirectory(prefix="elastic-bench-", ignore_cleanup_errors=True) as tmpdir:
+        tmp = Path(tmpdir)
+        for i, name in enumerate(variants):
+            cycles = max(args.trials, args.kill_runs) if i == 0 else args.kill_runs
+            data["kill_runs"].append(kill_runs(name, cycles, tmp))
+            save()
+        for i in range(args.pairs):
+            data["step_time_fixed_s"].append(step_time(False, args.steps, tmp, 2 * i))
+            data["step_time_elastic_s"].append(step_time(True, args.steps, tmp, 2 * i + 1))
+            data["elastic_over_fixed"].append(data["step_time_elastic_s"][-1] / data["step_time_fixed_s"][-1])
+            save()
+        if torchrun_trials:
+            data["torchrun"] = torchrun_kills(torchrun_trials, tmp)
+        paths = save()
+    print(_report(data))
     print("wrote", ", ".join(str(p) for p in paths))
-    return 0
+    return 0 if all(r["failures"] == 0 and r["not_run"] == 0 for r in data["kill_runs"]) else 1
 
 
 if __name__ == "__main__":

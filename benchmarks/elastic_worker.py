@@ -1,19 +1,22 @@
 """An elastic training script written as a Horovod user writes one (hvd.elastic.run, TorchState), for the
 multi-host elastic tests (tests/cluster/test_elastic.py) and benchmarks/elastic_bench.py (also under torchrun).
 
-Usage: elastic_worker.py OUTDIR [--steps N] [--sleep S]
+Usage: elastic_worker.py OUTDIR [--steps N] [--sleep S] [--digest]
 
 Every completed step appends ``{"pid", "wid", "host", "start_rank", "rank", "size", "step", "t"}`` to
-OUTDIR/steps.jsonl (``t``: wall-clock time the step ended). The state (a linear model, SGD, the step counter)
-is committed every step. It stops at ``--steps`` (or when OUTDIR/stop exists: then at the next step multiple
-of 10, the same on every rank), and writes OUTDIR/final.<rank> with the parameters. Fault injection:
-OUTDIR/raise.<wid> makes that worker raise, OUTDIR/slow.<wid> makes it sleep that many seconds (the file's
-text) before its next step's allreduce (its peers sit in the collective meanwhile).
+OUTDIR/steps.jsonl (``t``: wall-clock time the step ended; with ``--digest`` also ``gen``, the world, and
+``digest``, a hash of the parameters after the step: equal on every rank of a world at the same step). The
+state (a linear model, SGD, the step counter) is committed every step. It stops at ``--steps`` (or when
+OUTDIR/stop exists: then at the next step multiple of 10, the same on every rank), and writes
+OUTDIR/final.<rank> with the parameters. Fault injection: OUTDIR/raise.<wid> makes that worker raise,
+OUTDIR/slow.<wid> makes it sleep that many seconds (the file's text) before its next step's allreduce (its
+peers sit in the collective meanwhile).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -22,11 +25,13 @@ from pathlib import Path
 import torch
 
 import hora as hvd
+from hora.runtime import world_generation
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
 p.add_argument("--steps", type=int, default=1_000_000)
 p.add_argument("--sleep", type=float, default=0.05)
+p.add_argument("--digest", action="store_true", help="record a hash of the parameters with every step")
 args = p.parse_args()
 out = Path(args.out)
 wid = os.environ.get("HORA_WORKER_ID", f"fixed:{os.environ.get('RANK', '0')}")
@@ -67,10 +72,14 @@ def train(state: hvd.elastic.TorchState) -> None:
         torch.nn.functional.mse_loss(model(mine[0]), mine[1]).backward()
         optimizer.step()
         state.step += 1
+        record = {"pid": os.getpid(), "wid": wid, "host": host, "start_rank": start_rank, "rank": hvd.rank(),
+                  "size": hvd.size(), "step": state.step, "t": time.time()}
+        if args.digest:
+            record["gen"] = world_generation()
+            flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+            record["digest"] = hashlib.sha1(flat.numpy().tobytes()).hexdigest()[:16]
         with open(out / "steps.jsonl", "a") as fh:
-            fh.write(json.dumps({"pid": os.getpid(), "wid": wid, "host": host, "start_rank": start_rank,
-                                 "rank": hvd.rank(), "size": hvd.size(), "step": state.step, "t": time.time()})
-                     + "\n")
+            fh.write(json.dumps(record) + "\n")
         if state.step % 10 == 0:
             stop = hvd.allreduce(torch.tensor(float((out / "stop").exists())), name="stop", op=hvd.Max)
             if stop.item():
