@@ -408,7 +408,7 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
         md.append(f"## DistributedOptimizer against DDP, 2 hosts, {rec['model']} ({_mb(rec['gradient_bytes'])} "
                   f"of gradients), batch {rec['batch_size']}{inputs}{_load(rec)}\n")
         names = {"ddp": "DDP", "hora": "hora DistributedOptimizer (25 MB buckets)",
-                 "hora_one_bucket": "hora, one bucket (HORA_BUCKET_CAP_MB=1000)", "local": "no sync (compute)"}
+                 "hora_one_bucket": "hora, one bucket (num_groups=1)", "local": "no sync (compute)"}
         obusy = {k: statistics.median(v) for k, v in rec.get("cpu_busy", {}).items() if v}
         md.append(markdown_table(["variant", "median step", "time / DDP's", "cores busy"],
                                  [[names.get(k, k), f"{statistics.median(v):.3f} s",
