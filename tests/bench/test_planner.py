@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hora.bench import planner
-from hora.bench.cpu import CpuRates
+from hora.bench.cpu import CpuRates, pieces
 from hora.bench.report import parse_sizes
 from hora.bench.sweep import bus_factor
 from hora.errors import ConfigError
@@ -101,13 +101,21 @@ def test_cpu_term_adds_hora_local_passes_to_the_wire() -> None:
     # out-of-place Average, uncompressed: the wire, a copy into a fresh tensor, the division
     assert plan.hora_allreduce(s, 2, call="out_of_place", average=True) == pytest.approx(
         _ring(s, 2) + s * 3e-10 + s * 1e-10)
-    # fp16: half the wire, two casts (the division is folded into the cast back)
+    # fp16: half the wire, two casts (the division is folded into the cast back), overlapping the wire in 8
+    # pieces but for one piece's
     assert plan.hora_allreduce(s, 2, compression="fp16", call="out_of_place", average=True) == pytest.approx(
-        _ring(s / 2, 2) + s * 4.5e-10)
+        _ring(s / 2, 2) + s * 4.5e-10 / 8)
     # in place: the cast back goes into the caller's tensor (a record without that rate: the fresh one's)
-    assert plan.hora_allreduce(s, 2, compression="bf16") == pytest.approx(_ring(s / 2, 2) + s * 4.5e-10)
+    assert plan.hora_allreduce(s, 2, compression="bf16") == pytest.approx(_ring(s / 2, 2) + s * 4.5e-10 / 8)
     into = planner.fit_sweep({**sweep, "cpu": {**rates.as_dict(), "cast_up_into": 1.5e-10}})
-    assert into.hora_allreduce(s, 2, compression="bf16", average=True) == pytest.approx(_ring(s / 2, 2) + s * 3.5e-10)
+    assert into.hora_allreduce(s, 2, compression="bf16", average=True) == pytest.approx(
+        _ring(s / 2, 2) + s * 3.5e-10 / 8)
+    # small: one piece, the casts in series with the wire; casts longer than the wire: they set the time
+    assert plan.hora_allreduce(2e6, 2, compression="fp16", call="out_of_place") == pytest.approx(
+        _ring(1e6, 2) + 2e6 * 4.5e-10)
+    slow = planner.fit_sweep({**sweep, "cpu": CpuRates(copy=3e-10, cast_down=2e-8, cast_up=2.5e-8,
+                                                        scale=1e-10).as_dict()})
+    assert slow.hora_allreduce(s, 2, compression="fp16", call="out_of_place") == pytest.approx(s * 4.5e-8 * 9 / 8)
     # without the sweep's CPU timings the prediction is the wire alone
     assert planner.fit_sweep(_sweep(parse_sizes("64KB..64MB"), hosts=2, per_host=1)).hora_allreduce(
         s, 4, compression="bf16") == pytest.approx(_ring(s / 2, 4))
@@ -122,11 +130,13 @@ def test_a_compressed_sweep_fits_the_16_bit_wire() -> None:
     sweep = _sweep(sizes, hosts=2, per_host=1)
     sweep.update(compression="fp16", cpu=rates.as_dict())
     for row in sweep["rows"]:  # type: ignore[attr-defined]
-        # hora's fp16 allreduce: a 16-bit wire 20% slower per byte than float32's, plus its two casts
-        row["hora"] = {"time_s": _ring(row["size"] / 2, 2, beta=1.2 * BETA) + row["size"] * 4.5e-10}
+        # hora's fp16 allreduce: a 16-bit wire 20% slower per byte than float32's, plus its two casts, all but
+        # one piece's overlapping the wire
+        k = pieces(row["size"], "fp16", "out_of_place")
+        row["hora"] = {"time_s": _ring(row["size"] / 2, 2, beta=1.2 * BETA) + row["size"] * 4.5e-10 / k}
     plan = planner.fit_sweep(sweep)
     assert plan.wire16 is not None and plan.wire16.beta == pytest.approx(1.2 * BETA, rel=1e-6)
     # a layout it was not fitted on: 4 hosts
     assert plan.hora_allreduce(100e6, 4, compression="fp16", call="out_of_place") == pytest.approx(
-        _ring(50e6, 4, beta=1.2 * BETA) + 100e6 * 4.5e-10)
+        _ring(50e6, 4, beta=1.2 * BETA) + 100e6 * 4.5e-10 / 8)
     assert planner.fit_sweep(_sweep(sizes, hosts=2, per_host=1)).wire16 is None  # an uncompressed sweep

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from hora.compression import cast_scaled
+from hora.compression import POOL_MIN_BYTES, cast_scaled, pipeline_ranges
 
-__all__ = ["CpuRates", "extra_seconds", "measure"]
+__all__ = ["CpuRates", "extra_seconds", "measure", "pieces", "with_wire"]
 
 
 @dataclass(frozen=True)
@@ -106,3 +106,22 @@ def extra_seconds(rates: CpuRates, nbytes: float, ranks: int, compression: str =
     if average:
         extra += nbytes * rates.scale
     return extra
+
+
+def pieces(nbytes: float, compression: str = "none", call: str = "inplace") -> int:
+    """How many pieces hora sends a compressed allreduce of ``nbytes`` (float32) in, its casts overlapping the
+    wire (:func:`hora.compression.pipeline_ranges`); 1 where the casts are serial with the wire."""
+    if compression == "none" or call == "bucket" or nbytes / 2 < POOL_MIN_BYTES:
+        return 1
+    return len(pipeline_ranges(int(nbytes // 4), torch.float16, "cpu"))
+
+
+def with_wire(wire_s: float, extra_s: float, k: int) -> float:
+    """The time of an allreduce whose ``extra_s`` of CPU passes run in ``k`` pieces beside ``wire_s`` of wire:
+    whichever is longer, plus one piece of the casts that cannot overlap (the first cast down, the last cast
+    back). ``k = 1``: the two in series.
+
+    >>> with_wire(1.0, 0.4, 1), with_wire(1.0, 0.4, 8)
+    (1.4, 1.05)
+    """
+    return wire_s + extra_s if k <= 1 else max(wire_s, extra_s) + extra_s / k

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hora.bench.cpu import CpuRates, extra_seconds
+from hora.bench.cpu import CpuRates, extra_seconds, pieces, with_wire
 from hora.bench.report import human_bytes, markdown_table
 from hora.errors import ConfigError
 
@@ -126,7 +126,8 @@ class Plan:
         else:
             seconds = self.allreduce(wire, hosts, per_host, hierarchical)
         if self.cpu is not None:
-            seconds += extra_seconds(self.cpu, nbytes, hosts * per_host, compression, call, average)
+            extra = extra_seconds(self.cpu, nbytes, hosts * per_host, compression, call, average)
+            seconds = with_wire(seconds, extra, pieces(nbytes, compression, call))
         return seconds
 
     def parameter_server(self, nbytes: float, workers: int, chunks: int = 1) -> float:
@@ -192,6 +193,8 @@ def _fit_wire16(sweep: dict[str, Any], cpu: CpuRates | None, min_bytes: int) -> 
         if r["size"] < min_bytes:
             continue
         local = extra_seconds(cpu, r["size"], r["ranks"], sweep["compression"], "out_of_place")
+        # the inverse of with_wire where the wire is the longer: the casts of one piece are not overlapped
+        local /= pieces(r["size"], sweep["compression"], "out_of_place")
         if r["hora"]["time_s"] > local:
             rows.append((r["size"] / 2, r["ranks"], r["hora"]["time_s"] - local))
     try:
