@@ -187,16 +187,9 @@ def main() -> int:
             res["sweep"] = run_sweep(cluster, ns, work)
         if "sweep16" in parts:
             res["sweep16"] = run_sweep16(cluster, ns, work)
-        if "ps" in parts:
-            res["ps"] = {str(h): _worker(cluster, h, 1, "ps", work, ["--bytes", str(ns.bytes),
-                                                                      "--repeats", str(ns.repeats)])
-                         for h in ps_hosts}
         if "compression" in parts:
             res["compression"] = _worker(cluster, 2, 1, "compression", work,
                                          ["--bytes", str(ns.bytes), "--repeats", str(ns.repeats)])
-        if "wire16" in parts:
-            res["wire16"] = _worker(cluster, 2, 1, "wire16", work,
-                                    ["--bytes", str(ns.bytes), "--repeats", str(ns.repeats)])
         if "gradsync" in parts:
             res["gradsync"] = _worker(cluster, 2, 1, "gradsync", work,
                                       ["--model", "mlp" if ns.quick else ns.opt_model, "--image-size",
@@ -205,6 +198,13 @@ def main() -> int:
             res["optimizer"] = _worker(cluster, 2, 1, "optimizer", work,
                                        ["--model", "mlp" if ns.quick else ns.opt_model, "--image-size",
                                         str(ns.opt_image), "--repeats", str(ns.repeats)])
+        if "ps" in parts:
+            res["ps"] = {str(h): _worker(cluster, h, 1, "ps", work, ["--bytes", str(ns.bytes),
+                                                                      "--repeats", str(ns.repeats)])
+                         for h in ps_hosts}
+        if "wire16" in parts:
+            res["wire16"] = _worker(cluster, 2, 1, "wire16", work,
+                                    ["--bytes", str(ns.bytes), "--repeats", str(ns.repeats)])
         if "hierarchical" in parts:
             res["hierarchical"] = _worker(cluster, 3, 2, "hierarchical", work,
                                           ["--bytes", str(ns.hier_bytes), "--repeats", str(ns.repeats)],
