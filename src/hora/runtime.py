@@ -22,8 +22,9 @@ import gc
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ class Runtime:
     process_sets: ProcessSetTable
     negotiator: Negotiator = field(init=False, repr=False)  # set by init() once the process sets exist
     connect_store: Callable[[], dist.Store] | None = None  # a fresh client connection (the negotiator's bell)
+    alone: bool = False  # a new elastic worker before it joins the job's world (hora.world.alone)
 
 
 def state(what: str = "this call") -> Runtime:
@@ -84,26 +86,43 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         ValueError: a process set names ranks the job does not have. A failed ``init()`` leaves nothing
             behind: ``is_initialized()`` stays False and ``init()`` may be called again.
     """
-    global _state, _generation
     if comm is not None:
         raise ConfigError("hvd.init(comm=...) selects an MPI communicator; hora has no MPI: use process sets")
+    _init(process_sets, join=False)
+
+
+def _init(process_sets: Sequence[ProcessSet] | str | None, join: bool) -> None:
+    """``init()``; ``join``: an elastic worker joins the launcher's next world even if it never was in one
+    (``hvd.elastic.run`` leaving the world a new worker built in alone)."""
+    global _state, _generation
     with _lock:
         if _state is not None:
             return
         env = WorkerEnv.from_environ()
         knobs = Knobs.from_environ()
         logging.getLogger("hora").setLevel(knobs.log_level.upper())
+        alone = False
         if env.elastic:  # the launcher's newest world decides rank and size; its number names the store prefix
             store = rendezvous.store(env, datetime.timedelta(seconds=knobs.start_timeout))
-            env, elastic_world = world.join(store, env, _generation, knobs.elastic_timeout)
-            generation = elastic_world.gen
+            running = world.newest(store, env.job_id) if _generation == 0 and not join else 0
+            if running:  # a new worker of a running job: build alone, join at hvd.elastic.run's first sync
+                log.info("hora elastic: worker %s starts alone (rank 0 of 1) while the job runs world %d; it "
+                         "joins the job's world at its first hvd.elastic.run call", env.worker_id, running)
+                env, alone, generation = world.alone(env), True, 0
+            else:
+                env, elastic_world = world.join(store, env, _generation, knobs.elastic_timeout)
+                generation = elastic_world.gen
         else:
             generation = _generation + 1
         # Horovod's process_sets="dynamic" enables add/remove_process_set(); hora always allows them
         sets: list[Any] = [] if process_sets == "dynamic" else list(process_sets or ())
+        if alone and sets:  # their ranks are not there yet; like every set, they are gone after the join
+            log.warning("hora elastic: worker %s starts alone: the %d process set(s) given to hvd.init() are not "
+                        "registered (register them in a reset callback)", env.worker_id, len(sets))
+            sets = []
         ProcessSetTable.check(sets, env.size)
         _generation = generation
-        rt = _build_elastic(env, knobs, sets) if env.elastic else _build(env, knobs, _generation)
+        rt = _build_elastic(env, knobs, sets) if env.elastic else _build(env, knobs, _generation, alone=alone)
         env = rt.env
         try:  # a failed init leaves nothing behind: is_initialized() stays False and init() can be retried
             for ps in sets:
@@ -111,7 +130,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
             rt.negotiator = Negotiator(_engine_context(rt))
             rt.negotiator.start()
             timeline.set_world((rt.topo.rank, rt.topo.size))
-            if knobs.timeline:
+            if knobs.timeline and not alone:  # alone, it would write the job's file as "rank 0 of 1"
                 timeline.start_timeline(knobs.timeline, mark_cycles=knobs.timeline_mark_cycles)
         except BaseException:
             _discard(rt)
@@ -155,7 +174,7 @@ def _discard(rt: Runtime) -> None:
         _teardown_groups(rt)
 
 
-def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
+def _build(env: WorkerEnv, knobs: Knobs, generation: int, alone: bool = False) -> Runtime:
     timeout = datetime.timedelta(seconds=knobs.start_timeout)
     device = _bind_device(env)
     backend = "cpu:gloo,cuda:nccl" if device is not None else "gloo"
@@ -188,7 +207,7 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
                 raise
             log.debug("rank %d: init_process_group failed: %s", env.rank, e)
             raise _late_error(board, env, knobs, late) from None
-        if env.source == "hora":  # hora run already tags each line "[1]<stderr>:"; torch would add "[rank1]: "
+        if env.source == "hora" or alone:  # hora run tags each line "[1]<stderr>:"; torch would add "[rank1]: "
             sys.excepthook = hook
     else:  # the script made the default group itself (e.g. under torchrun): join it
         if dist.get_world_size() != env.size and env.source != "single":
@@ -217,9 +236,10 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int) -> Runtime:
         if ended:  # a member died while the groups were built: its peers' connections to it failed
             raise _member_lost(env, generation, ended) from e
         raise
-    rt = Runtime(env=env, knobs=knobs, store=base, topo=topo, backend=backend, owns_default_group=owns,
-                 ctrl_group=ctrl, device=device, process_sets=sets, connect_store=connect)
-    return rt
+    if alone:  # rank 0 of 1, but on the launcher's local rank (its GPU): see hora.world.alone
+        topo = replace(topo, local_rank=env.local_rank, local_size=env.local_size)
+    return Runtime(env=env, knobs=knobs, store=base, topo=topo, backend=backend, owns_default_group=owns,
+                   ctrl_group=ctrl, device=device, process_sets=sets, connect_store=connect, alone=alone)
 
 
 def _late_error(board: Board, env: WorkerEnv, knobs: Knobs, late: list[int]) -> CollectiveError:
@@ -261,9 +281,13 @@ def _bind_device(env: WorkerEnv) -> torch.device | None:
 def _topology(env: WorkerEnv, ctrl: Any) -> Topology:
     if env.size == 1:
         return derive_topology([env.host_key], [env.hostname], 0)
-    gathered: list[Any] = [None] * env.size
-    dist.all_gather_object(gathered, (env.host_key, env.hostname), group=ctrl)
-    topo = derive_topology([g[0] for g in gathered], [g[1] for g in gathered], env.rank)
+    hosts = world.hosts_by_rank(env)  # an elastic world: the launcher's record names every rank's host
+    if hosts is None:
+        gathered: list[Any] = [None] * env.size
+        dist.all_gather_object(gathered, (env.host_key, env.hostname), group=ctrl)
+        topo = derive_topology([g[0] for g in gathered], [g[1] for g in gathered], env.rank)
+    else:
+        topo = derive_topology(hosts, hosts, env.rank)
     if env.source == "hora" and env.cross_rank is not None:
         # hora's launcher assigns slots explicitly; trust it (it knows hosts that share a hostname apart).
         topo = Topology(rank=env.rank, size=env.size, local_rank=env.local_rank, local_size=env.local_size,
@@ -281,12 +305,31 @@ def shutdown() -> None:
     _shutdown(peer_wait_s=30.0)
 
 
-def reset(peer_wait_s: float = 10.0) -> None:
+def reset(peer_wait_s: float = 10.0, failed: bool = True) -> None:
     """Elastic reset: leave this world (a collective shutdown, waiting at most ``peer_wait_s`` for the peers;
     none when a peer failed) and ``init()`` in the launcher's next one: a new store prefix, new process groups
-    (the default group too), a new control mesh and negotiator."""
-    _shutdown(peer_wait_s=peer_wait_s)
-    init()
+    (the default group too), a new control mesh and negotiator. A new worker that built alone
+    (:func:`is_alone`) joins the job's world here.
+
+    Args:
+        peer_wait_s: the longest wait for the peers' shutdown.
+        failed: a collective failed in the old world: free its errors' reference cycles now (a full garbage
+            collection); False for a planned reset (a host change, a new worker's join), which has none.
+    """
+    began = time.monotonic()
+    _shutdown(peer_wait_s=peer_wait_s, collect=failed)
+    left = time.monotonic()
+    _init(None, join=True)
+    log.info("hora elastic: in world %d after %.3f s (leaving the last world %.3f s, joining %.3f s)",
+             _generation, time.monotonic() - began, left - began, time.monotonic() - left)
+
+
+def is_alone() -> bool:
+    """True while this process is a new worker of a running elastic job that has not joined the job's world
+    yet: ``hvd.init()`` gave it a world of its own (rank 0 of 1) to build in, and its first ``hvd.elastic.run``
+    call joins (see :mod:`hora.world`)."""
+    s = _state
+    return s is not None and s.alone
 
 
 def world_generation() -> int:
@@ -301,7 +344,7 @@ def _shutdown_at_exit() -> None:
     _shutdown(peer_wait_s=0.0 if crashed is not None else 10.0)
 
 
-def _shutdown(peer_wait_s: float) -> None:
+def _shutdown(peer_wait_s: float, collect: bool = True) -> None:
     global _state
     with _lock:
         s = _state
@@ -315,7 +358,10 @@ def _shutdown(peer_wait_s: float) -> None:
     # A failed op's error keeps, in its traceback, frames that refer to the engine, and the handle that holds
     # the error is in those frames: a cycle only the collector frees. Collect now, so a runtime gone closes
     # its sockets and process groups at once, not whenever the collector next runs (shutdown/init loops).
-    gc.collect()
+    # A full collection of a process with torch loaded takes 0.1-0.3 s (seconds on a busy machine): an
+    # elastic reset after a planned host change, which has no failed op, skips it (collect=False).
+    if collect:
+        gc.collect()
 
 
 def _teardown_groups(s: Runtime) -> None:

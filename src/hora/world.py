@@ -3,9 +3,16 @@
 In an elastic job (``hora run --min-np ...``, ``WorkerEnv.elastic``) the launcher's driver decides the
 worlds: it writes ``world/<gen>`` (every member's rank, local and cross ranks, host) then ``gen`` (the
 newest), under ``hora/<job>/elastic/`` in the rendezvous store. A worker posts ``ready/<worker_id>`` (the
-last world it was in, 0 if none) at its first ``init()`` and at every reset, then waits for a world newer
-than its last one. A worker that was in a world and is not in the next one has been removed: it leaves with
-exit code 0. Host changes reach workers through the ``updates`` counter and the ``update/<n>`` records
+last world it was in, 0 if none) when it joins and at every reset, then waits for a world newer than its
+last one. A worker that was in a world and is not in the next one has been removed: it leaves with exit
+code 0.
+
+When a worker joins: the workers of the job's first world join at ``init()``. A worker that starts while the
+job already runs (a host added, a failed host back after its cooldown) does not: ``init()`` gives it a world
+of its own (:func:`alone`: rank 0 of 1, the launcher's local rank kept) to build its model, optimizer and
+state in, and it posts ready only at its first ``hvd.elastic.run`` call, just before the state sync. The
+driver announces it once it is ready, so the others train on while it imports and builds, and wait for it
+only for the sync itself. Host changes reach workers through the ``updates`` counter and the ``update/<n>`` records
 (:func:`host_updates`). Key names and the World record are shared with the driver
 (:mod:`hora.launch.elastic_protocol`, the standard library only).
 
@@ -56,7 +63,7 @@ def join(store: Any, env: WorkerEnv, last_gen: int, timeout_s: float) -> tuple[W
     deadline = time.monotonic() + timeout_s
     seen = last_gen
     while True:
-        gen = _newest(store, job)
+        gen = newest(store, job)
         if gen > seen:
             world = proto.World.from_json(store.get(proto.elastic_key(job, proto.WORLD, gen=gen)))
             member = world.workers.get(env.worker_id)
@@ -82,16 +89,41 @@ def join(store: Any, env: WorkerEnv, last_gen: int, timeout_s: float) -> tuple[W
         time.sleep(_POLL_S)
 
 
-def joined() -> proto.World | None:
-    """The last world this process joined (None outside elastic jobs)."""
-    return _joined
-
-
-def _newest(store: Any, job: str) -> int:
+def newest(store: Any, job: str) -> int:
+    """The number of the newest world the driver published (0: none yet, the job is starting)."""
     key = proto.elastic_key(job, proto.GEN)
     if not store.check([key]):
         return 0
     return int(store.get(key))
+
+
+def alone(env: WorkerEnv) -> WorkerEnv:
+    """A new worker's environment until it joins its first world: a job of its own, rank 0 of 1, with no key
+    in the launcher's store. The local rank and size stay the launcher's (the slot's GPU), so a script that
+    binds its device from ``hvd.local_rank()`` builds on the device it will train on.
+
+    Example:
+        >>> e = alone(WorkerEnv(rank=3, size=4, local_rank=1, local_size=2, source="hora", elastic=True))
+        >>> (e.rank, e.size, e.local_rank, e.local_size, e.elastic)
+        (0, 1, 1, 2, False)
+    """
+    return dataclasses.replace(env, rank=0, size=1, cross_rank=0, cross_size=1, source="single", elastic=False,
+                               world_gen=0, store_is_server=True)
+
+
+def hosts_by_rank(env: WorkerEnv) -> list[str] | None:
+    """Every rank's host in the world ``env`` describes, from the launcher's record (so ``init()`` needs no
+    collective to learn them); None outside an elastic world or when the record does not name them all."""
+    record = _joined if env.elastic else None
+    if record is None or record.gen != env.world_gen or record.size != env.size:
+        return None
+    names = [p.hostname for p in sorted(record.workers.values(), key=lambda p: p.rank)]
+    return names if all(names) else None
+
+
+def joined() -> proto.World | None:
+    """The last world this process joined (None outside elastic jobs)."""
+    return _joined
 
 
 def updates_count(store: Any, job_id: str) -> int:

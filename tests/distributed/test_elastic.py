@@ -355,3 +355,87 @@ def test_every_rank_raises_hosts_updated_at_the_same_commit() -> None:
     assert skip_sync is True  # only a removal: no sync needed
     assert commits > 15
     assert results[1:] == [(commits, True)] * 3, "ranks raised at different commits"
+
+
+# --- a new worker builds alone while the others train ------------------------------------------------------
+BUILD_STEPS = 5  # steps the members must make while the newcomer builds (it waits for them)
+
+
+def _slow_builder(rank: int, size: int) -> Any:
+    if rank == 0:
+        d = _Driver()
+        d.wait_ready(["h1:0", "h2:0"], 0)
+        d.publish(1, ["h1:0", "h2:0"])
+        d.wait_ready(["h3:0"], 0)  # the newcomer posts ready only at its first hvd.elastic.run call
+        d.host_update(added=["h3"], removed=[])
+        d.wait_ready(["h1:0", "h2:0"], 1)
+        d.publish(2, ["h1:0", "h2:0", "h3:0"])
+        return "driver"
+    worker = f"h{rank}:0"
+    os.environ.update(HORA_ELASTIC="1", HORA_WORKER_ID=worker, HORA_HOSTNAME=f"h{rank}", HORA_ELASTIC_TIMEOUT="60")
+    store = dist.TCPStore("127.0.0.1", int(os.environ["HORA_STORE_PORT"]), is_master=False, wait_for_workers=False)
+    out: dict[str, Any] = {}
+    if worker == "h3:0":  # starts while world 1 trains
+        while int(store.add(_key("steps"), 0)) < 1:
+            time.sleep(0.01)
+        hvd.init()
+        out["alone"] = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), runtime.is_alone())
+        out["alone_sum"] = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()  # collectives work alone
+        begun = int(store.add(_key("steps"), 0))
+        deadline = time.monotonic() + 60
+        while int(store.add(_key("steps"), 0)) < begun + BUILD_STEPS:  # a slow build: the members go on
+            if time.monotonic() > deadline:
+                return "the members stopped stepping while the newcomer built"
+            time.sleep(0.01)
+    else:
+        hvd.init()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR * hvd.size()),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model, opt, step=0, sizes=())
+    resets: list[int] = []
+
+    def on_reset() -> None:
+        resets.append(hvd.size())
+        for group in opt.param_groups:
+            group["lr"] = LR * hvd.size()
+
+    state.register_reset_callbacks([on_reset])
+
+    @hvd.elastic.run
+    def train(state: Any) -> None:
+        while state.sizes.count(3) < 3:
+            assert state.step < 5000, "the newcomer never joined"
+            x, y = _data(state.step)
+            opt.zero_grad()
+            F.mse_loss(state.model(x.unsqueeze(0)), y.unsqueeze(0)).backward()
+            opt.step()
+            state.step += 1
+            state.sizes = (*state.sizes, hvd.size())
+            if hvd.rank() == 0 and hvd.size() == 2:
+                store.add(_key("steps"), 1)
+            state.commit()
+
+    train(state)
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    out.update(params=params, sizes=state.sizes, resets=resets, lr=opt.param_groups[0]["lr"], rank=hvd.rank(),
+               size=hvd.size(), gen=runtime.world_generation(), alone_after=runtime.is_alone())
+    return out
+
+
+def test_a_new_worker_builds_alone_while_the_others_train() -> None:
+    """A worker that starts while the job runs builds alone; the members train on until it reaches
+    ``train(state)`` (it waits for BUILD_STEPS of their steps while building: with a join in ``hvd.init()``
+    the members would sit in the state sync waiting for it, and neither would go on)."""
+    results = run_ranks(_slow_builder, 4, init=False, timeout=120)
+    assert all(isinstance(r, dict) for r in results[1:]), results  # a string names what went wrong
+    h1, h2, h3 = results[1:]
+    assert h3["alone"] == (0, 1, 3, 4, True)  # rank 0 of 1 until it joins; the launcher's local rank kept
+    assert h3["alone_sum"] == 1.0
+    assert [(r["rank"], r["size"], r["gen"], r["alone_after"]) for r in (h1, h2, h3)] == [
+        (0, 3, 2, False), (1, 3, 2, False), (2, 3, 2, False)]
+    assert h1["sizes"].count(2) >= 1 + BUILD_STEPS and h1["sizes"][-3:] == (3, 3, 3)
+    assert h1["resets"] == h3["resets"] == [3]  # the newcomer's join runs the reset callbacks too
+    for r in (h1, h2, h3):
+        assert r["params"] == h1["params"] and r["sizes"] == h1["sizes"]
+        assert r["lr"] == pytest.approx(LR * 3)

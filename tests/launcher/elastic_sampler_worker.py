@@ -9,7 +9,8 @@ divide evenly over 2 or 4 ranks, and the exactly-once check needs no padding). E
 ``{"wid", "pid", "rank", "size", "gen", "step"}`` to OUTDIR/steps.jsonl. At the end each worker writes
 OUTDIR/final.<wid>.json: its parameters, the global batches the state applied (rolled back with it at a
 failure), and the parameters of a one-process replay of exactly those batches. OUTDIR/started.<wid> says a
-worker got as far as ``hvd.init()``. OUTDIR/kill.<wid> makes that worker SIGKILL itself at its next step;
+worker got as far as ``hvd.init()``, OUTDIR/built.<wid> that it calls ``train(state)`` (where a worker started
+while the job runs joins the job's world). OUTDIR/kill.<wid> makes that worker SIGKILL itself at its next step;
 while OUTDIR/hold exists, rank 0 waits before each commit (its peers wait for it in their next collective),
 so a test can change the hosts before training goes on.
 """
@@ -99,6 +100,7 @@ def main(out: Path) -> None:
             state.sampler.set_epoch(state.epoch)
             state.commit()
 
+    (out / f"built.{wid}").touch()
     train(state)
     result = {"wid": wid, "rank": hvd.rank(), "size": hvd.size(), "params": params(model),
               "applied": list(state.applied), "replay": replay(list(state.applied))}

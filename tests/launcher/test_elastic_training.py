@@ -121,8 +121,8 @@ def test_a_horovod_elastic_script_grows_and_shrinks_with_the_discovery_script(jo
     j.wait_size(2)
     j.hold()  # the new host's workers start (import torch...) while the others wait at a commit
     hosts.write_text("127.0.0.1:2\n127.0.0.2:2\n")
-    j.wait_file("started.127.0.0.2:0", "started.127.0.0.2:1")
-    time.sleep(3)  # they post ready in hvd.init(); the launcher announces them within its poll
+    j.wait_file("built.127.0.0.2:0", "built.127.0.0.2:1")
+    time.sleep(3)  # they post ready in train(state); the launcher announces them within its poll
     j.release()
     grown = j.wait_size(4)
     assert grown == {"127.0.0.1:0", "127.0.0.1:1", "127.0.0.2:0", "127.0.0.2:1"}

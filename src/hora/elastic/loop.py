@@ -11,6 +11,10 @@ new store prefix, new process groups (the default group too), a new control mesh
 ``DistributedOptimizer`` plans new buckets for the new size at its next step. A worker that the new world
 leaves out exits with code 0. Outside an elastic job (no ``hora run --min-np``), there is no next world: the
 function runs once and a failed collective is raised as it is.
+
+A worker that started while the job was running built its model and state alone (``hvd.init()`` gave it a
+world of one process, :mod:`hora.world`): the first call joins the job's world (a reset, then the reset
+callbacks) before the first sync, so the others waited for it only for the join and the sync.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ def run(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if runtime.state("hvd.elastic.run").alone:  # a new worker, built alone: join the job's world now
+            _reset(failed=False)
+            state.on_reset()  # the callbacks see the real size (e.g. the learning rate scaled for 1 process)
         elastic = runtime.state("hvd.elastic.run").env.elastic
         skip_sync = False
         while True:
@@ -57,24 +64,25 @@ def run(func: F) -> F:
                     raise
                 log.warning("hora elastic: %s; restoring the last commit and resetting", _first_line(e))
                 state.restore()
-                skip_sync = False
+                skip_sync, failed = False, True
             except HostsUpdatedInterrupt as e:
-                skip_sync = e.skip_sync
-            _reset()
+                skip_sync, failed = e.skip_sync, False
+            _reset(failed)
             state.on_reset()
 
     return wrapper  # type: ignore[return-value]
 
 
-def _reset() -> None:
-    """Join the next world; a collective failing during the join (a member of the new world died) means
-    one more reset."""
+def _reset(failed: bool) -> None:
+    """Join the next world (``failed``: a collective of the old world failed); a collective failing during
+    the join (a member of the new world died) means one more reset."""
     while True:
         try:
-            runtime.reset()
+            runtime.reset(failed=failed)
             return
         except CollectiveError as e:
             log.warning("hora elastic: the new world failed while starting (%s); resetting again", _first_line(e))
+            failed = True
 
 
 def _first_line(error: BaseException) -> str:
