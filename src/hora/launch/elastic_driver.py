@@ -54,6 +54,12 @@ from hora.launch.transport import SSH_FAILED, agent_argv
 log = logging.getLogger(__name__)
 
 TICK = 0.05  # seconds between two looks at the store (ready keys) when nothing else happens
+# ... while nothing is under way (every worker trains in the newest world, no update or loss pending): as the
+# fixed driver's. A look costs two store round trips per worker, and in a job whose workers fill every core
+# the launcher's CPU comes out of their steps (about 2.5 % of a core at TICK with 4 workers, measured).
+# Events (a worker's exit, discovery, output) still wake the loop at once; only a reset nobody announced
+# (a stall shutdown, a broken link) is seen up to this much later.
+STEADY_TICK = 0.5
 
 
 class ElasticDriver(ElasticWorlds):
@@ -123,7 +129,7 @@ class ElasticDriver(ElasticWorlds):
         self._short_since = time.monotonic()
         while True:
             try:
-                kind, index, value = self.events.get(timeout=TICK)
+                kind, index, value = self.events.get(timeout=STEADY_TICK if self._steady() else TICK)
                 self._handle(kind, index, value)
                 while True:  # a burst of output: drain it before looking at the store again
                     kind, index, value = self.events.get_nowait()

@@ -134,6 +134,17 @@ class ElasticState:
         return [w for w in self.workers.values()
                 if w.alive and not w.leaving and w.ready is not None and not self._member(w)]
 
+    def _steady(self) -> bool:
+        """Nothing is under way: every live worker is a member of the newest world and has not posted ready for
+        the next one, no member was lost, no announced host change waits for its world, nobody is leaving."""
+        world = self.world
+        if world is None or self.finishing or self._lost_member or self._stop_deadline is not None:
+            return False
+        if self.updates > world.updates:
+            return False
+        return all(self._member(w) and not w.leaving and w.leave_by is None and w.ready != world.gen
+                   for w in self.workers.values() if w.alive)
+
     def _member_at(self, rank: int) -> Worker | None:
         """The live worker with rank ``rank`` in the newest world."""
         if self.world is None:
