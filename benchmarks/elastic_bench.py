@@ -436,10 +436,9 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="elastic-bench-", ignore_cleanup_errors=True) as tmpdir:
         tmp = Path(tmpdir)
-        for i, name in enumerate(variants):
-            cycles = max(args.trials, args.kill_runs) if i == 0 else args.kill_runs
-            data["kill_runs"].append(kill_runs(name, cycles, tmp))
-            save()
+        # the figures first (the SIGKILL variant, the overhead, torchrun), then the other failure variants
+        data["kill_runs"].append(kill_runs(variants[0], max(args.trials, args.kill_runs), tmp))
+        save()
         for i in range(args.pairs):
             data["step_time_fixed_s"].append(step_time(False, args.steps, tmp, 2 * i))
             data["step_time_elastic_s"].append(step_time(True, args.steps, tmp, 2 * i + 1))
@@ -447,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
             save()
         if torchrun_trials:
             data["torchrun"] = torchrun_kills(torchrun_trials, tmp)
+            save()
+        for name in variants[1:]:
+            data["kill_runs"].append(kill_runs(name, args.kill_runs, tmp))
+            save()
         paths = save()
     print(_report(data))
     print("wrote", ", ".join(str(p) for p in paths))
