@@ -273,6 +273,8 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
           "by `hora run` over ssh. Every figure is a per-cycle ratio of variants alternated in one run (rotating "
           f"order), median with spread; {data['repeats']} cycles. The machine (2 cores) was shared with other "
           f"work while this ran (load average {_machine_load(data)}).\n"]
+    if "note" in data:
+        md.append(f"{data['note']}\n")
     if "rebuilt_from" in data:
         md.append("This report was rebuilt (`--from-work`) from the parts a run finished before it was stopped; "
                   "the synthetic benchmark's figures are the jobs that completed.\n")

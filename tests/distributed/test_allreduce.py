@@ -78,19 +78,23 @@ def _large_compressed(rank: int, size: int) -> int:
     assert 2500 * 1000 * 2 >= POOL_MIN_BYTES
     x = torch.randn(BIG, generator=torch.Generator().manual_seed(rank)) * 100
     cases = [(comp, op, pre, post) for comp in (hvd.Compression.fp16, hvd.Compression.bf16)
-             for op, pre, post in ((hvd.Sum, 1.0, 1.0), (hvd.Average, 1.0, 1.0), (hvd.Average, 0.5, 3.0))]
+             for op, pre, post in ((hvd.Sum, 1.0, 1.0), (hvd.Average, 1.0, 1.0), (hvd.Average, 0.5, 4.0))]
 
     def one_pass() -> None:
         for comp, op, pre, post in cases:
             fresh, pooled, again = (hvd.allreduce(x, op=op, prescale_factor=pre, postscale_factor=post, compression=c)
                                     for c in (_FreshCast(comp.wire_dtype), comp, comp))  # type: ignore[attr-defined]
             assert pooled.dtype == torch.float32 and pooled.data_ptr() != again.data_ptr(), "results are new tensors"
+            # factors that are powers of 2: the same bits whether scaled in 16 bits or after the cast back
             assert torch.equal(pooled, fresh), f"{comp} {op.name} {pre} {post}: reused wire = generic path, bitwise"
             assert torch.equal(again, pooled), "a later call did not overwrite an earlier result"
             y = x.clone()  # in place (the DistributedOptimizer's private entry): cast back into the tensor
             call = Call(Kind.ALLREDUCE, y, "", hvd.global_process_set, op=op, prescale=pre, postscale=post,
                         compression=comp, inplace=True)
             assert hvd.synchronize(collectives.submit(call)) is y and torch.equal(y, fresh), "in place"
+        # another factor: the float32 product of the 16-bit sum (the generic path scales the 16-bit values)
+        third = hvd.allreduce(x, op=hvd.Sum, postscale_factor=1 / 3, compression=hvd.Compression.fp16)
+        assert torch.equal(third, hvd.allreduce(x, op=hvd.Sum, compression=_FreshCast(torch.float16)) * (1 / 3))
         # two in flight at once take two buffers; both right
         outs = hvd.grouped_allreduce([x, x * 2], op=hvd.Sum, compression=hvd.Compression.bf16)
         want = hvd.allreduce(x, op=hvd.Sum, compression=_FreshCast(torch.bfloat16))

@@ -37,6 +37,7 @@ from typing import Any
 
 from hora.bench.cpu import CpuRates, extra_seconds, pieces, with_wire
 from hora.bench.report import human_bytes, markdown_table
+from hora.compression import POOL_MIN_BYTES
 from hora.errors import ConfigError
 
 __all__ = ["LinkFit", "Plan", "fit_sweep", "markdown"]
@@ -184,12 +185,15 @@ def fit_sweep(sweep: dict[str, Any], min_bytes: int = 0) -> Plan:
 
 def _fit_wire16(sweep: dict[str, Any], cpu: CpuRates | None, min_bytes: int) -> LinkFit | None:
     """From a sweep run with ``--compression fp16|bf16`` on one rank per host: the 16-bit wire, fitted to hora's
-    compressed allreduces (their 16-bit bytes) less the CPU passes timed beside them."""
+    compressed allreduces (their 16-bit bytes) less the CPU passes timed beside them; on the sizes whose 16-bit
+    wire comes from a reused buffer (>= 2 x POOL_MIN_BYTES of float32) when the sweep has two or more."""
     per_host = sweep.get("ranks_per_host") or [sweep["ranks"]]
     if sweep.get("compression", "none") == "none" or cpu is None or sweep.get("hosts", 1) < 2 or max(per_host) > 1:
         return None
     rows = []
-    for r in sweep["rows"]:
+    # the sizes hora sends from reused buffers in pieces, as the predictions assume; all when fewer than two
+    reused = [r for r in sweep["rows"] if r["size"] >= max(min_bytes, 2 * POOL_MIN_BYTES)]
+    for r in reused if len(reused) >= 2 else sweep["rows"]:
         if r["size"] < min_bytes:
             continue
         local = extra_seconds(cpu, r["size"], r["ranks"], sweep["compression"], "out_of_place")
