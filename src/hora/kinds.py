@@ -6,7 +6,8 @@ holds that kind's steps:
 - ``prepare(call)``: on the caller's thread at submit, build the wire buffer (compress, prescale, cast a
   dtype the backend lacks, copy when the caller's tensor must stay untouched);
 - ``launch(call, launch)``: on the thread that ran the negotiation round, once every member has submitted,
-  issue the one c10d call (:mod:`hora.dataplane`, or :func:`hora.hierarchical.allreduce`); returns its Work;
+  issue the c10d call (:mod:`hora.dataplane`, or :func:`hora.hierarchical.allreduce`; a large 16-bit CPU
+  allreduce: one per piece, its casts beside the wire, :func:`_launch_pieces`); returns its Work;
 - ``launch_joined(launch)``: the same collective for a rank that has called ``join()``: zeros or no rows;
 - ``finish(call)``: on the caller's thread in ``synchronize()``, after the Work completed: average,
   postscale, decompress, copy out; returns what the user gets.

@@ -1,13 +1,13 @@
 """The CPU side of an allreduce: what hora does to the bytes besides sending them, timed on this host.
 
 A wire model (alpha-beta) predicts a bare in-place allreduce; hora's other allreduces also copy, cast and
-scale the data on the CPU, serially before or after the wire:
+scale the data on the CPU, before or after the wire (a large compressed one in pieces beside it: :func:`pieces`,
+:func:`with_wire`):
 
 * out-of-place (``hvd.allreduce``): the input is copied into a fresh wire tensor;
 * compression (``fp16``/``bf16``): a cast of the float32 input down into a reused 16-bit buffer
-  (:data:`hora.compression.WIRE_BUFFERS`), and a cast of the result back up, Average's division done in the
-  same pass (:func:`hora.compression.cast_scaled`): into a fresh tensor out of place, into the caller's tensor
-  in place;
+  (:data:`hora.compression.WIRE_BUFFERS`), and a cast of the result back up, then Average's division
+  (:func:`hora.compression.cast_scaled`): into a fresh tensor out of place, into the caller's tensor in place;
 * Average, uncompressed: one multiply of the wire tensor.
 
 A fresh tensor of more than 32 MB is new memory from the kernel (glibc serves it with mmap), so the copy and the
@@ -100,7 +100,7 @@ def extra_seconds(rates: CpuRates, nbytes: float, ranks: int, compression: str =
     """
     if ranks < 2 or call == "bucket":
         return 0.0
-    if compression != "none":  # cast down into a reused buffer; cast back with the division folded in
+    if compression != "none":  # cast down into a reused buffer; cast back, then the division
         return nbytes * (rates.cast_down + (rates.cast_up if call == "out_of_place" else rates.cast_up_into))
     extra = nbytes * rates.copy if call == "out_of_place" else 0.0
     if average:
