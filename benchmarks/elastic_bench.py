@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(the SIGKILL -H one at least --trials times); default 0: only --trials SIGKILLs")
     p.add_argument("--torchrun-trials", type=int, default=None, help="torchrun restarts (default: --trials)")
     p.add_argument("--steps", type=int, default=300, help="steps per no-event overhead run")
-    p.add_argument("--pairs", type=int, default=2, help="fixed/elastic run pairs for the overhead")
+    p.add_argument("--pairs", type=int, default=6, help="fixed/elastic run pairs for the overhead (alternating ABBA)")
     p.add_argument("--skip-torchrun", action="store_true")
     add_output_flags(p, "2 failures of each kind, 1 torchrun restart, 60-step overhead runs, 1 pair")
     args = p.parse_args(argv)
@@ -439,9 +439,10 @@ def main(argv: list[str] | None = None) -> int:
         # the figures first (the SIGKILL variant, the overhead, torchrun), then the other failure variants
         data["kill_runs"].append(kill_runs(variants[0], max(args.trials, args.kill_runs), tmp))
         save()
-        for i in range(args.pairs):
-            data["step_time_fixed_s"].append(step_time(False, args.steps, tmp, 2 * i))
-            data["step_time_elastic_s"].append(step_time(True, args.steps, tmp, 2 * i + 1))
+        for i in range(args.pairs):  # A B B A ...: a drift of the machine's load falls on both sides alike
+            for elastic in ((False, True) if i % 2 == 0 else (True, False)):
+                key = "step_time_elastic_s" if elastic else "step_time_fixed_s"
+                data[key].append(step_time(elastic, args.steps, tmp, 2 * i + elastic))
             data["elastic_over_fixed"].append(data["step_time_elastic_s"][-1] / data["step_time_fixed_s"][-1])
             save()
         if torchrun_trials:
