@@ -16,9 +16,9 @@ import torch
 
 from hora import collectives
 from hora.buckets import FlatBucket
+from hora.calltypes import Call, Kind
 from hora.compression import Compressor
 from hora.errors import UnsupportedCallError
-from hora.kinds import Call, Kind
 from hora.reduce_ops import Adasum, ReduceOp
 from hora.reducer import GradientReducer
 

@@ -1,4 +1,4 @@
-"""Building a :class:`~hora.kinds.Call` from Horovod's arguments, for the public ops (:mod:`hora.ops`,
+"""Building a :class:`~hora.calltypes.Call` from Horovod's arguments, for the public ops (:mod:`hora.ops`,
 :mod:`hora.grouped`, :mod:`hora.sparse`).
 
 An argument that cannot work (an unknown op, alltoall splits that do not add up) does not raise here: the
@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from hora import runtime
+from hora.calltypes import Call, Kind
 from hora.compression import Compression, Compressor
 from hora.errors import InvalidCallError
-from hora.kinds import Call, Kind
 from hora.process_sets import ProcessSet
 from hora.reduce_ops import ReduceOp, resolve_op
 

@@ -1,7 +1,7 @@
 """Submitting collectives: validate -> prepare -> hand to the engine. The layer between :mod:`hora.ops` (the
 public API) and the negotiation engine.
 
-``submit()`` validates a :class:`~hora.kinds.Call` on this rank, gives an unnamed call its sequence name,
+``submit()`` validates a :class:`~hora.calltypes.Call` on this rank, gives an unnamed call its sequence name,
 runs its kind's *prepare* on the caller's thread (:mod:`hora.kinds`) and hands the engine a
 :class:`~hora.engine.dispatch.LocalOp`: its request (what the peers must agree on) and its handle. Once every member
 has submitted the name, the engine runs the kind's *launch* (the c10d call); ``synchronize()`` runs its
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from hora import callsite, runtime
+from hora.calltypes import REDUCTIONS, Call, Kind
 from hora.compression import Compression
 from hora.dataplane import dtype_name
 from hora.diagnostics import timeline
@@ -28,7 +29,7 @@ from hora.engine.dispatch import LocalOp
 from hora.engine.plan import Request
 from hora.errors import InvalidCallError, UnsupportedCallError, UnsupportedDtypeError
 from hora.handles import Handle
-from hora.kinds import KINDS, REDUCTIONS, Call, Kind
+from hora.kinds import KINDS
 from hora.reduce_ops import ReduceOp
 
 _SUPPORTED = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,

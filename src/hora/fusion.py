@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from hora import hierarchical
+from hora.calltypes import Kind
 from hora.dataplane import to_dtype, wire_op
 from hora.engine.plan import Entry, Request
-from hora.kinds import Kind
 from hora.reduce_ops import ReduceOp
 
 MAX_FUSED_TENSOR_BYTES = 1 << 20  # larger tensors run alone: fusion would only add copies

@@ -21,10 +21,10 @@ from hora.calls import (
     reducescatter_grad_scale,
     wanted,
 )
+from hora.calltypes import Call
 from hora.collectives import submit_many
 from hora.compression import Compression, Compressor
 from hora.handles import GroupHandle
-from hora.kinds import Call
 from hora.process_sets import ProcessSet, global_process_set
 from hora.reduce_ops import ReduceOp
 

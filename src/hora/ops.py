@@ -1,6 +1,6 @@
 """Horovod's collectives on one tensor: sync, ``_async`` (a handle) and in-place ``_`` variants.
 
-Every function here builds a :class:`~hora.kinds.Call` (:mod:`hora.calls`) and submits it
+Every function here builds a :class:`~hora.calltypes.Call` (:mod:`hora.calls`) and submits it
 (:func:`hora.collectives.submit`); the sync forms of ops on tensors that record autograd history go through
 an autograd Function whose backward is again a collective. Grouped variants are in :mod:`hora.grouped`,
 ``sparse_allreduce_async`` in :mod:`hora.sparse`. Ops are matched across ranks by ``name``; leave it out
@@ -31,10 +31,10 @@ from hora.calls import (
     reducescatter_call,
     reducescatter_grad_scale,
 )
+from hora.calltypes import Call, Kind
 from hora.collectives import submit
 from hora.compression import Compression, Compressor
 from hora.handles import Handle
-from hora.kinds import Call, Kind
 from hora.names import JOIN_NAME
 from hora.process_sets import ProcessSet, global_process_set
 from hora.reduce_ops import ReduceOp

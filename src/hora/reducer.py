@@ -35,10 +35,10 @@ import torch
 from hora import collectives, handles, runtime
 from hora.bucket_names import BucketNames
 from hora.buckets import FlatBucket, ParamSpec, plan_buckets
+from hora.calltypes import Call, Kind
 from hora.compression import CastCompressor, Compressor, NoneCompressor, cast_scaled, wire_dtype
 from hora.ddp_watch import DdpWatch
 from hora.diagnostics import timeline
-from hora.kinds import Call, Kind
 from hora.reduce_ops import ReduceOp, Sum, bucket_scales
 from hora.sparse import sparse_allreduce_async
 

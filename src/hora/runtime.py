@@ -30,19 +30,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora import hierarchical, rendezvous, world
+from hora import bootstrap, hierarchical, rendezvous, world
 from hora.diagnostics import timeline, user_errors
 from hora.diagnostics.board import Board
 from hora.engine.context import EngineContext
 from hora.engine.negotiator import Negotiator
 from hora.env import Knobs, WorkerEnv
-from hora.errors import CollectiveError, ConfigError, NotInitializedError, WorldMemberLostError
+from hora.errors import ConfigError, NotInitializedError, WorldMemberLostError
 from hora.process_sets import ProcessSet, ProcessSetTable, global_process_set
-from hora.topology import Topology, derive_topology
+from hora.topology import Topology
 
 log = logging.getLogger(__name__)
 
-_GLOO_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's own default for a Gloo group
 _lock = threading.RLock()
 _state: Runtime | None = None
 _generation = 0
@@ -176,7 +175,7 @@ def _discard(rt: Runtime) -> None:
 
 def _build(env: WorkerEnv, knobs: Knobs, generation: int, alone: bool = False) -> Runtime:
     timeout = datetime.timedelta(seconds=knobs.start_timeout)
-    device = _bind_device(env)
+    device = bootstrap.bind_device(env)
     backend = "cpu:gloo,cuda:nccl" if device is not None else "gloo"
     owns = not dist.is_initialized()
     board: Board | None = None
@@ -191,9 +190,9 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, alone: bool = False) -
         if env.elastic:  # wait for the members here, where the launcher's word that one ended is heard
             late, ended = board.wait_arrivals(env.size, generation, knobs.start_timeout)
             if ended:
-                raise _member_lost(env, generation, ended)
+                raise bootstrap.member_lost(env, generation, ended)
             if late:
-                raise _late_error(board, env, knobs, late)
+                raise bootstrap.late_error(board, env, knobs, late)
         try:
             dist.init_process_group(
                 backend, store=dist.PrefixStore("default", base), rank=env.rank, world_size=env.size, timeout=timeout
@@ -201,12 +200,12 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, alone: bool = False) -
         except Exception as e:  # c10d raises DistStoreError with an internal key: say who is late instead
             ended = board.ended(range(env.size)) if env.elastic else {}
             if ended:
-                raise _member_lost(env, generation, ended) from e
+                raise bootstrap.member_lost(env, generation, ended) from e
             late = board.not_arrived(env.size, generation) if board.active else []
             if not late:
                 raise
             log.debug("rank %d: init_process_group failed: %s", env.rank, e)
-            raise _late_error(board, env, knobs, late) from None
+            raise bootstrap.late_error(board, env, knobs, late) from None
         if env.source == "hora" or alone:  # hora run tags each line "[1]<stderr>:"; torch would add "[rank1]: "
             sys.excepthook = hook
     else:  # the script made the default group itself (e.g. under torchrun): join it
@@ -220,8 +219,8 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, alone: bool = False) -
         connect = rendezvous.connector(rendezvous.default_store(), prefix, timeout)
         backend = dist.get_backend()
     try:
-        ctrl = dist.new_group(backend="gloo", timeout=_control_timeout(knobs))
-        topo = _topology(env, ctrl)
+        ctrl = dist.new_group(backend="gloo", timeout=bootstrap.control_timeout(knobs))
+        topo = bootstrap.topology(env, ctrl)
         sets = ProcessSetTable(env.size, env.rank, backend)
         sets.add_global(dist.new_group(backend=backend))
         if knobs.hierarchical_allreduce and env.size > 1:
@@ -234,66 +233,12 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, alone: bool = False) -
         ended = board.ended(range(env.size)) if board is not None and env.elastic and isinstance(e, Exception) \
             else {}
         if ended:  # a member died while the groups were built: its peers' connections to it failed
-            raise _member_lost(env, generation, ended) from e
+            raise bootstrap.member_lost(env, generation, ended) from e
         raise
     if alone:  # rank 0 of 1, but on the launcher's local rank (its GPU): see hora.world.alone
         topo = replace(topo, local_rank=env.local_rank, local_size=env.local_size)
     return Runtime(env=env, knobs=knobs, store=base, topo=topo, backend=backend, owns_default_group=owns,
                    ctrl_group=ctrl, device=device, process_sets=sets, connect_store=connect, alone=alone)
-
-
-def _late_error(board: Board, env: WorkerEnv, knobs: Knobs, late: list[int]) -> CollectiveError:
-    """The error of a rank whose peers ``late`` did not reach ``init()`` in time (they are blamed on the board)."""
-    who = f"rank {late[0]}" if len(late) == 1 else f"ranks {', '.join(map(str, late))}"
-    board.blame(late[0], f"did not call hvd.init() within --start-timeout {knobs.start_timeout:g} s "
-                         "(its peers waited for it)")
-    return CollectiveError(
-        f"rank {env.rank}: {who} did not call hvd.init() within the start timeout of {knobs.start_timeout:g} s "
-        "(--start-timeout, HORA_START_TIMEOUT); every rank must call it. Look at the late rank's output: "
-        "slow work before init() (imports, data loading) needs a longer --start-timeout; a rank that "
-        "never gets there is stuck or takes another branch")
-
-
-def _member_lost(env: WorkerEnv, generation: int, ended: dict[int, str]) -> WorldMemberLostError:
-    """The error of a member of elastic world ``generation`` whose peers ``ended`` (rank -> how) are gone."""
-    rank, how = min(ended.items())
-    return WorldMemberLostError(f"rank {env.rank}: rank {rank} of the launcher's world {generation} ended ({how}) "
-                                "before the world's process groups were built")
-
-
-def _control_timeout(knobs: Knobs) -> datetime.timedelta:
-    """The Gloo control group's deadline (the rounds of the Gloo control plane, ``HORA_CONTROL_PLANE=gloo`` or
-    more than 256 ranks, which cannot report a silent rank early): the stall shutdown time when one is set,
-    else torch's default. The default mesh plane needs none: its rounds follow the stall inspector's flags."""
-    if not knobs.stall_check_disable and knobs.stall_shutdown_time_seconds > 0:
-        return datetime.timedelta(seconds=knobs.stall_shutdown_time_seconds)
-    return _GLOO_DEFAULT_TIMEOUT
-
-
-def _bind_device(env: WorkerEnv) -> torch.device | None:
-    if not (torch.cuda.is_available() and dist.is_nccl_available()):
-        return None
-    index = env.local_rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
-def _topology(env: WorkerEnv, ctrl: Any) -> Topology:
-    if env.size == 1:
-        return derive_topology([env.host_key], [env.hostname], 0)
-    hosts = world.hosts_by_rank(env)  # an elastic world: the launcher's record names every rank's host
-    if hosts is None:
-        gathered: list[Any] = [None] * env.size
-        dist.all_gather_object(gathered, (env.host_key, env.hostname), group=ctrl)
-        topo = derive_topology([g[0] for g in gathered], [g[1] for g in gathered], env.rank)
-    else:
-        topo = derive_topology(hosts, hosts, env.rank)
-    if env.source == "hora" and env.cross_rank is not None:
-        # hora's launcher assigns slots explicitly; trust it (it knows hosts that share a hostname apart).
-        topo = Topology(rank=env.rank, size=env.size, local_rank=env.local_rank, local_size=env.local_size,
-                        cross_rank=env.cross_rank, cross_size=env.cross_size or 1,
-                        hostnames=topo.hostnames, homogeneous=topo.homogeneous, hosts=topo.hosts)
-    return topo
 
 
 def shutdown() -> None:

@@ -13,10 +13,10 @@ import torch
 
 from hora import callsite, runtime
 from hora.calls import resolved_op
+from hora.calltypes import Call, Kind
 from hora.collectives import submit_many
 from hora.errors import InvalidCallError
 from hora.handles import GroupHandle
-from hora.kinds import Call, Kind
 from hora.process_sets import ProcessSet, global_process_set
 from hora.reduce_ops import ReduceOp, average_values
 

@@ -9,8 +9,8 @@ import torch
 
 import hora as hvd
 from hora import collectives
+from hora.calltypes import Call, Kind
 from hora.compression import POOL_MIN_BYTES, WIRE_BUFFERS, CastCompressor
-from hora.kinds import Call, Kind
 from tests.distributed.expect import ALL, FLOATS, close, ops_for, rank_input, reduce
 from tests.distributed.harness import run_ranks
 

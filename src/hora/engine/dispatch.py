@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hora import fusion, kinds
+from hora import calltypes, fusion, kinds
 from hora.diagnostics import inflight
 from hora.diagnostics import timeline as timeline_mod
 from hora.engine.plan import Entry, Request
@@ -29,7 +29,7 @@ class LocalOp:
 
     req: Request
     handle: Handle
-    launch: Callable[[kinds.Launch], Any]  # issues the c10d call on the round's thread; returns a Work or None
+    launch: Callable[[calltypes.Launch], Any]  # issues the c10d call on the round's thread; returns a Work or None
     wire: torch.Tensor | None = None  # the buffer an allreduce sends: fusion may copy it into a fused buffer
     event: Any = None  # CUDA event recorded at submit on the user's stream
     submitted_at: float = 0.0
@@ -82,7 +82,7 @@ class Dispatcher:
     def _launch_one(self, entry: Entry, joined: frozenset[int]) -> None:
         op = self._take(entry.name)
         group = self._group_of(entry)
-        launch = kinds.Launch(entry, group, self.rank)
+        launch = calltypes.Launch(entry, group, self.rank)
         kind = entry.first.kind
         if op is None:  # this rank has joined: contribute zeros / nothing
             work = kinds.launch_joined(launch)

@@ -5,24 +5,8 @@ control plane (:mod:`hora.engine.mesh`, or :class:`hora.engine.control.GlooPlane
 and every rank reaches the same decision (:mod:`hora.engine.rounds`, the round itself). This module is
 the *scheduling*: who runs the next round, when, and why.
 
-States (:class:`Phase`, changed only under the negotiator's lock)::
-
-    ROUND ──▶ IDLE ──▶ ROUND          the thread parks on the bell, wakes, runs what is due
-    ROUND ──▶ DEFERRING ──▶ ROUND     ... parks with a deadline, holding back an answer (see below)
-    IDLE | DEFERRING | ROUND ──▶ CLOSING ──▶ STOPPED      shutdown() (CLOSING runs the shutdown round)
-    IDLE | DEFERRING | ROUND | CLOSING ──▶ BROKEN ──▶ STOPPED   a round failed or was interrupted
-
-- ROUND: the negotiator thread is awake and holds the round lock: it runs the rounds that are due.
-- IDLE: the thread waits on the plane's bell (no CPU). A local submit rings it; on the mesh so does a
-  peer's frame (a peer started a round), and the death watch rings it on the Gloo plane when a peer dies.
-- DEFERRING: as IDLE, but until a deadline: peers started a round this rank's answer cannot advance (all
-  they sent waits for this rank's own submission), so it answers once it has something, or at the deadline
-  (``Rounds.may_defer``). Ranks reaching an op at slightly different times then run it in one round.
-- CLOSING: ``stop()`` submitted the shutdown request; the thread runs rounds and parks as before (the
-  round it parks on is ``_parked_round``) until the shutdown round ran. Peers closing is expected now.
-- BROKEN: negotiation is over (a round failed, Ctrl-C interrupted one, the store went): every pending and
-  later op fails with ``error``; the thread ends. ``shutdown()`` + ``init()`` starts a fresh negotiator.
-- STOPPED: ``stop()`` ended the thread, the timers and the plane. Terminal.
+States: :class:`~hora.engine.phases.Phase` (ROUND, IDLE, DEFERRING, CLOSING, BROKEN, STOPPED), changed only
+under the negotiator's lock; :mod:`hora.engine.phases` says what each means and which moves are allowed.
 
 Besides ops, a round carries flags: stall queries and answers, and notices (``announce`` / ``checkpoint``,
 :mod:`hora.engine.notices`: a value every rank gets at the same checkpoint, agreed in two rounds).
@@ -42,7 +26,6 @@ data transfer dominates and none of the three shows outside the noise.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -57,6 +40,7 @@ from hora.engine.dispatch import LocalOp
 from hora.engine.mesh import Mesh
 from hora.engine.notices import NOTICE, Notices
 from hora.engine.pending import Pending
+from hora.engine.phases import ACTIVE, NEXT, Phase
 from hora.engine.plan import SHUTDOWN, Request, Table
 from hora.engine.rounds import Rounds, record_lost
 from hora.engine.timers import TimerThread
@@ -68,29 +52,6 @@ log = logging.getLogger(__name__)
 
 _DEFER_MAX_S = 1.0
 _IDLE_WAIT_S = 3600.0  # store waits time out noisily in c10d's C++ log: wake only when rung
-
-
-class Phase(enum.Enum):
-    """The negotiator's state; see the module docstring for the transitions."""
-
-    ROUND = "round"
-    IDLE = "idle"
-    DEFERRING = "deferring"
-    CLOSING = "closing"
-    BROKEN = "broken"
-    STOPPED = "stopped"
-
-
-_PARKED = (Phase.IDLE, Phase.DEFERRING)
-_ACTIVE = (Phase.ROUND, Phase.IDLE, Phase.DEFERRING)  # before shutdown and before any failure
-_NEXT: dict[Phase, tuple[Phase, ...]] = {
-    Phase.ROUND: (Phase.IDLE, Phase.DEFERRING, Phase.CLOSING, Phase.BROKEN),
-    Phase.IDLE: (Phase.ROUND, Phase.CLOSING, Phase.BROKEN),
-    Phase.DEFERRING: (Phase.ROUND, Phase.CLOSING, Phase.BROKEN),
-    Phase.CLOSING: (Phase.BROKEN, Phase.STOPPED),
-    Phase.BROKEN: (Phase.STOPPED,),
-    Phase.STOPPED: (),
-}
 
 
 class Negotiator:
@@ -138,10 +99,10 @@ class Negotiator:
     def _move(self, to: Phase) -> bool:
         """Change phase (lock held); True when it changed. Once CLOSING or BROKEN the thread still runs and
         parks, and a failure may still come after STOPPED: those moves are ignored. Any other move not in
-        ``_NEXT`` is a bug."""
-        if to is self._phase or self._phase is Phase.STOPPED or (to in _ACTIVE and self._phase not in _ACTIVE):
+        ``NEXT`` is a bug."""
+        if to is self._phase or self._phase is Phase.STOPPED or (to in ACTIVE and self._phase not in ACTIVE):
             return False
-        if to not in _NEXT[self._phase]:
+        if to not in NEXT[self._phase]:
             raise AssertionError(f"negotiator phase {self._phase.name} -> {to.name} is not allowed")
         self._phase = to
         return True
@@ -243,8 +204,8 @@ class Negotiator:
         With ``timeout`` 0 (a crashing process) nothing is negotiated: the peers learn of it when this
         process's connections close."""
         with self._lock:
-            negotiate = self._phase in _ACTIVE and timeout > 0 and not self._rounds.stall_failed
-            if self._phase in _ACTIVE:
+            negotiate = self._phase in ACTIVE and timeout > 0 and not self._rounds.stall_failed
+            if self._phase in ACTIVE:
                 self._move(Phase.CLOSING)
         try:  # Ctrl-C while waiting for the peers still ends the threads and closes the plane
             if negotiate and self._thread.is_alive():
@@ -402,7 +363,7 @@ class Negotiator:
         """The death watch saw ``peer`` go: say so in the store for every rank's error message, and ring a
         round, which fails on every rank instead of leaving them waiting for the dead peer."""
         with self._lock:
-            if self._phase not in _ACTIVE or self._stopped.is_set():
+            if self._phase not in ACTIVE or self._stopped.is_set():
                 return
         log.info("rank %d: rank %d on %s is gone (%s)", self.rank, peer, self.ctx.hostname(peer), error)
         record_lost(self.ctx.store, peer)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+from hora.calltypes import Kind
 from hora.diagnostics.where import describe_op
 from hora.errors import CollectiveError, CollectiveMismatchError, HoraError, PeerRejectedCallError
-from hora.kinds import Kind
 from hora.names import JOIN_NAME, SHUTDOWN_NAME, UNNAMED_PREFIX
 from hora.reduce_ops import ReduceOp
 
