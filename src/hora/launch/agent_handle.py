@@ -14,6 +14,7 @@ from typing import Any
 
 from hora.launch import procs, protocol
 from hora.launch.config import RunConfig
+from hora.launch.failures import RankState
 from hora.launch.transport import SshTransport, Transport, transport_for
 
 PING_INTERVAL = 2.0  # seconds between the driver's pings to each agent
@@ -85,8 +86,20 @@ def start_pumps(agent: AgentHandle, events: queue.SimpleQueue[tuple[str, int, An
     threading.Thread(target=pump_stderr, daemon=True).start()
 
 
-def force_kill(agents: Iterable[AgentHandle]) -> None:
-    """Close every agent's stdin (they kill their workers) and kill agents that linger past 3 s."""
+def stop_agents(agents: Iterable[AgentHandle], grace: float) -> float:
+    """Tell every agent to stop its workers (SIGTERM, SIGKILL after ``grace`` s); returns the deadline after
+    which the driver calls :func:`force_kill` on the agents still running."""
+    for agent in agents:
+        agent.send({"t": protocol.STOP, "grace": grace})
+    return time.monotonic() + grace + KILL_AFTER_GRACE
+
+
+def force_kill(agents: Iterable[AgentHandle], states: Iterable[RankState] = ()) -> None:
+    """Close every agent's stdin (they kill their workers) and kill agents that linger past 3 s; each of
+    ``states`` that had not ended counts as stopped (exit code 1)."""
+    for state in states:
+        if not state.done:
+            state.done, state.code, state.stopped = True, 1, True
     agents = list(agents)
     for agent in agents:
         agent.close_stdin()

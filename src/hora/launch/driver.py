@@ -29,13 +29,13 @@ from hora import network
 from hora.errors import SetupError
 from hora.launch import envvars, output, preflight, procs, protocol, timeline_hook
 from hora.launch.agent_handle import (
-    KILL_AFTER_GRACE,
     PING_INTERVAL,
     AgentHandle,
     default_transport,
     force_kill,
     split_returncode,
     start_pumps,
+    stop_agents,
 )
 from hora.launch.config import RunConfig
 from hora.launch.failures import RankState, RootCause
@@ -335,18 +335,12 @@ class Driver:
         self._stop_all()
 
     def _stop_all(self) -> None:
-        if self._stop_deadline is not None:
-            return
-        self._stop_deadline = time.monotonic() + self.cfg.grace + KILL_AFTER_GRACE
-        for agent in self.agents:
-            agent.send({"t": protocol.STOP, "grace": self.cfg.grace})
+        if self._stop_deadline is None:
+            self._stop_deadline = stop_agents(self.agents, self.cfg.grace)
 
     def _force_kill(self) -> None:
         """Kill every agent (see :func:`force_kill`); ranks that had not ended count as stopped."""
-        force_kill(self.agents)
-        for state in self.ranks.values():
-            if not state.done:
-                state.done, state.code, state.stopped = True, 1, True
+        force_kill(self.agents, self.ranks.values())
 
     def _shutdown_agents(self) -> None:
         """Let every agent finish (closing its stdin stops its workers); an interrupt here kills at once."""

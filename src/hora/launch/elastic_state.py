@@ -14,7 +14,7 @@ from typing import Any
 
 from hora.launch import elastic_protocol as ep
 from hora.launch import output, procs, protocol
-from hora.launch.agent_handle import KILL_AFTER_GRACE, AgentHandle, default_transport, force_kill
+from hora.launch.agent_handle import AgentHandle, default_transport, force_kill, stop_agents
 from hora.launch.config import RunConfig
 from hora.launch.elastic_hosts import ElasticConfig, HostManager
 from hora.launch.failures import RankState
@@ -216,15 +216,9 @@ class ElasticState:
         self._stop_all()
 
     def _stop_all(self) -> None:
-        if self._stop_deadline is not None:
-            return
-        self._stop_deadline = time.monotonic() + self.cfg.grace + KILL_AFTER_GRACE
-        for agent in self.agents:
-            agent.send({"t": protocol.STOP, "grace": self.cfg.grace})
+        if self._stop_deadline is None:
+            self._stop_deadline = stop_agents(self.agents, self.cfg.grace)
 
     def _force_kill(self) -> None:
         """Kill every agent (see :func:`force_kill`); workers still alive count as stopped."""
-        force_kill(self.agents)
-        for w in self.workers.values():
-            if w.alive:
-                w.state.done, w.state.code, w.state.stopped = True, 1, True
+        force_kill(self.agents, (w.state for w in self.workers.values()))
