@@ -71,12 +71,13 @@ def _job(cluster: netns.Cluster, flags: list[str], command: list[str], work: Pat
 
 
 def _worker(cluster: netns.Cluster, hosts: int, slots: int, mode: str, work: Path, args: list[str],
-            env: list[str] | None = None, timeout: float = 400) -> dict[str, Any]:
-    out = work / f"{mode}-{hosts}x{slots}.json"
+            env: list[str] | None = None, timeout: float = 400, tag: str = "") -> dict[str, Any]:
+    out = work / f"{mode}{tag}-{hosts}x{slots}.json"
     flags = _hosts_flag(cluster, hosts, slots) + [x for kv in (env or []) for x in ("-x", kv)]
     log.info("%s on %d host(s) x %d", mode, hosts, slots)
     before = os.getloadavg()[0]
-    _job(cluster, flags, [sys.executable, WORKER, mode, "--out", str(out), *args], work / f"{mode}{hosts}", timeout)
+    _job(cluster, flags, [sys.executable, WORKER, mode, "--out", str(out), *args], work / f"{mode}{tag}{hosts}",
+         timeout)
     record: dict[str, Any] = json.loads(out.read_text())
     record["load_avg"] = [round(before, 1), round(os.getloadavg()[0], 1)]  # 1-minute, at start and end
     out.write_text(json.dumps(record, indent=1) + "\n")  # --from-work reads it back
@@ -151,6 +152,8 @@ def main() -> int:
     p.add_argument("--opt-image", type=int, default=32)
     p.add_argument("--opt-model", default="wide-mlp", help="optimizer: the model (default wide-mlp: ~100 MB of "
                    "gradients, little compute, so the wire is the limit)")
+    p.add_argument("--opt-optimizers", default="sgd,momentum,adam",
+                   help="optimizer: the torch optimizers to run it with (sgd, momentum, adam)")
     p.add_argument("--name", default="shaped_links", help="results file name (without extension)")
     p.add_argument("--quick", action="store_true", help="200 Mbit, small sizes, few repeats: a smoke run")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -195,9 +198,13 @@ def main() -> int:
                                       ["--model", "mlp" if ns.quick else ns.opt_model, "--image-size",
                                        str(ns.opt_image), "--repeats", str(ns.repeats)])
         if "optimizer" in parts:
-            res["optimizer"] = _worker(cluster, 2, 1, "optimizer", work,
-                                       ["--model", "mlp" if ns.quick else ns.opt_model, "--image-size",
-                                        str(ns.opt_image), "--repeats", str(ns.repeats)])
+            for name in ns.opt_optimizers.split(","):
+                tag = "" if name == "sgd" else f"_{name}"
+                res[f"optimizer{tag}"] = _worker(
+                    cluster, 2, 1, "optimizer", work,
+                    ["--model", "mlp" if ns.quick else ns.opt_model, "--image-size", str(ns.opt_image),
+                     "--repeats", str(ns.repeats), "--optimizer", name, *(["--one-bucket"] if name == "sgd" else [])],
+                    tag=tag)
         if "ps" in parts:
             res["ps"] = {str(h): _worker(cluster, h, 1, "ps", work, ["--bytes", str(ns.bytes),
                                                                       "--repeats", str(ns.repeats)])
@@ -242,6 +249,8 @@ def from_work(work: Path, ns: argparse.Namespace) -> dict[str, Any]:
         found = sorted(work.glob(pattern))
         if found:
             parts[mode] = json.loads(found[0].read_text())
+    for path in sorted(work.glob("optimizer_*-2x1.json")):  # the optimizer part with momentum, adam
+        parts[path.name.removesuffix("-2x1.json")] = json.loads(path.read_text())
     synthetic: dict[str, list[float]] = {}
     for d in sorted(work.glob("synthetic-*-*")):
         name, _, _ = d.name.removeprefix("synthetic-").rpartition("-")
@@ -261,6 +270,32 @@ def from_work(work: Path, ns: argparse.Namespace) -> dict[str, Any]:
 
 def _ratio(num: list[float], den: list[float]) -> dict[str, float]:
     return ratio_summary(num, den)
+
+
+_OPT_NAMES = {"sgd": "SGD", "momentum": "SGD with momentum 0.9", "adam": "Adam"}
+_OPT_VARIANTS = {"ddp": "DDP", "hora": "hora DistributedOptimizer (25 MB buckets; update overlaps the wire)",
+                 "hora_sync_first": "hora, update after every bucket is back (`synchronize()`, then `step()`)",
+                 "hora_one_bucket": "hora, one bucket (num_groups=1)", "local": "no sync (compute)"}
+
+
+def _optimizer_section(key: str, rec: dict[str, Any], md: list[str], figures: dict[str, Any]) -> None:
+    """The optimizer part with one torch optimizer: its table, and its figures under ``key``."""
+    smp = rec["samples"]
+    ratio = _ratio(smp["hora"], smp["ddp"])
+    figures[key] = {"hora_over_ddp": ratio, "load_avg": rec.get("load_avg")}
+    for variant in ("hora_one_bucket", "hora_sync_first"):
+        if variant in smp:
+            figures[key][f"{variant.removeprefix('hora_')}_over_ddp"] = _ratio(smp[variant], smp["ddp"])
+    inputs = "" if rec["model"].endswith("mlp") else f" of {rec['image_size']}px images"
+    optimizer = _OPT_NAMES.get(rec.get("optimizer", "sgd"), rec.get("optimizer", "sgd"))
+    md.append(f"## DistributedOptimizer against DDP, {optimizer}, 2 hosts, {rec['model']} "
+              f"({_mb(rec['gradient_bytes'])} of gradients), batch {rec['batch_size']}{inputs}{_load(rec)}\n")
+    busy = {k: statistics.median(v) for k, v in rec.get("cpu_busy", {}).items() if v}
+    md.append(markdown_table(["variant", "median step", "time / DDP's", "cores busy"],
+                             [[_OPT_VARIANTS.get(k, k), f"{statistics.median(v):.3f} s",
+                               "" if k == "ddp" else f"{_ratio(v, smp['ddp'])['median']:.2f}x "
+                               f"({_ratio(v, smp['ddp'])['spread']:.0%})",
+                               f"{busy[k]:.0%}" if k in busy else "-"] for k, v in smp.items()]))
 
 
 def analyse(data: dict[str, Any]) -> dict[str, Any]:
@@ -399,24 +434,8 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
               f"{gbusy[k]:.0%}" if k in gbusy else "-"] for k in ("none", "fp16", "bf16", "local")]))
         md.append("\n`local`: the same step with a plain optimizer and no sync (the compute); sync = step - local "
                   "per cycle.\n")
-    if "optimizer" in parts:
-        rec = parts["optimizer"]
-        smp = rec["samples"]
-        ratio = _ratio(smp["hora"], smp["ddp"])
-        figures["optimizer"] = {"hora_over_ddp": ratio, "load_avg": rec.get("load_avg")}
-        if "hora_one_bucket" in smp:
-            figures["optimizer"]["one_bucket_over_ddp"] = _ratio(smp["hora_one_bucket"], smp["ddp"])
-        inputs = "" if rec["model"].endswith("mlp") else f" of {rec['image_size']}px images"
-        md.append(f"## DistributedOptimizer against DDP, 2 hosts, {rec['model']} ({_mb(rec['gradient_bytes'])} "
-                  f"of gradients), batch {rec['batch_size']}{inputs}{_load(rec)}\n")
-        names = {"ddp": "DDP", "hora": "hora DistributedOptimizer (25 MB buckets)",
-                 "hora_one_bucket": "hora, one bucket (num_groups=1)", "local": "no sync (compute)"}
-        obusy = {k: statistics.median(v) for k, v in rec.get("cpu_busy", {}).items() if v}
-        md.append(markdown_table(["variant", "median step", "time / DDP's", "cores busy"],
-                                 [[names.get(k, k), f"{statistics.median(v):.3f} s",
-                                   "" if k == "ddp" else f"{_ratio(v, smp['ddp'])['median']:.2f}x "
-                                   f"({_ratio(v, smp['ddp'])['spread']:.0%})",
-                                   f"{obusy[k]:.0%}" if k in obusy else "-"] for k, v in smp.items()]))
+    for key in [k for k in parts if k.startswith("optimizer")]:
+        _optimizer_section(key, parts[key], md, figures)
     if "hierarchical" in parts:
         rec = parts["hierarchical"]
         ratio = _ratio(rec["samples"]["flat"], rec["samples"]["hierarchical"])
@@ -486,8 +505,9 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
         if "gradsync" in figures:
             bars["fp16 DO sync"] = figures["gradsync"]["sync"]["fp16"]["median"]
             bars["bf16 DO sync"] = figures["gradsync"]["sync"]["bf16"]["median"]
-        if "optimizer" in figures:
-            bars["DDP / hora step"] = 1 / figures["optimizer"]["hora_over_ddp"]["median"]
+        for key in [k for k in figures if k.startswith("optimizer")]:
+            label = key.removeprefix("optimizer").removeprefix("_") or "sgd"
+            bars[f"DDP / hora step ({label})"] = 1 / figures[key]["hora_over_ddp"]["median"]
         if "hierarchical" in figures:
             bars["hierarchical 3x2"] = figures["hierarchical"]["speedup"]["median"]
         if bars:

@@ -137,13 +137,21 @@ def mode_wire16(ns: argparse.Namespace) -> dict[str, Any]:
     return {"bytes": numel * 4, "samples": alternate(variants, ns.repeats, warmup=1)}
 
 
-def _step_fn(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+def _step_fn(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+             sync_first: bool = False) -> Callable[[], None]:
+    """One training step. ``sync_first``: reduce every gradient, then step once (``synchronize()``, then
+    ``step()`` under ``skip_synchronize()``), the DistributedOptimizer's update not overlapped with the wire."""
     loss = nn.CrossEntropyLoss()
 
     def step() -> None:
         opt.zero_grad()
         loss(model(x), y).backward()
-        opt.step()
+        if sync_first:
+            opt.synchronize()  # type: ignore[attr-defined]
+            with opt.skip_synchronize():  # type: ignore[attr-defined]
+                opt.step()
+        else:
+            opt.step()
 
     return step
 
@@ -153,28 +161,43 @@ def _data(ns: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, models.classes(ns.model), (ns.batch_size,))
 
 
-def _hora_optimizer(model: nn.Module, **kwargs: Any) -> torch.optim.Optimizer:
-    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.01),
+    "momentum": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+}
+
+
+def _hora_optimizer(model: nn.Module, optimizer: str = "sgd", **kwargs: Any) -> torch.optim.Optimizer:
+    return hvd.DistributedOptimizer(OPTIMIZERS[optimizer](model.parameters()),
                                     named_parameters=model.named_parameters(), **kwargs)
 
 
 def mode_optimizer(ns: argparse.Namespace) -> dict[str, Any]:
-    """A DistributedOptimizer step (25 MB buckets as DDP; and one bucket of every gradient, ``num_groups=1``:
-    no overlap, one op) against a DDP step, same model and data; and the step without any sync (one rank's
-    compute). (HORA_BUCKET_CAP_MB cannot vary per optimizer: the knobs are read once, at hvd.init().)"""
+    """A DistributedOptimizer step (25 MB buckets as DDP; its update overlaps the wire) against a DDP step with
+    the same optimizer, model and data; the same DistributedOptimizer stepping once after every bucket is back
+    (``hora_sync_first``: no update overlap); the step without any sync (one rank's compute); with
+    ``--one-bucket`` also one bucket of every gradient (``num_groups=1``: no overlap, one op).
+    (HORA_BUCKET_CAP_MB cannot vary per optimizer: the knobs are read once, at hvd.init().)"""
     torch.manual_seed(0)
-    nets = {k: models.build(ns.model) for k in ("hora", "hora_one_bucket", "ddp", "local")}
+    names = ["hora", "hora_sync_first", "ddp", "local"] + (["hora_one_bucket"] if ns.one_bucket else [])
+    nets = {k: models.build(ns.model) for k in names}
     for net in nets.values():
         net.load_state_dict(nets["hora"].state_dict())
     ddp = nn.parallel.DistributedDataParallel(nets["ddp"])
     x, y = _data(ns)
-    steps = {"hora": _step_fn(nets["hora"], _hora_optimizer(nets["hora"]), x, y),
-             "hora_one_bucket": _step_fn(nets["hora_one_bucket"], _hora_optimizer(nets["hora_one_bucket"],
-                                                                                  num_groups=1), x, y),
-             "ddp": _step_fn(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), x, y),
-             "local": _step_fn(nets["local"], torch.optim.SGD(nets["local"].parameters(), lr=0.01), x, y)}
-    return {"model": ns.model, "gradient_bytes": models.parameter_bytes(nets["hora"]), "image_size": ns.image_size,
-            "batch_size": ns.batch_size, **_alternate_busy(steps, ns.repeats, warmup=2)}
+    make = OPTIMIZERS[ns.optimizer]
+    steps = {"hora": _step_fn(nets["hora"], _hora_optimizer(nets["hora"], ns.optimizer), x, y),
+             "hora_sync_first": _step_fn(nets["hora_sync_first"], _hora_optimizer(nets["hora_sync_first"],
+                                                                                  ns.optimizer), x, y, sync_first=True),
+             "ddp": _step_fn(ddp, make(ddp.parameters()), x, y),
+             "local": _step_fn(nets["local"], make(nets["local"].parameters()), x, y)}
+    if ns.one_bucket:
+        steps["hora_one_bucket"] = _step_fn(nets["hora_one_bucket"],
+                                            _hora_optimizer(nets["hora_one_bucket"], ns.optimizer, num_groups=1), x, y)
+    return {"model": ns.model, "optimizer": ns.optimizer, "gradient_bytes": models.parameter_bytes(nets["hora"]),
+            "image_size": ns.image_size, "batch_size": ns.batch_size,
+            **_alternate_busy(steps, ns.repeats, warmup=2)}
 
 
 def mode_gradsync(ns: argparse.Namespace) -> dict[str, Any]:
@@ -222,6 +245,8 @@ def main() -> None:
     p.add_argument("--model", default="resnet50")
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="optimizer: the torch optimizer")
+    p.add_argument("--one-bucket", action="store_true", help="optimizer: add the one-bucket variant")
     ns = p.parse_args()
     hvd.init()
     result = MODES[ns.mode](ns)

@@ -304,6 +304,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HORA_BUCKET_CAP_MB", None, float, 25.0, "DistributedOptimizer bucket size in MB (DDP's default)."),
     Knob("HORA_FIRST_BUCKET_MB", None, float, 1.0,
          "Size of the first gradient bucket in MB, small so communication starts early in backward."),
+    Knob("HORA_STEP_OVERLAP", None, bool, True,
+         "DistributedOptimizer.step() with a built-in per-parameter optimizer (SGD, Adam, AdamW, ...): update "
+         "each bucket's parameters as soon as its gradients are reduced, while later buckets are still on the "
+         "wire (the same result bit for bit); 0 waits for every bucket, then steps once."),
     Knob("HORA_FULL_TRACEBACKS", None, bool, False,
          "Print hora's own frames in the traceback of an uncaught hora error (hora run --verbose sets it); "
          "by default only your script's frames and the error in its terms are shown."),
@@ -336,6 +340,7 @@ class Knobs:
     elastic_timeout: float = _DEFAULTS["elastic_timeout"]
     bucket_cap_mb: float = _DEFAULTS["bucket_cap_mb"]
     first_bucket_mb: float = _DEFAULTS["first_bucket_mb"]
+    step_overlap: bool = _DEFAULTS["step_overlap"]
     hierarchical_allreduce: bool = _DEFAULTS["hierarchical_allreduce"]
     full_tracebacks: bool = _DEFAULTS["full_tracebacks"]
 

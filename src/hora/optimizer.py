@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 from hora.adasum_reducer import AdasumReducer
 from hora.buckets import split_groups
@@ -49,6 +50,7 @@ class _DistributedOptimizer:
 
     _hora_reducer: GradientReducer
     _hora_should_sync: bool
+    _hora_base: type
 
     def synchronize(self) -> None:
         """Finish reducing this step's gradients and write them into ``p.grad``.
@@ -82,9 +84,32 @@ class _DistributedOptimizer:
             reducer.stepped()
             return loss
         if self._hora_should_sync:
+            if closure is None and not reducer.synced and _overlappable(self):
+                self._hora_step_as_buckets_land()
+                return None
             reducer.synchronize()
         reducer.stepped()
         return super().step(closure)  # type: ignore[misc]
+
+    def _hora_step_as_buckets_land(self) -> None:
+        """One step, applied bucket by bucket: each bucket's parameters are updated as soon as its reduced
+        gradients are written back, while the later buckets are still on the wire; the parameters in no
+        bucket (DDP's, sparse ones) are updated last. Only for optimizers in :data:`PER_PARAMETER`, whose
+        update of a parameter reads nothing but that parameter, its gradient and its own state, so the
+        result is the one step's bit for bit."""
+        done: set[int] = set()
+
+        def apply(params: list[torch.Tensor]) -> None:
+            _step_on(self, params)
+            done.update(id(p) for p in params)
+
+        reducer = self._hora_reducer
+        reducer.synchronize(on_reduced=apply)
+        reducer.stepped()
+        groups = self.param_groups  # type: ignore[attr-defined]
+        rest = [p for group in groups for p in group["params"] if id(p) not in done]
+        if rest:
+            _step_on(self, rest)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._hora_reducer.in_flight():
@@ -97,16 +122,47 @@ class _DistributedOptimizer:
         self._hora_reducer.release()
 
 
-def _local_step(optimizer: Any, p: torch.Tensor) -> None:
-    """The wrapped optimizer's own step on parameter ``p`` alone (Horovod's Adasum reduces its update)."""
+# Built-in optimizers whose update of a parameter reads only that parameter, its gradient and its own state
+# (no norm or statistic over all parameters): a step over some parameters, then over the others, is bit for
+# bit one step over all. tests/distributed/test_step_overlap.py checks each against a single step.
+PER_PARAMETER: frozenset[type] = frozenset(
+    cls for cls in (getattr(torch.optim, name, None) for name in (
+        "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD",
+        "Adafactor"))
+    if isinstance(cls, type)
+)
+
+
+def _overlappable(optimizer: Any) -> bool:
+    """Step bucket by bucket? A per-parameter built-in optimizer with no step hooks (they would run once per
+    bucket), and a reducer with several buckets to overlap (:attr:`GradientReducer.overlaps_step`)."""
+    if optimizer._hora_base not in PER_PARAMETER:
+        return False
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return False
+    if getattr(torch_optimizer, "_global_optimizer_pre_hooks", None) or getattr(
+            torch_optimizer, "_global_optimizer_post_hooks", None):  # register_optimizer_step_*_hook
+        return False
+    return bool(optimizer._hora_reducer.overlaps_step)
+
+
+def _step_on(optimizer: Any, params: list[torch.Tensor]) -> None:
+    """The wrapped optimizer's own step on ``params`` alone: every group keeps only those of its parameters
+    for the call (the others are not looked at), then gets its list back."""
+    keep = {id(p) for p in params}
     stashed = [group["params"] for group in optimizer.param_groups]
     try:
         for group in optimizer.param_groups:
-            group["params"] = [q for q in group["params"] if q is p]
+            group["params"] = [q for q in group["params"] if id(q) in keep]
         super(_DistributedOptimizer, optimizer).step()
     finally:
-        for group, params in zip(optimizer.param_groups, stashed):
-            group["params"] = params
+        for group, kept in zip(optimizer.param_groups, stashed):
+            group["params"] = kept
+
+
+def _local_step(optimizer: Any, p: torch.Tensor) -> None:
+    """The wrapped optimizer's own step on parameter ``p`` alone (Horovod's Adasum reduces its update)."""
+    _step_on(optimizer, [p])
 
 
 def _named(optimizer: torch.optim.Optimizer,
@@ -224,6 +280,7 @@ def DistributedOptimizer(
     # that our step() runs (a scheduler created after wrapping wraps ours).
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     wrapped._hora_should_sync = True
+    wrapped._hora_base = base  # the wrapped class: decides whether step() may go bucket by bucket
     # Horovod's attribute: {parameter: name}; the names the reducer uses in errors and stall reports
     wrapped._parameter_names = parameter_names
     reducer_args: dict[str, Any] = {

@@ -27,7 +27,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from hora.bucket_names import BucketNames
 from hora.buckets import FlatBucket, ParamSpec, plan_buckets
 from hora.calltypes import Call, Kind
 from hora.compression import CastCompressor, Compressor, NoneCompressor, cast_scaled, wire_dtype
-from hora.ddp_watch import DdpWatch
+from hora.ddp_watch import DdpWatch, ddp_reduced, undo_ddp_average
 from hora.diagnostics import timeline
 from hora.reduce_ops import ReduceOp, Sum, bucket_scales
 from hora.sparse import sparse_allreduce_async
@@ -229,12 +229,19 @@ class GradientReducer:
         )
 
     # -- phase 2 and 3: finish and write back -----------------------------------------------------------
-    def synchronize(self) -> None:
-        """Submit what never fired, wait for every bucket, write the reduced gradients back."""
+    def synchronize(self, on_reduced: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        """Submit what never fired, wait for every bucket, write the reduced gradients back.
+
+        ``on_reduced``, when given, is called with each bucket's parameters as soon as their reduced
+        gradients are in ``.grad``, while later buckets are still in flight (the optimizer's step overlapped
+        with the wire). If it raises, the remaining buckets are still waited for and written back, then
+        the error is raised.
+        """
         if self.state is Step.SYNCED:
             return  # nothing arrived since the last synchronize(): the gradients are already reduced
         if self.state is Step.IDLE:  # no hook ran (gradients set by hand): plan now; never re-plan mid-step
             self._refresh()
+        failed: BaseException | None = None
         if self._reduce:
             self._retired.clear()  # normally empty already: zero_grad() freed them; bounds it if not called
             for bucket in self.buckets:
@@ -246,12 +253,26 @@ class GradientReducer:
             for bucket in self.buckets:
                 self._write_back(bucket, handles.synchronize(bucket.handle))  # type: ignore[arg-type]
                 bucket.reset()
+                if on_reduced is not None and failed is None:
+                    try:
+                        on_reduced([self.params[i] for i in bucket.plan.params if i not in self._sparse_seen])
+                    except BaseException as exc:  # noqa: BLE001 - re-raised below, once every bucket is back
+                        failed = exc
             for index, handle in self.sparse.items():
                 self.params[index].grad = handles.synchronize(handle)
             self.sparse.clear()
         self._scale_ddp_sums()
         self.passes = [0] * len(self.params)
         self.state = Step.SYNCED
+        if failed is not None:
+            raise failed
+
+    @property
+    def overlaps_step(self) -> bool:
+        """True when it is worth stepping the optimizer bucket by bucket: this rank reduces, in more than
+        one bucket, and the knob ``HORA_STEP_OVERLAP`` is on."""
+        return (self._reduce and len(self.buckets) > 1
+                and runtime.state("DistributedOptimizer.step()").knobs.step_overlap)
 
     def _write_back(self, bucket: FlatBucket, out: torch.Tensor) -> None:
         scale = self.scale_out
@@ -362,26 +383,10 @@ class GradientReducer:
     # -- a model also wrapped in DistributedDataParallel ------------------------------------------------
     def _take_ddp(self, modules: list[Any]) -> None:
         """Leave to DDP the parameters of the DDP modules that ran forward before our first step."""
-        index_of = {id(p): i for i, p in enumerate(self.params)}
-        for module in modules:
-            world = module.process_group.size() if module.process_group is not None else 1
-            for p in getattr(module, "_module_parameters", None) or list(module.module.parameters()):
-                if id(p) in index_of:
-                    self._ddp[index_of[id(p)]] = world
+        self._ddp = ddp_reduced(modules, self.params)
         if self._ddp:
             self._plan_key = None
-            log.warning(
-                "the model is wrapped in DistributedDataParallel and its optimizer in hora's "
-                "DistributedOptimizer: DDP already averages %d of %d parameters' gradients, so hora does not "
-                "reduce them again (drop one of the two wrappers to silence this)",
-                len(self._ddp), len(self.params),
-            )
 
     def _scale_ddp_sums(self) -> None:
-        if self.op is not Sum or not self._ddp:
-            return
-        with torch.no_grad():  # DDP averaged; the user asked for a sum
-            for index, world in self._ddp.items():
-                grad = self.params[index].grad
-                if grad is not None:
-                    grad.mul_(world)
+        if self.op is Sum and self._ddp:
+            undo_ddp_average(self.params, self._ddp)  # DDP averaged; the user asked for a sum
