@@ -234,8 +234,8 @@ class GradientReducer:
 
         ``on_reduced``, when given, is called with each bucket's parameters as soon as their reduced
         gradients are in ``.grad``, while later buckets are still in flight (the optimizer's step overlapped
-        with the wire). If it raises, the remaining buckets are still waited for and written back, then
-        the error is raised.
+        with the wire); buckets that landed together come in one call. If it raises, the remaining buckets
+        are still waited for and written back, then the error is raised.
         """
         if self.state is Step.SYNCED:
             return  # nothing arrived since the last synchronize(): the gradients are already reduced
@@ -250,14 +250,21 @@ class GradientReducer:
                         if self.passes[index] < self.bpps:
                             self._fill(bucket, k, index)
                     self._submit(bucket)
-            for bucket in self.buckets:
+            ready: list[torch.Tensor] = []
+            for i, bucket in enumerate(self.buckets):
                 self._write_back(bucket, handles.synchronize(bucket.handle))  # type: ignore[arg-type]
                 bucket.reset()
-                if on_reduced is not None and failed is None:
-                    try:
-                        on_reduced([self.params[i] for i in bucket.plan.params if i not in self._sparse_seen])
-                    except BaseException as exc:  # noqa: BLE001 - re-raised below, once every bucket is back
-                        failed = exc
+                if on_reduced is None or failed is not None:
+                    continue
+                ready += [self.params[j] for j in bucket.plan.params if j not in self._sparse_seen]
+                later = self.buckets[i + 1].handle if i + 1 < len(self.buckets) else None
+                if later is not None and handles.poll(later):  # landed too: one call for both
+                    continue
+                try:
+                    on_reduced(ready)
+                except BaseException as exc:  # noqa: BLE001 - re-raised below, once every bucket is back
+                    failed = exc
+                ready = []
             for index, handle in self.sparse.items():
                 self.params[index].grad = handles.synchronize(handle)
             self.sparse.clear()
