@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,12 +39,16 @@ NOT_REPORTING = ("common", "startup_worker", "shaped_worker", "wire16", "run_qui
                  "elastic_worker")
 
 
+def _usage(script: Path) -> str:
+    return subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                          timeout=120).stdout
+
+
 def test_every_benchmark_takes_quick_and_out() -> None:
-    for script in sorted(BENCHMARKS.glob("*.py")):
-        if script.stem in NOT_REPORTING:
-            continue
-        usage = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
-                               timeout=120).stdout
+    scripts = [s for s in sorted(BENCHMARKS.glob("*.py")) if s.stem not in NOT_REPORTING]
+    with ThreadPoolExecutor(max_workers=4) as pool:  # each --help imports torch: seconds apiece, in parallel
+        usages = dict(zip(scripts, pool.map(_usage, scripts)))
+    for script, usage in usages.items():
         assert "--quick" in usage and "--out" in usage, script.name
 
 
