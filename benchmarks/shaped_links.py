@@ -439,7 +439,9 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
     if "hierarchical" in parts:
         rec = parts["hierarchical"]
         ratio = _ratio(rec["samples"]["flat"], rec["samples"]["hierarchical"])
-        figures["hierarchical"] = {"speedup": ratio, "load_avg": rec.get("load_avg")}
+        flat_over = {k: _ratio(rec["samples"]["flat"], v) for k, v in rec["samples"].items()}
+        figures["hierarchical"] = {"speedup": ratio, "load_avg": rec.get("load_avg"), "way": rec.get("way"),
+                                   "flat_over": flat_over}
         md.append(f"## hierarchical against flat allreduce, 3 hosts x 2 ranks, {_mb(rec['bytes'])}{_load(rec)}\n")
         model = ""
         if plan is not None:
@@ -448,10 +450,15 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
                                statistics.median(rec["samples"]["flat"])])
             model = (f"; the bandwidth bound is {(10 / 6) / (4 / 3):.2f}x: per host cable the flat ring on 6 "
                      "ranks carries 2(6-1)/6 S = 1.67 S each way, the hierarchy 2(3-1)/3 S = 1.33 S")
-        md.append(markdown_table(["variant", "median time", "speed-up"],
-                                 [["flat", f"{statistics.median(rec['samples']['flat']):.3f} s", "1.00x"],
-                                  ["hierarchical", f"{statistics.median(rec['samples']['hierarchical']):.3f} s",
-                                   f"{ratio['median']:.2f}x ({ratio['spread']:.0%})"]]))
+        names = {"flat": "flat ring", "hierarchical": f"hierarchical ({rec.get('way', 'leader')} way)",
+                 "leader": "hierarchical, leader way (reduce, leaders' ring, broadcast)",
+                 "raw_ring": "reference: torch.distributed's ring on the 6 ranks (no hora)",
+                 "raw_leaders": "reference: the 3 leaders' ring alone (no hora, no intra-host step)"}
+        busy = {k: statistics.median(v) for k, v in rec.get("cpu_busy", {}).items()}
+        rows = [[names.get(k, k), f"{statistics.median(v):.3f} s",
+                 "1.00x" if k == "flat" else f"{flat_over[k]['median']:.2f}x ({flat_over[k]['spread']:.0%})",
+                 f"{busy[k]:.0%}" if k in busy else "-"] for k, v in rec["samples"].items()]
+        md.append(markdown_table(["variant", "median time", "speed-up", "cores busy"], rows))
         md.append(f"\nHierarchical speed-up {ratio['median']:.2f}x{model}.\n")
     if "synthetic" in parts:
         rec = parts["synthetic"]

@@ -216,19 +216,48 @@ def mode_gradsync(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def mode_hierarchical(ns: argparse.Namespace) -> dict[str, Any]:
-    if hierarchical.active() is None:
+    """hvd.allreduce_ flat, the hierarchy's chosen way and, where that is the shared-memory way, the leader way
+    too; and two references without hora: torch.distributed's own ring on the 6 ranks, and the hosts' leaders
+    alone allreducing across hosts (no intra-host step: the wire's bound on this machine)."""
+    h = hierarchical.active()
+    if h is None:
         raise SystemExit("start with HOROVOD_HIERARCHICAL_ALLREDUCE=1 on several ranks per host")
     check = torch.full((1000,), float(hvd.rank()))
     assert bool((hvd.allreduce(check, op=hvd.Sum) == sum(range(hvd.size()))).all())
     t = torch.ones(ns.bytes // 4)
+    chosen = h.mode
 
     def flat() -> None:
         with hierarchical.flat():
             hvd.allreduce_(t, op=hvd.Sum)
 
-    samples = alternate({"flat": timed(flat), "hierarchical": timed(lambda: hvd.allreduce_(t, op=hvd.Sum))},
-                        ns.repeats, warmup=1)
-    return {"bytes": t.numel() * 4, "samples": samples}
+    def way(mode: str) -> Callable[[], None]:
+        def run() -> None:
+            h.mode = mode
+            try:
+                hvd.allreduce_(t, op=hvd.Sum)
+            finally:
+                h.mode = chosen
+        return run
+
+    ways: dict[str, Callable[[], Any]] = {"flat": flat, "hierarchical": way(chosen)}
+    if chosen != "leader":
+        ways["leader"] = way("leader")
+    big = torch.arange(ns.bytes // 4, dtype=torch.float32) % 1000 + hvd.rank()  # exact in float32
+    expect = (torch.arange(ns.bytes // 4, dtype=torch.float32) % 1000) * hvd.size() + sum(range(hvd.size()))
+    for name, fn in ways.items():  # every way gives the flat ring's result, exactly (and warms up)
+        t.copy_(big)
+        fn()
+        assert torch.equal(t, expect), f"{name}: wrong result"
+    del big, expect
+    t.fill_(1.0)
+
+    def raw_leaders() -> None:
+        if h.rank == h.leader:
+            dist.all_reduce(t, group=h.cross_group)
+
+    variants = {**ways, "raw_ring": lambda: dist.all_reduce(t), "raw_leaders": raw_leaders}
+    return {"bytes": t.numel() * 4, "way": chosen, **_alternate_busy(variants, ns.repeats, warmup=0)}
 
 
 MODES = {"ps": mode_ps, "compression": mode_compression, "wire16": mode_wire16, "gradsync": mode_gradsync,

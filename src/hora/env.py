@@ -293,8 +293,10 @@ KNOBS: tuple[Knob, ...] = (
          "How negotiators talk: tcp (a direct connection between every pair of ranks), gloo (an allgather on a "
          "Gloo group, woken through the store), or auto (tcp up to 256 ranks, gloo beyond)."),
     Knob("HORA_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE", bool, False,
-         "Allreduce on the global set in three steps: reduce within each host, allreduce across hosts among "
-         "one rank per host, broadcast within the host. Pays off with several ranks per host on a slow network."),
+         "Allreduce on the global set in three steps: reduce within each host, allreduce across hosts, share "
+         "the result within the host (through shared memory, each local rank carrying 1/p of the tensor, "
+         "where every host runs p ranks on Gloo; else through the host's lowest rank). Pays off with several "
+         "ranks per host on a slow network."),
     Knob("HORA_CALL_SITE_CHECK", None, bool, True,
          "Check that ranks reach each unnamed collective from the same line of code (a rank that skipped or "
          "added a collective is reported, not paired with the wrong op); 0 turns it off for code that calls "

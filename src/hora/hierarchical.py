@@ -1,5 +1,15 @@
 """Hierarchical allreduce (Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``): reduce within each host, allreduce
-across hosts among one rank per host (the host's *leader*, its lowest rank), then broadcast within the host.
+across hosts, then share the result within the host.
+
+Two ways, chosen once at ``init()`` and the same on every rank:
+
+* ``"shm"`` (every host runs the same number p of ranks, Gloo, and /dev/shm can hold each rank's buffers):
+  each local rank owns 1/p of the tensor, sums it from its host peers' shared memory, allreduces it across
+  hosts with the ranks of the same local index (p cross-host groups), and every rank copies the owners'
+  results back (:mod:`hora.hostshm`). No intra-host byte goes through a socket, and the cross-host streams
+  and the summing are spread over the host's ranks;
+* ``"leader"`` (otherwise: hosts with unequal rank counts, NCCL): reduce to the host's *leader* (its lowest
+  rank), allreduce among the leaders, broadcast within the host, pipelined over chunks.
 
 With several ranks per host, the flat ring sends ``2(n-1)/n`` of the data over every host's network link for
 ``n`` ranks; the hierarchy sends ``2(h-1)/h`` for ``h`` hosts, and the intra-host steps stay on the host
@@ -26,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hora import dataplane
+from hora import dataplane, hostshm
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +49,14 @@ class Hierarchy:
 
     flat_group: Any  # the global process set's group: only its allreduces go hierarchical
     local_group: Any  # the ranks on this rank's host (None when this host runs one rank)
-    cross_group: Any  # the hosts' leaders (None on a rank that is not its host's leader)
+    cross_group: Any  # the ranks of this rank's local index on every host (index 0: the leaders); None on a
+    # rank that is not its host's leader when the hosts run unequal numbers of ranks
     leader: int  # global rank of this host's leader
     rank: int
     hosts: tuple[tuple[int, ...], ...]
+    shared: hostshm.HostBuffers | None = None  # the host's shared buffers (None: the leader way only)
+    mode: str = "leader"  # "shm" or "leader"; a benchmark may switch an "shm" hierarchy to "leader" (every
+    # rank at the same point of its sequence of collectives), not the other way
     calls: int = 0  # allreduces that took the three steps (diagnostics, tests)
 
 
@@ -107,12 +121,18 @@ def build(hosts: tuple[tuple[int, ...], ...], rank: int, flat_group: Any, backen
         group = dist.new_group(ranks=list(members), backend=backend) if len(members) > 1 else None
         if rank in members:
             local_group = group
-    leaders = [h[0] for h in hosts]
-    cross = dist.new_group(ranks=leaders, backend=backend)
     mine = next(h for h in hosts if rank in h)
-    _active = Hierarchy(flat_group=flat_group, local_group=local_group,
-                        cross_group=cross if rank in leaders else None, leader=mine[0], rank=rank, hosts=hosts)
-    log.info("hierarchical allreduce on: %d hosts, ranks per host %s", len(hosts), [len(h) for h in hosts])
+    even = len({len(h) for h in hosts}) == 1
+    cross_group = None
+    for index in range(len(mine) if even else 1):  # one cross-host group per local index (index 0: leaders)
+        group = dist.new_group(ranks=[h[index] for h in hosts], backend=backend)
+        if mine[index] == rank:
+            cross_group = group
+    shared = hostshm.setup(local_group, mine.index(rank), flat_group) if even and backend == "gloo" else None
+    _active = Hierarchy(flat_group=flat_group, local_group=local_group, cross_group=cross_group, leader=mine[0],
+                        rank=rank, hosts=hosts, shared=shared, mode="shm" if shared is not None else "leader")
+    log.info("hierarchical allreduce on (%s): %d hosts, ranks per host %s", _active.mode, len(hosts),
+             [len(h) for h in hosts])
     return _active
 
 
@@ -151,22 +171,43 @@ CHUNK_BYTES = 4 * 2**20
 MAX_CHUNKS = 8
 
 
+class _Done:
+    """The Work of an allreduce that completed on the calling thread."""
+
+    __slots__ = ()
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> Any:
+        future: Any = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
 def allreduce(tensor: torch.Tensor, op: int, group: Any) -> Any:
     """Allreduce ``tensor`` in place on ``group`` and return a Work: in three steps when ``group`` is the global
     process set's and the hierarchy is on, else as one flat c10d allreduce. The only place either path is
     chosen (single ops, fused batches and gradient buckets all come here).
 
-    The three steps run as a pipeline over chunks: while the leaders allreduce chunk k across hosts, the
-    host reduces chunk k+1 and broadcasts chunk k-1, so the fast intra-host steps hide behind the network.
-    Every rank issues the same ops on each group in the same order (reduces, then broadcasts); a leader
-    issues chunk k's broadcast once its cross-host allreduce is done, on the calling thread.
+    Both ways run as a pipeline over chunks, so the intra-host steps hide behind the network. The shared
+    memory way completes on the calling thread (:func:`hora.hostshm.allreduce`). The leader way: while the
+    leaders allreduce chunk k across hosts, the host reduces chunk k+1 and broadcasts chunk k-1; every rank
+    issues the same ops on each group in the same order (reduces, then broadcasts); a leader issues chunk
+    k's broadcast once its cross-host allreduce is done, on the calling thread.
     """
     h = _active
     if h is None or group is not h.flat_group:
         return dataplane.allreduce(tensor, op, group)
     h.calls += 1
+    if h.mode == "shm" and h.shared is not None and tensor.device.type == "cpu":
+        hostshm.allreduce(h.shared, tensor, op, h.local_group, h.cross_group)
+        return _Done()
     chunks = chunks_of(tensor)
-    local, cross = h.local_group, h.cross_group
+    local, cross = h.local_group, (h.cross_group if h.rank == h.leader else None)
     reduces = [dataplane.reduce(c, h.leader, op, local) for c in chunks] if local is not None else []
     crossing = []
     if cross is not None:

@@ -1,6 +1,8 @@
 """Hierarchical allreduce gives the flat ring's results: plain and fused allreduces, every reduce op, a joined
 rank's zeros, and the DistributedOptimizer's buckets, on fork-started ranks that claim to live on several
-hosts (``HORA_HOST_KEY``), so the runtime builds the per-host and cross-host groups for real."""
+hosts (``HORA_HOST_KEY``), so the runtime builds the per-host and cross-host groups for real. Both ways: the
+shared-memory one (equal hosts) with small slots, so a tensor runs through many chunks and reuses every slot,
+and the leader one (unequal hosts, or switched to on equal hosts)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import os
 import torch
 
 import hora as hvd
-from hora import hierarchical
+from hora import hierarchical, hostshm
 from tests.distributed.expect import close, rank_input, reduce
 from tests.distributed.harness import run_ranks
 
@@ -43,9 +45,36 @@ def _train_steps(rank: int) -> list[list[float]]:
     return [p.detach().reshape(-1).tolist() for p in model.parameters()]  # plain lists cross the pipe
 
 
-def _hierarchical_job(rank: int, size: int, per_host: list[int], knob: str, train: bool) -> dict[str, object]:
+def _more_callers(rank: int, size: int) -> int:
+    """In-place, several in flight, sizes not divisible by the ranks per host (one element: some shards
+    empty), integers, a product, and a compressed (16-bit, in pieces) allreduce: exact against the flat sums."""
+    total = float(sum(range(size)))
+    handles = [hvd.allreduce_async_(torch.full((n,), float(rank)), op=hvd.Sum, name=f"inflight.{n}")
+               for n in (1, 3, 70_001, 250_003)]
+    outs = [hvd.synchronize(hd) for hd in handles]
+    for out in outs:
+        close(out, torch.full_like(out, total), f"in flight, {out.numel()} elements")
+    t = torch.arange(100_003, dtype=torch.int64) + rank
+    hvd.allreduce_(t, op=hvd.Sum)
+    close(t, torch.arange(100_003, dtype=torch.int64) * size + int(total), "in place, int64")
+    prod = hvd.allreduce(torch.full((33_333,), 1.0 + rank / 8), op=hvd.Product)
+    expect = torch.full((33_333,), 1.0)
+    for r in range(size):
+        expect *= 1.0 + r / 8
+    close(prod, expect, "product")
+    big = (torch.arange(3 * 2**20, dtype=torch.float32) % 256) + rank  # 4 MiB of fp16 on the wire: pieces
+    half = hvd.allreduce(big, op=hvd.Sum, compression=hvd.Compression.fp16)
+    close(half, (torch.arange(3 * 2**20, dtype=torch.float32) % 256) * size + total, "fp16 compressed, pieces")
+    return 7
+
+
+def _hierarchical_job(rank: int, size: int, per_host: list[int], knob: str, train: bool,
+                      no_shm_rank: int = -1) -> dict[str, object]:
     _as_host(rank, per_host, knob)
+    if rank == no_shm_rank:
+        hostshm.SHM_DIR = "/nonexistent-shm"  # this rank cannot make its segment
     hierarchical.CHUNK_BYTES = 64 * 1024  # pipeline the large allreduce below in 8 chunks
+    hostshm.SLOT_BYTES, hostshm.CHUNK_BYTES = 64 * 1024, 16 * 1024  # 1.2 MB: 19 chunks through 3 slots
     hvd.init()
     try:
         h = hierarchical.active()
@@ -65,12 +94,18 @@ def _hierarchical_job(rank: int, size: int, per_host: list[int], knob: str, trai
         outs = hvd.grouped_allreduce(parts, op=hvd.Sum)
         for i, out in enumerate(outs):
             close(out, torch.full((10 + i,), float(sum(r + i for r in range(size)))), f"fused part {i}")
+        checked += _more_callers(rank, size)
+        if h is not None and h.mode == "shm":  # the leader way on the same groups, then back
+            h.mode = "leader"
+            checked += _more_callers(rank, size)
+            h.mode = "shm"
         # a joined rank contributes zeros through the same three steps
         if rank != size - 1:
             close(hvd.allreduce(torch.ones(1000), op=hvd.Sum), torch.full((1000,), float(size - 1)),
                   "allreduce with the last rank joined")
         hvd.join()
-        result: dict[str, object] = {"active": h is not None, "leader": h.leader if h else -1, "checked": checked}
+        result: dict[str, object] = {"active": h is not None, "leader": h.leader if h else -1, "checked": checked,
+                                     "mode": h.mode if h else "flat"}
         if train:
             result["hierarchical"] = _train_steps(rank)
             with hierarchical.flat():  # the flat ring in the same job: the reference
@@ -85,16 +120,31 @@ def test_three_hosts_of_two_match_flat() -> None:
     out = run_ranks(_hierarchical_job, 6, [2, 2, 2], "1", True, init=False, timeout=120)
     assert [r["active"] for r in out] == [True] * 6
     assert [r["leader"] for r in out] == [0, 0, 2, 2, 4, 4]
-    assert all(r["checked"] == 7 for r in out)
+    assert [r["mode"] for r in out] == ["shm"] * 6
+    assert all(r["checked"] == 7 + 7 + 7 for r in out)  # the shared-memory way, then the leader way
     assert all(int(r["calls"]) >= 10 for r in out)  # type: ignore[call-overload]  # the three steps ran
     for r in out:  # the same training as the flat ring, to rounding
         for p_h, p_f in zip(r["hierarchical"], r["flat"]):  # type: ignore[call-overload]
             torch.testing.assert_close(torch.tensor(p_h), torch.tensor(p_f), rtol=1e-5, atol=1e-6)
 
 
+def test_two_hosts_of_three_share_memory() -> None:
+    out = run_ranks(_hierarchical_job, 6, [3, 3], "1", False, init=False, timeout=120)
+    assert [r["mode"] for r in out] == ["shm"] * 6
+    assert [r["leader"] for r in out] == [0, 0, 0, 3, 3, 3]
+    assert all(r["checked"] == 21 for r in out)
+
+
+def test_a_rank_without_shared_memory_makes_every_host_take_the_leader_way() -> None:
+    out = run_ranks(_hierarchical_job, 4, [2, 2], "1", False, 3, init=False, timeout=90)
+    assert [r["mode"] for r in out] == ["leader"] * 4
+    assert all(r["checked"] == 14 for r in out)
+
+
 def test_uneven_hosts() -> None:
     out = run_ranks(_hierarchical_job, 3, [2, 1], "1", False, init=False, timeout=60)
     assert [r["leader"] for r in out] == [0, 0, 2]
+    assert [r["mode"] for r in out] == ["leader"] * 3
     assert all(int(r["calls"]) > 0 for r in out)  # type: ignore[call-overload]
 
 

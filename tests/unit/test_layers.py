@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("submit", ("hora.collectives",)),
     ("runtime and engine", ("hora.runtime", "hora.engine", "hora.handles", "hora.fusion")),
     ("kinds", ("hora.kinds", "hora.calltypes")),
-    ("hierarchical", ("hora.hierarchical",)),
+    ("hierarchical", ("hora.hierarchical", "hora.hostshm")),
     ("data plane", ("hora.dataplane",)),
 ]
 
