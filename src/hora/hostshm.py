@@ -79,26 +79,42 @@ def _create(nbytes: int) -> tuple[str, torch.Tensor] | None:
         os.close(fd)
 
 
+def _map(path: str, nbytes: int) -> torch.Tensor | None:
+    """A host peer's segment, mapped here; None where the path is not there (``torch.from_file`` would create
+    a file of its own, shared with nobody)."""
+    if not os.path.isfile(path) or os.path.getsize(path) != nbytes:
+        return None
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
 def setup(local_group: Any, index: int, flat_group: Any) -> HostBuffers | None:
     """Create this rank's segment and map its host peers'. Collective on the flat group (every rank calls it,
-    at init): returns None on every rank if any rank failed, so every host takes the same path."""
+    at init): returns None on every rank if any rank failed, so every host takes the same path.
+
+    Each rank writes a random token at the start of its segment and sends it with the path; a peer that reads
+    another token there (the "same host" has separate /dev/shm, as in two containers) counts as a failure."""
     nbytes = SLOTS * SLOT_BYTES
     created = _create(nbytes)
-    paths: list[str | None] = [None] * dist.get_world_size(local_group)
-    dist.all_gather_object(paths, created[0] if created else None, group=local_group)
+    token = int.from_bytes(os.urandom(8), "little") >> 1  # fits an int64
+    if created is not None:
+        created[1][:8].view(torch.int64).fill_(token)
+    offers: list[tuple[str, int] | None] = [None] * dist.get_world_size(local_group)
+    dist.all_gather_object(offers, (created[0], token) if created else None, group=local_group)
     segments: list[torch.Tensor] = []
     try:
-        for i, path in enumerate(paths):
-            if i == index and created is not None:
-                segments.append(created[1])
-            elif path is not None:
-                segments.append(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8))
+        for i, offer in enumerate(offers):
+            mapped = created[1] if i == index and created is not None else _map(offer[0], nbytes) if offer else None
+            if mapped is None or offer is None or int(mapped[:8].view(torch.int64).item()) != offer[1]:
+                log.warning("hierarchical allreduce: local rank %d's shared segment is not visible here: the "
+                            "hosts reduce through their leaders instead", i)
+                break
+            segments.append(mapped)
     except (OSError, RuntimeError) as e:
         log.warning("hierarchical allreduce: cannot map a host peer's shared segment (%s)", e)
-    ok = torch.tensor([int(len(segments) == len(paths))])
+    ok = torch.tensor([int(len(segments) == len(offers))])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=flat_group)  # also: every peer has mapped my segment
     if created is not None:
-        os.unlink(created[0])  # the mappings stay; nothing is left in /dev/shm, even after a crash
+        os.unlink(created[0])  # the mappings stay; from here on nothing is left in /dev/shm, even after a crash
     return HostBuffers(segments, index, SLOT_BYTES, SLOTS) if int(ok.item()) == 1 else None
 
 

@@ -68,11 +68,21 @@ def _more_callers(rank: int, size: int) -> int:
     return 7
 
 
+def _private_segment(path: str, nbytes: int) -> torch.Tensor | None:
+    """A segment of this rank's own instead of the peer's at ``path``."""
+    made = hostshm._create(nbytes)
+    assert made is not None
+    os.unlink(made[0])
+    return made[1]
+
+
 def _hierarchical_job(rank: int, size: int, per_host: list[int], knob: str, train: bool,
-                      no_shm_rank: int = -1) -> dict[str, object]:
+                      no_shm_rank: int = -1, separate_shm_rank: int = -1) -> dict[str, object]:
     _as_host(rank, per_host, knob)
     if rank == no_shm_rank:
         hostshm.SHM_DIR = "/nonexistent-shm"  # this rank cannot make its segment
+    if rank == separate_shm_rank:  # this rank sees other files than its host peers (as in another container)
+        hostshm._map = _private_segment
     hierarchical.CHUNK_BYTES = 64 * 1024  # pipeline the large allreduce below in 8 chunks
     hostshm.SLOT_BYTES, hostshm.CHUNK_BYTES = 64 * 1024, 16 * 1024  # 1.2 MB: 19 chunks through 3 slots
     hvd.init()
@@ -139,6 +149,11 @@ def test_a_rank_without_shared_memory_makes_every_host_take_the_leader_way() -> 
     out = run_ranks(_hierarchical_job, 4, [2, 2], "1", False, 3, init=False, timeout=90)
     assert [r["mode"] for r in out] == ["leader"] * 4
     assert all(r["checked"] == 14 for r in out)
+
+
+def test_a_rank_that_cannot_see_its_peers_segments_makes_every_host_take_the_leader_way() -> None:
+    out = run_ranks(_hierarchical_job, 4, [2, 2], "1", False, -1, 2, init=False, timeout=90)
+    assert [r["mode"] for r in out] == ["leader"] * 4
 
 
 def test_uneven_hosts() -> None:
