@@ -172,11 +172,17 @@ MAX_CHUNKS = 8
 
 
 class _Done:
-    """The Work of an allreduce that completed on the calling thread."""
+    """The Work of an allreduce that ran on the calling thread: done, or failed with ``error`` (raised at
+    ``wait()``, where a flat allreduce's backend failure is, so it is reported the same way)."""
 
-    __slots__ = ()
+    __slots__ = ("_error",)
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self._error = error
 
     def wait(self, timeout: Any = None) -> bool:
+        if self._error is not None:
+            raise self._error
         return True
 
     def is_completed(self) -> bool:
@@ -184,7 +190,10 @@ class _Done:
 
     def get_future(self) -> Any:
         future: Any = torch.futures.Future()
-        future.set_result(None)
+        if self._error is not None:
+            future.set_exception(self._error)
+        else:
+            future.set_result(None)
         return future
 
 
@@ -204,7 +213,10 @@ def allreduce(tensor: torch.Tensor, op: int, group: Any) -> Any:
         return dataplane.allreduce(tensor, op, group)
     h.calls += 1
     if h.mode == "shm" and h.shared is not None and tensor.device.type == "cpu":
-        hostshm.allreduce(h.shared, tensor, op, h.local_group, h.cross_group)
+        try:
+            hostshm.allreduce(h.shared, tensor, op, h.local_group, h.cross_group)
+        except Exception as e:  # noqa: BLE001 - a peer lost mid-way (Gloo's error): reported at wait()
+            return _Done(e)
         return _Done()
     chunks = chunks_of(tensor)
     local, cross = h.local_group, (h.cross_group if h.rank == h.leader else None)

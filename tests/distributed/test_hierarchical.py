@@ -7,6 +7,8 @@ and the leader one (unequal hosts, or switched to on equal hosts)."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import torch
 
@@ -166,3 +168,46 @@ def test_uneven_hosts() -> None:
 def test_one_rank_per_host_stays_flat() -> None:
     out = run_ranks(_hierarchical_job, 2, [1, 1], "1", False, init=False, timeout=60)
     assert [r["active"] for r in out] == [False, False]
+
+
+
+def _allreduce_until_error(rank: int) -> str:
+    _as_host(rank, [2, 2], "1")
+    hvd.init()
+    assert hierarchical.active() is not None and hierarchical.active().mode == "shm"  # type: ignore[union-attr]
+    if rank == 3:
+        threading.Timer(0.3, os._exit, (9,)).start()  # dies mid-way, without a word to anyone
+    t = torch.ones(16 * 2**20 // 4)
+    start = time.monotonic()
+    try:
+        for _ in range(200):
+            hvd.allreduce_(t, op=hvd.Sum)
+    except hvd.HorovodInternalError as e:
+        took = time.monotonic() - start
+        assert took < 30, f"noticed the lost rank only after {took:.1f} s"  # a deadline, not a speed figure
+        return str(e)
+    return "no error"
+
+
+def _rank_dies_mid_allreduce(rank: int, size: int) -> str:
+    """Rank 3 exits 0.3 s into a run of large shared-memory hierarchical allreduces (in a child process, so
+    that this harness rank can report it)."""
+    if rank != 3:
+        return _allreduce_until_error(rank)
+    pid = os.fork()
+    if pid == 0:
+        _allreduce_until_error(rank)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return f"died with {os.waitstatus_to_exitcode(status)}"
+
+
+def test_a_rank_dying_in_a_shared_memory_allreduce_fails_the_others_at_once() -> None:
+    """The shared-memory way runs on hora's own thread and waits on the host's barriers: a host peer that
+    dies mid-way must end the others' op at once, reported as a flat allreduce's backend failure is (the lost
+    rank is named when hora's own connections notice first), not leave them waiting."""
+    out = run_ranks(_rank_dies_mid_allreduce, 4, init=False, timeout=90)
+    assert out[3] == "died with 9"
+    for message in out[:3]:
+        assert "rank 3 on host" in message or (
+            "failed in the communication backend" in message and "A peer process probably died" in message), message
