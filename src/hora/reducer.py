@@ -258,7 +258,7 @@ class GradientReducer:
                     continue
                 ready += [self.params[j] for j in bucket.plan.params if j not in self._sparse_seen]
                 later = self.buckets[i + 1].handle if i + 1 < len(self.buckets) else None
-                if later is not None and handles.poll(later):  # landed too: one call for both
+                if later is not None and handles.poll(later):  # type: ignore[arg-type]  # landed too: one call
                     continue
                 try:
                     on_reduced(ready)
