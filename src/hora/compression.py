@@ -24,6 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from hora import dataplane
+
 
 @runtime_checkable
 class Compressor(Protocol):
@@ -204,8 +206,6 @@ def pipeline_ranges(numel: int, dtype: torch.dtype, device: str) -> list[tuple[i
     >>> len(pipeline_ranges(50 * 2**20 // 2, torch.float16, "cpu")), len(pipeline_ranges(2**22, torch.float32, "cpu"))
     (8, 1)
     """
-    count = 1
     if dtype in SIXTEEN_BIT and device == "cpu":
-        count = max(1, min(PIPELINE_MAX, numel * dtype.itemsize // PIPELINE_BYTES))
-    step = -(-numel // count) if numel else 0
-    return [(a, min(a + step, numel)) for a in range(0, numel, step)] if numel else [(0, 0)]
+        return dataplane.pieces(numel, dtype.itemsize, PIPELINE_BYTES, PIPELINE_MAX)
+    return [(0, numel)]

@@ -41,6 +41,40 @@ _HAS_ASYNC_OP = hasattr(dist.AllreduceOptions(), "asyncOp")
 _OPTIONS: dict[int, Any] = {}  # reduce op -> c10d AllreduceOptions, built once: nothing allocated per op
 
 
+class FuturesWork:
+    """A Work made of torch futures: complete when every one is; ``wait()`` raises what one of them failed with.
+    For CPU paths that run an allreduce as several pieces (a 16-bit allreduce in pieces) or on the calling
+    thread (the hierarchy's shared-memory way: :func:`done_work`). (The hierarchy's leader way keeps the c10d
+    Works themselves: on NCCL a Work's ``is_completed()`` and its future's ``done()`` answer different things.)"""
+
+    __slots__ = ("_futures",)
+
+    def __init__(self, futures: list[Any]) -> None:
+        self._futures = futures
+
+    def wait(self, timeout: Any = None) -> bool:
+        for future in self._futures:
+            future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(future.done() for future in self._futures)
+
+    def get_future(self) -> Any:
+        return torch.futures.collect_all(self._futures)
+
+
+def done_work(error: Exception | None = None) -> FuturesWork:
+    """The Work of an op that already ran on the calling thread: done, or failed with ``error`` (raised at
+    ``wait()``, where a backend failure of an asynchronous op is, so it is reported the same way)."""
+    future: Any = torch.futures.Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(None)
+    return FuturesWork([future])
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``: how a request names its tensor's dtype."""
     return str(dtype).removeprefix("torch.")
@@ -113,6 +147,21 @@ def unpad_rows(out: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if all(r == top for r in rows):
         return out
     return torch.cat([out[i * top : i * top + r] for i, r in enumerate(rows)])
+
+
+def pieces(numel: int, itemsize: int, min_bytes: int, max_count: int) -> list[tuple[int, int]]:
+    """(start, stop) of the equal pieces a pipelined op cuts ``numel`` elements into: as many as fit at
+    ``min_bytes`` or more each, at most ``max_count``, at least one (``[(0, 0)]`` for nothing). Decided from
+    the size alone, so every rank cuts the same way.
+
+    >>> pieces(10, 4, 16, 8)  # 40 bytes: two pieces of 16 or more
+    [(0, 5), (5, 10)]
+    >>> pieces(0, 4, 16, 8)
+    [(0, 0)]
+    """
+    count = max(1, min(max_count, numel * itemsize // min_bytes))
+    step = -(-numel // count)
+    return [(a, min(a + step, numel)) for a in range(0, numel, step)] if numel else [(0, 0)]
 
 
 def even_splits(rows: int, n: int) -> list[int]:

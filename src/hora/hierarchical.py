@@ -163,38 +163,11 @@ def chunks_of(tensor: torch.Tensor) -> list[torch.Tensor]:
     8
     """
     flat = tensor.view(-1)
-    count = max(1, min(MAX_CHUNKS, flat.numel() * flat.element_size() // CHUNK_BYTES))
-    return list(flat.chunk(count))
+    return [flat[a:b] for a, b in dataplane.pieces(flat.numel(), flat.element_size(), CHUNK_BYTES, MAX_CHUNKS)]
 
 
 CHUNK_BYTES = 4 * 2**20
 MAX_CHUNKS = 8
-
-
-class _Done:
-    """The Work of an allreduce that ran on the calling thread: done, or failed with ``error`` (raised at
-    ``wait()``, where a flat allreduce's backend failure is, so it is reported the same way)."""
-
-    __slots__ = ("_error",)
-
-    def __init__(self, error: Exception | None = None) -> None:
-        self._error = error
-
-    def wait(self, timeout: Any = None) -> bool:
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def get_future(self) -> Any:
-        future: Any = torch.futures.Future()
-        if self._error is not None:
-            future.set_exception(self._error)
-        else:
-            future.set_result(None)
-        return future
 
 
 def allreduce(tensor: torch.Tensor, op: int, group: Any) -> Any:
@@ -216,8 +189,8 @@ def allreduce(tensor: torch.Tensor, op: int, group: Any) -> Any:
         try:
             hostshm.allreduce(h.shared, tensor, op, h.local_group, h.cross_group)
         except Exception as e:  # noqa: BLE001 - a peer lost mid-way (Gloo's error): reported at wait()
-            return _Done(e)
-        return _Done()
+            return dataplane.done_work(e)
+        return dataplane.done_work()
     chunks = chunks_of(tensor)
     local, cross = h.local_group, (h.cross_group if h.rank == h.leader else None)
     reduces = [dataplane.reduce(c, h.leader, op, local) for c in chunks] if local is not None else []

@@ -118,26 +118,6 @@ def _finish_wire(call: Call, result: torch.Tensor) -> torch.Tensor:
     return _copy_out(call, call.compression.decompress(result, call.ctx))
 
 
-class _PiecesWork:
-    """The Work of an allreduce issued in pieces: complete when every piece (and its cast back) is."""
-
-    __slots__ = ("_futures",)
-
-    def __init__(self, futures: list[Any]) -> None:
-        self._futures = futures
-
-    def wait(self, timeout: Any = None) -> bool:
-        for future in self._futures:
-            future.wait()  # raises what the piece's collective or its cast back raised
-        return True
-
-    def is_completed(self) -> bool:
-        return all(future.done() for future in self._futures)
-
-    def get_future(self) -> Any:
-        return torch.futures.collect_all(self._futures)
-
-
 def _launch_pieces(wire: torch.Tensor, op: int, group: Any, call: Call | None = None) -> Work:
     """Allreduce ``wire`` in the pieces :func:`~hora.compression.pipeline_ranges` gives, one c10d call each.
 
@@ -150,7 +130,7 @@ def _launch_pieces(wire: torch.Tensor, op: int, group: Any, call: Call | None = 
         return hierarchical.allreduce(wire, op, group)
     flat = wire.view(-1)
     if call is None:
-        return _PiecesWork([hierarchical.allreduce(flat[a:b], op, group).get_future() for a, b in ranges])
+        return dataplane.FuturesWork([hierarchical.allreduce(flat[a:b], op, group).get_future() for a, b in ranges])
     src = call.tensor.detach().view(-1)  # contiguous: lease_wire's condition
     call.out = call.tensor if call.inplace else torch.empty(call.tensor.shape, dtype=call.tensor.dtype)
     dst = call.out.detach().view(-1)
@@ -164,7 +144,7 @@ def _launch_pieces(wire: torch.Tensor, op: int, group: Any, call: Call | None = 
         work = hierarchical.allreduce(piece, op, group)
         futures.append(work.get_future().then(
             lambda _done, a=a, b=b: cast_scaled(flat[a:b], dst[a:b], factor)))  # type: ignore[misc]
-    return _PiecesWork(futures)
+    return dataplane.FuturesWork(futures)
 
 
 class Allreduce:
