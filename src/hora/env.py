@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hora.errors import ConfigError
+from hora.jobsecret import ENV_SECRET, ENV_SECRET_FILE, JobSecret, SecretError
 from hora.launch import elastic_protocol
 from hora.slurm import expand_nodelist, parse_tasks_per_node
 
@@ -383,6 +384,24 @@ def knobs_markdown() -> str:
         rows.append(f"| `{k.name}` | {f'`{k.horovod}`' if k.horovod else ''} | {k.type.__name__} | "
                     f"`{k.default!r}` | {k.help} |")
     return "\n".join(rows) + "\n"
+
+
+def job_secret(environ: Mapping[str, str] | None = None) -> JobSecret | None:
+    """The job's secret: ``HORA_SECRET`` (hex, set by hora's launcher in a rank's own environment) or the file
+    that ``HORA_SECRET_FILE`` names (external launchers); None when neither is set.
+
+    Raises:
+        ConfigError: the variable or the file holds no usable secret (the message never shows the value).
+    """
+    env = os.environ if environ is None else environ
+    try:
+        if env.get(ENV_SECRET):
+            return JobSecret.from_text(env[ENV_SECRET], ENV_SECRET)
+        if env.get(ENV_SECRET_FILE):
+            return JobSecret.from_file(env[ENV_SECRET_FILE])
+    except SecretError as e:
+        raise ConfigError(str(e)) from None
+    return None
 
 
 def launcher_environ() -> dict[str, str]:

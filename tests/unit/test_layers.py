@@ -75,11 +75,3 @@ def test_every_layer_exists() -> None:
     for _, prefixes in LAYERS:
         for prefix in prefixes:
             assert any(m == prefix or m.startswith(prefix + ".") for m in modules), prefix
-
-
-def test_no_module_is_over_400_lines() -> None:
-    """Small modules a reader can hold in mind (the house style): a module that grows past 400 lines is split
-    by concern (e.g. calltypes.py out of kinds.py, engine/phases.py out of the negotiator)."""
-    long = {_module_name(p): n for p in (SRC / "hora").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 400}
-    assert long == {}, f"modules over 400 lines: {long}"
