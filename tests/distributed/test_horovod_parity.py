@@ -263,3 +263,19 @@ def test_bad_calls_are_catchable_as_the_exception_horovod_raises() -> None:
     for Adasum on a non-power-of-two size, ValueError for checks made before enqueueing, and
     HorovodInternalError (a RuntimeError) when ranks disagree: hora's errors are catchable the same way."""
     run_ranks(_catchable, 3)
+
+
+# --- issue 24 item 2: Adasum of small vectors -----------------------------------------------------------------
+def _adasum_small(rank: int, size: int) -> None:
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        for value in (1e-5, torch.finfo(dtype).tiny if dtype != torch.float64 else 1e-70):
+            x = torch.tensor([value, 0.0], dtype=dtype)
+            got = hvd.allreduce(x, op=hvd.Adasum)
+            close(got, x, f"Adasum of equal {dtype} vectors [{value:g}, 0]", atol=0, rtol=0)
+
+
+def test_adasum_of_equal_small_vectors_is_the_vector_like_horovod_028() -> None:
+    """Horovod 0.28.1 combines (does not sum) any vector whose squared norm is at least sqrt(DBL_MIN):
+    ``hvd.allreduce(torch.tensor([1e-5, 0.0]), op=hvd.Adasum)`` on 2 ranks gives ``[1e-5, 0]`` (hora gave
+    ``[2e-5, 0]``), down to the smallest normal float16, bfloat16 and float32 numbers."""
+    run_ranks(_adasum_small, 2)
