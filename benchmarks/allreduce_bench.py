@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         import hora
 
         here = str(Path(__file__).resolve().parent)  # workers unpickle references to common.py
-        raw = hora.run(_worker, args=(sizes, repeats, target_s), np=args.nranks, env={"PYTHONPATH": here})[0]
+        raw = hora.run(_worker, args=(sizes, repeats, target_s), num_proc=args.nranks, env={"PYTHONPATH": here})[0]
     else:
         raw = fork_ranks(_forked_worker, args.nranks, sizes, repeats, target_s)[0]
     result = analyse(raw, args.nranks)

@@ -98,11 +98,11 @@ def fail_on_rank_2():
 
 ssh = dict(ssh_identity_file=sys.argv[1], ssh_options=sys.argv[2:])
 hosts = "10.78.0.2:1,10.78.0.3:1,10.78.0.4:1"
-# --network-interface: the store binds eth0's address and every rank's Gloo uses eth0.
-results = hora.run(reduce_and_say_where, np=3, hosts=hosts, network_interface="eth0", **ssh)
+# network_interfaces (--network-interfaces): the store binds eth0's address and every rank's Gloo uses eth0.
+results = hora.run(reduce_and_say_where, num_proc=3, hosts=hosts, network_interfaces=["eth0"], **ssh)
 print("RESULT " + json.dumps(results), flush=True)
 try:
-    hora.run(fail_on_rank_2, np=3, hosts=hosts, **ssh)
+    hora.run(fail_on_rank_2, num_proc=3, hosts=hosts, **ssh)
 except ValueError as exc:
     print("RAISED " + json.dumps([type(exc).__name__, str(exc), str(exc.__cause__)]), flush=True)
 """

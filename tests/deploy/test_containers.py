@@ -2,7 +2,7 @@
 
 Each test checks what a user would see: a 2-node ``hora run`` training over SSH, a killed container named in the
 launcher's report, key-only SSH, host keys made per container, JupyterLab refusing requests without its token,
-a notebook calling ``hora.run(fn, np=2)`` inside the container, and PID 1 forwarding signals and reaping.
+a notebook calling ``hora.run(fn, num_proc=2)`` inside the container, and PID 1 forwarding signals and reaping.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def where(x):
     hora.shutdown()
     return out
 
-results = hora.run(where, args=(10.0,), np=2)
+results = hora.run(where, args=(10.0,), num_proc=2)
 print(results)
 """
 

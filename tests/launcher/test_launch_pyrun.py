@@ -1,5 +1,5 @@
 """``hora.run(fn)``: results in rank order, closures and lambdas, a rank's exception re-raised here; elastic
-runs (Horovod's ``min_np=``...) going on without a worker that died."""
+runs (Horovod's ``min_num_proc=``...) going on without a worker that died."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def test_results_come_back_in_rank_order_from_a_closure() -> None:
         return int(os.environ["HORA_RANK"])
 
     results = run(lambda scale, extra=0: (rank() * scale + base["offset"] + extra, os.environ["HORA_SIZE"]),
-                  args=(10,), kwargs={"extra": 1}, np=3)
+                  args=(10,), kwargs={"extra": 1}, num_proc=3)  # Horovod 0.28.1's name
     assert results == [(101, "3"), (111, "3"), (121, "3")]
 
 
@@ -30,7 +30,7 @@ def test_an_exception_on_a_rank_re_raises_with_that_ranks_traceback(capfd: pytes
         time.sleep(60)
 
     with pytest.raises(KeyError) as info:
-        run(train_step, np=2)
+        run(train_step, num_proc=2)
     assert info.value.args == ("missing feature 'age'",)
     cause = info.value.__cause__
     assert isinstance(cause, RemoteTraceback)
@@ -43,7 +43,7 @@ def test_an_exception_on_a_rank_re_raises_with_that_ranks_traceback(capfd: pytes
 
 def test_a_rank_that_dies_without_raising_is_a_launch_error() -> None:
     with pytest.raises(LaunchError, match=r"^hora.run: rank 0 on host localhost failed: exit code 7$") as info:
-        run(lambda: os._exit(7), np=1)
+        run(lambda: os._exit(7), num_proc=1)
     assert info.value.exit_code == 7
 
 
@@ -70,15 +70,15 @@ def test_an_elastic_run_goes_on_without_a_worker_that_died() -> None:
         loop(state)
         return hvd.rank(), hvd.size(), state.step, state.total
 
-    results = run(train, args=(20,), np=3, min_np=2, hosts="127.0.0.1:2,127.0.0.2:1")
+    results = run(train, args=(20,), num_proc=3, min_num_proc=2, hosts="127.0.0.1:2,127.0.0.2:1")
     # 5 committed steps of 3 ranks, then 15 of 2: no committed step lost or repeated
     assert results == [(0, 2, 20, 45.0), (1, 2, 20, 45.0)]
 
 
 def test_elastic_settings_without_an_elastic_job_and_both_host_sources_are_refused() -> None:
-    with pytest.raises(ConfigError, match=r"hora.run\(reset_limit=...\) is an elastic setting: give min_np="):
-        run(print, np=1, reset_limit=3)
+    with pytest.raises(ConfigError, match=r"hora.run\(reset_limit=...\) is an elastic setting: give min_num_proc="):
+        run(print, num_proc=1, reset_limit=3)
     with pytest.raises(ConfigError, match="an elastic job takes its hosts from one of them"):
-        run(print, min_np=1, hosts="a:1", host_discovery_script="cat hosts")
-    with pytest.raises(ConfigError, match=r"np=5\) is more than max_np=4"):
-        run(print, np=5, min_np=2, max_np=4)
+        run(print, min_num_proc=1, hosts="a:1", host_discovery_script="cat hosts")
+    with pytest.raises(ConfigError, match=r"num_proc=5\) is more than max_num_proc=4"):
+        run(print, num_proc=5, min_num_proc=2, max_num_proc=4)

@@ -1,8 +1,11 @@
 """hora's public API against ``horovod.torch`` 0.28.1's (issue 11 item 12; what still differs is in
 docs/horovod-differences.md).
 
-The table below is Horovod 0.28.1's public surface, written down from its sources: every name
-``horovod/torch/__init__.py`` exports, each function's parameters in order with their defaults, and
+The table below is Horovod 0.28.1's public surface, written down from its sources (the sdist from PyPI:
+``pip download --no-deps --no-binary :all: horovod==0.28.1``, checked name by name against
+``horovod/torch/__init__.py``, ``torch/mpi_ops.py``, ``common/basics.py``, ``common/process_sets.py``,
+``torch/functions.py``, ``torch/optimizer.py``, ``torch/sync_batch_norm.py`` and ``runner/__init__.py``): every
+name ``horovod/torch/__init__.py`` exports, each function's parameters in order with their defaults, and
 ``horovod.runner.run``. hora must take every call a Horovod script can make: the same names, the same
 parameters in the same positions with the same defaults. hora may add parameters after Horovod's (with
 defaults), and may give a default where Horovod requires the argument.
@@ -79,11 +82,13 @@ HOROVOD_028: dict[str, list[tuple[str, Any]]] = {
                              ("num_groups", 0), ("groups", None), ("sparse_as_dense", False), ("process_set", GPS)],
     "SyncBatchNorm": [("num_features", REQ), ("eps", 1e-5), ("momentum", 0.1), ("affine", True),
                       ("track_running_stats", True)],
-    "run": [("func", REQ), ("args", ()), ("kwargs", None), ("np", 1), ("min_np", None), ("max_np", None),
-            ("slots", None), ("reset_limit", None), ("cooldown_range", None), ("hosts", None), ("hostfile", None),
-            ("start_timeout", None), ("ssh_port", None), ("ssh_identity_file", None), ("disable_cache", None),
-            ("output_filename", None), ("verbose", None), ("use_gloo", None), ("use_mpi", None),
-            ("mpi_args", None), ("network_interface", None), ("executable", None)],
+    # horovod/runner/__init__.py: the 0.25 names first, the deprecated np/min_np/max_np/network_interface kept
+    "run": [("func", REQ), ("args", ()), ("kwargs", None), ("num_proc", 1), ("min_num_proc", None),
+            ("max_num_proc", None), ("slots", None), ("reset_limit", None), ("cooldown_range", None), ("hosts", None),
+            ("hostfile", None), ("host_discovery_script", None), ("start_timeout", None), ("ssh_port", None),
+            ("ssh_identity_file", None), ("disable_cache", None), ("output_filename", None), ("verbose", None),
+            ("use_gloo", None), ("use_mpi", None), ("mpi_args", None), ("network_interface", None),
+            ("network_interfaces", None), ("executable", None), ("np", None), ("min_np", None), ("max_np", None)],
     **{name: [] for name in _NOARGS},
 }
 OTHER_NAMES = ("Compression ProcessSet global_process_set Average Sum Adasum Min Max Product "
@@ -180,4 +185,20 @@ def test_average_argument_warns_as_deprecated_as_in_horovod() -> None:
 def test_run_refuses_horovods_mpi_arguments_with_the_reason() -> None:
     for kwargs, needle in (({"use_mpi": True}, "MPI"), ({"mpi_args": "-x"}, "MPI"), ({"use_gloo": False}, "Gloo")):
         with pytest.raises(hvd.ConfigError, match=needle):
-            hvd.run(print, np=1, **kwargs)
+            hvd.run(print, num_proc=1, **kwargs)
+
+
+def test_run_warns_on_horovods_deprecated_spellings_and_lets_them_win_as_horovod_028_does() -> None:
+    """Horovod 0.28.1's run() warns (DeprecationWarning) for np, min_np, max_np and network_interface and uses
+    their values over num_proc, min_num_proc, max_num_proc and network_interfaces."""
+    from hora.launch.pyrun import _deprecated_spellings
+
+    for name in ("np", "min_np", "max_np", "network_interface"):
+        with pytest.warns(DeprecationWarning, match=rf"hora.run\({name}=...\) is deprecated"):
+            with pytest.raises(hvd.ConfigError, match="MPI"):
+                hvd.run(print, use_mpi=True, **{name: "eth0" if name == "network_interface" else 2})
+    with pytest.warns(DeprecationWarning):
+        assert _deprecated_spellings(1, None, None, None, np=4, min_np=2, max_np=8, network_interface="eth0,ib0") \
+            == (4, 2, 8, ["eth0", "ib0"])
+    assert _deprecated_spellings(3, 2, 4, ["eth1"], np=None, min_np=None, max_np=None, network_interface=None) \
+        == (3, 2, 4, ["eth1"])
