@@ -76,16 +76,19 @@ def test_host_updates_say_whether_only_removals_happened() -> None:
     assert world.host_updates(store, JOB, 2) == (3, True)
 
 
-def test_sampler_epoch_order_record_batch_and_state_dict() -> None:
-    sampler = ElasticSampler(list(range(10)), shuffle=True, seed=1)
-    first = list(iter(sampler))
-    assert sorted(first) == list(range(10)) and len(sampler) == 10
-    sampler.record_batch(0, 4)
-    assert sampler.processed_indices == set(first[:4]) and sampler.get_indices(1, 4) == first[4:8]
-    saved = sampler.state_dict()
-    sampler.load_state_dict(saved)
-    assert list(iter(sampler)) == first[4:]  # the rest of the epoch, in the epoch's order
-    sampler.set_epoch(1)
-    second = list(iter(sampler))
-    assert sorted(second) == list(range(10)) and second != first and not sampler.processed_indices
-    assert list(iter(ElasticSampler(range(5), shuffle=False))) == [0, 1, 2, 3, 4]
+def test_sampler_state_dict_is_horovod_028s_two_counts_and_loads_hora_s_older_form() -> None:
+    """Horovod 0.28.1's sampler state is ``{'epoch', 'processed_num'}``, two ints a checkpoint stores as they
+    are; hora's older ``{'epoch', 'processed_indices'}`` still loads, counted as that many samples."""
+    sampler = ElasticSampler(range(6), shuffle=False)
+    assert list(iter(sampler)) == [0, 1, 2, 3, 4, 5] and len(sampler) == 6
+    sampler.record_batch(0, 3)
+    assert sampler.state_dict() == {"epoch": 0, "processed_num": 3}
+    assert all(type(v) is int for v in sampler.state_dict().values())
+    resumed = ElasticSampler(range(6), shuffle=False)
+    resumed.load_state_dict(sampler.state_dict())
+    assert list(iter(resumed)) == [3, 4, 5] and len(resumed) == 3
+    older = ElasticSampler(range(6), shuffle=False)
+    older.load_state_dict({"epoch": 0, "processed_indices": {0, 1, 2}})
+    assert older.processed_num == 3 and list(iter(older)) == [3, 4, 5]
+    older.set_epoch(1)
+    assert older.processed_num == 0 and list(iter(older)) == list(range(6))

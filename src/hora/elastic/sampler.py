@@ -1,12 +1,16 @@
 """``ElasticSampler``: splits an epoch's samples over the ranks, and again over a new world mid-epoch.
 
-Each epoch has one order of all samples (shuffled with ``seed + epoch`` on every rank alike). The samples
-not yet processed this epoch are dealt round-robin to the ranks of the current world; after a reset the
-samples that remain are dealt again over the new world. ``record_batch(batch_idx, batch_size)`` after each
-optimizer step marks the whole global batch as processed (every rank's part of it: the ranks stepped
-together), so the samples a failed rank had processed before the last commit are not processed again.
-Kept in a ``TorchState``, the processed samples are saved by ``commit()``, restored after a failure, and
-united over the ranks by ``sync()``.
+Horovod 0.28.1's design. Each epoch has one order of all samples: ``range(len(dataset))`` shuffled by
+``random.Random(seed + epoch)`` (Python's own generator, as Horovod's, so a Horovod checkpoint of the sampler
+means the same samples here). What the epoch has processed is one counter, ``processed_num``: the first
+``processed_num`` samples of that order. ``record_batch(batch_idx, batch_size)`` after each optimizer step adds
+the whole global batch (``batch_size * num_replicas``: every rank stepped on its part of it), so the counter
+stays a prefix of the order however the ranks are dealt. The samples after it are dealt round-robin to the
+ranks of the current world (rank ``r`` takes positions ``r, r + n, r + 2n, ...``); after a reset, and whenever
+``load_state_dict`` puts a counter back (``restore()``, ``sync()``), they are dealt again over the world of
+that moment, so a resize in the middle of an epoch neither loses nor repeats a committed sample.
+
+``state_dict()`` is ``{"epoch", "processed_num"}``, Horovod 0.28.1's, so a checkpoint loads in either.
 
 As in Horovod and ``torch.utils.data.DistributedSampler``, when the remaining samples do not divide evenly
 over the ranks, the first few are dealt again to fill the last round (at most ``size() - 1`` samples), so
@@ -19,13 +23,17 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterable, Iterator, Sized
+import random
+from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
 
 from hora import runtime
+
+log = logging.getLogger(__name__)
 
 
 class ElasticSampler(torch.utils.data.Sampler[int]):
@@ -34,7 +42,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     Args:
         dataset: anything with a length; its indices ``0..len-1`` are sampled.
         shuffle: deal the samples in a random order (the same on every rank; a new one each epoch).
-        seed: the shuffle's seed (plus the epoch).
+        seed: the shuffle's seed (plus the epoch); the same on every rank.
     """
 
     def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0) -> None:
@@ -42,44 +50,44 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
-        self.processed_indices: set[int] = set()
+        self.processed_num = 0  # the epoch's samples processed so far: the first ones of its order
         self.num_replicas = 1
         self.rank = 0
-        self.remaining_indices: list[int] = []
-        self.num_samples = 0
-        self.total_size = 0
+        self.remaining_indices: list[int] = []  # the epoch's order after the processed samples
+        self.num_samples = 0  # this rank's samples in a pass over the remaining ones
+        self.total_size = 0  # num_samples * num_replicas (the remaining ones, filled up to a round)
         self.indices: list[int] = []  # this rank's samples of the current pass
-        self._dealt: list[int] = []  # every rank's samples of the current pass, round-robin (rank r: [r::n])
         self.reset()
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch``: nothing processed yet, a new order."""
+        """Start epoch ``epoch``: nothing processed yet, a new order. Call it at the end of an epoch, so that a
+        reset in the middle of one does not start it over."""
         self.epoch = epoch
-        self.processed_indices = set()
+        self.processed_num = 0
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Mark global batch ``batch_idx`` of the current pass processed: every rank's ``batch_size`` samples
-        of it (call it after the optimizer step that used them; ``batch_idx`` counts from 0 in each pass)."""
-        start = batch_idx * batch_size * self.num_replicas
-        stop = min((batch_idx + 1) * batch_size, self.num_samples) * self.num_replicas
-        self.processed_indices.update(self._dealt[start:stop])
-
-    def record_indices(self, indices: Iterable[int]) -> None:
-        """Mark ``indices`` (samples this rank processed) as processed."""
-        self.processed_indices.update(indices)
-
-    def get_indices(self, batch_idx: int, batch_size: int) -> list[int]:
-        """This rank's samples of batch ``batch_idx`` of the current pass."""
-        start = batch_idx * batch_size
-        return self.indices[start:min(start + batch_size, len(self.indices))]
+        """Count one global batch processed: ``batch_size`` samples on every rank (call it after the optimizer
+        step that used them). ``batch_idx`` is accepted for Horovod's signature; the count is what matters."""
+        self.processed_num += batch_size * self.num_replicas
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
+        """``{"epoch": ..., "processed_num": ...}`` (Horovod 0.28.1's)."""
+        return {"epoch": self.epoch, "processed_num": self.processed_num}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.epoch = state_dict["epoch"]
-        self.processed_indices = set(state_dict["processed_indices"])
+        """Take a ``state_dict()`` (Horovod's, or hora's before 0.28.1's design: ``{"epoch",
+        "processed_indices"}``, counted as that many samples processed) and deal the rest of its epoch again."""
+        self.epoch = int(state_dict["epoch"])
+        if "processed_num" in state_dict:
+            self.processed_num = int(state_dict["processed_num"])
+        else:
+            processed = state_dict["processed_indices"]
+            self.processed_num = len(processed)
+            if processed:
+                log.warning("ElasticSampler: a state_dict of the older format (the processed samples, not their "
+                            "count): counted as %d samples processed; the rest of epoch %d may repeat or skip some "
+                            "samples", len(processed), self.epoch)
         self.reset()
 
     def reset(self) -> None:
@@ -87,30 +95,19 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         initialized = runtime.is_initialized()
         self.num_replicas = runtime.size() if initialized else 1
         self.rank = runtime.rank() if initialized else 0
-        self.remaining_indices = [i for i in self._order() if i not in self.processed_indices]
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        self.remaining_indices = order[self.processed_num:]
         self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
-        self._deal()
-
-    def _order(self) -> list[int]:
-        n = len(self.dataset)
-        if not self.shuffle:
-            return list(range(n))
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        return torch.randperm(n, generator=generator).tolist()
-
-    def _deal(self) -> None:
-        dealt = list(self.remaining_indices)
-        if dealt:
-            while len(dealt) < self.total_size:  # fill the last round (more than once only for tiny datasets)
-                dealt += dealt[:self.total_size - len(dealt)]
-        self._dealt = dealt
-        self.indices = dealt[self.rank:self.total_size:self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
-        self._deal()
-        return iter(list(self.indices))
+        dealt = list(self.remaining_indices)
+        while dealt and len(dealt) < self.total_size:  # fill the last round (more than once: tiny datasets)
+            dealt += dealt[:self.total_size - len(dealt)]
+        self.indices = dealt[self.rank:self.total_size:self.num_replicas]
+        return iter(self.indices)
 
     def __len__(self) -> int:
         return self.num_samples

@@ -259,22 +259,18 @@ class _SamplerHandler(_Handler):
     value: ElasticSampler
 
     def save(self) -> None:
-        self._saved = self.value.state_dict()  # a copy already (of the processed samples' set)
+        self._saved = self.value.state_dict()  # {"epoch", "processed_num"}: plain values, a copy already
 
     def restore(self) -> None:
-        self.value.load_state_dict(self._saved)  # copies the set again
+        self.value.load_state_dict(self._saved)
 
     def sync(self) -> None:
-        # every rank's processed samples (record_indices() records only the caller's), then rank 0's epoch
-        processed: set[int] = set()
-        for part in functions.allgather_object(self.value.processed_indices, name="hora.elastic.sampler"):
-            processed |= part
-        state = self.value.state_dict()
-        state["processed_indices"] = processed
-        self.value.load_state_dict(functions.broadcast_object(state, 0, name="hora.elastic.sampler_state"))
+        # rank 0's epoch and count (every rank counted the same global batches)
+        self.value.load_state_dict(functions.broadcast_object(self.value.state_dict(), 0,
+                                                              name="hora.elastic.sampler_state"))
 
     def reset(self) -> None:
-        self.value.reset()
+        self.value.reset()  # deal the rest of the epoch over the new world, also when the reset skips sync()
 
 
 _HANDLERS: tuple[tuple[type, type[_Handler]], ...] = (
@@ -289,8 +285,8 @@ class TorchState(ObjectState):
 
     ``save()`` copies the model's and optimizer's ``state_dict()`` in memory (into the last commit's tensors
     when their shapes still match: no allocation per commit); ``sync()`` broadcasts the
-    model's parameters and buffers and the optimizer's state from rank 0 and unites the samplers' processed
-    samples; ``reset()`` re-splits the samplers' remaining samples over the new world. Other keyword values
+    model's parameters and buffers and the optimizer's state from rank 0 and the samplers' epoch and count of
+    processed samples; ``reset()`` deals the samplers' remaining samples over the new world. Other keyword values
     behave as in :class:`ObjectState`. Assigning a new model or optimizer to the attribute (``state.model =
     new_model``) makes the state track the new object.
 
