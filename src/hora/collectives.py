@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hora import callsite, runtime
+from hora import callsite, newcomer, runtime
 from hora.calltypes import REDUCTIONS, Call, Kind
 from hora.compression import Compression
 from hora.dataplane import dtype_name
@@ -113,7 +113,7 @@ def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
     the reason instead of pairing with this rank's next op, or waiting for it."""
     if not calls:
         return []
-    rt = runtime.state(f"hvd.{calls[0].kind.wire}()")
+    rt = newcomer.join(f"hvd.{calls[0].kind.wire}()")  # a new elastic worker joins the job here
     neg = rt.negotiator
     if neg.site_check and not calls[0].name and calls[0].site is callsite.UNKNOWN and calls[0].kind is not Kind.BARRIER:
         site = callsite.current()  # a barrier carries no data to mix up, and has no name= to opt out with

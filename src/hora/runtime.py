@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,6 +63,7 @@ class Runtime:
     negotiator: Negotiator = field(init=False, repr=False)  # set by init() once the process sets exist
     connect_store: Callable[[], dist.Store] | None = None  # a fresh client connection (the negotiator's bell)
     alone: bool = False  # a new elastic worker before it joins the job's world (hora.world.alone)
+    joining: Topology | None = None  # alone: its place in the world it joins, what rank(), size()... show
 
 
 def state(what: str = "this call") -> Runtime:
@@ -100,14 +101,15 @@ def _init(process_sets: Sequence[ProcessSet] | str | None, join: bool) -> None:
         env = WorkerEnv.from_environ()
         knobs = Knobs.from_environ()
         logging.getLogger("hora").setLevel(knobs.log_level.upper())
-        alone = False
+        alone, planned = False, None
         if env.elastic:  # the launcher's newest world decides rank and size; its number names the store prefix
             store = rendezvous.store(env, datetime.timedelta(seconds=knobs.start_timeout))
             running = world.newest(store, env.job_id) if _generation == 0 and not join else 0
-            if running:  # a new worker of a running job: build alone, join at hvd.elastic.run's first sync
-                log.info("hora elastic: worker %s starts alone (rank 0 of 1) while the job runs world %d; it "
-                         "joins the job's world at its first hvd.elastic.run call", env.worker_id, running)
-                env, alone, generation = world.alone(env), True, 0
+            if running:  # a new worker of a running job: build alone, join at its first collective or run
+                log.info("hora elastic: worker %s starts while the job runs world %d: rank %d of %d in the world it "
+                         "joins at its first collective or hvd.elastic.run call", env.worker_id, running, env.rank,
+                         env.size)
+                planned, env, alone, generation = world.planned(env), world.alone(env), True, 0
             else:
                 env, elastic_world = world.join(store, env, _generation, knobs.elastic_timeout)
                 generation = elastic_world.gen
@@ -122,6 +124,7 @@ def _init(process_sets: Sequence[ProcessSet] | str | None, join: bool) -> None:
         ProcessSetTable.check(sets, env.size)
         _generation = generation
         rt = _build_elastic(env, knobs, sets) if env.elastic else _build(env, knobs, _generation, alone=alone)
+        rt.joining = planned if alone else None
         env = rt.env
         try:  # a failed init leaves nothing behind: is_initialized() stays False and init() can be retried
             for ps in sets:
@@ -235,8 +238,6 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, alone: bool = False) -
         if ended:  # a member died while the groups were built: its peers' connections to it failed
             raise bootstrap.member_lost(env, generation, ended) from e
         raise
-    if alone:  # rank 0 of 1, but on the launcher's local rank (its GPU): see hora.world.alone
-        topo = replace(topo, local_rank=env.local_rank, local_size=env.local_size)
     return Runtime(env=env, knobs=knobs, store=base, topo=topo, backend=backend, owns_default_group=owns,
                    ctrl_group=ctrl, device=device, process_sets=sets, connect_store=connect, alone=alone)
 
@@ -258,11 +259,9 @@ def reset(peer_wait_s: float = 10.0, failed: bool = True) -> None:
 
     Args:
         peer_wait_s: the longest wait for the peers' shutdown.
-        failed: a collective failed in the old world: free its errors' reference cycles now, with a
-            collection of the young generations (2-20 ms). A full one took 0.8-1.7 s at load 10, the largest
-            part of the survivors' wait after a SIGKILL; the engine closes its sockets itself, and what only a
-            full pass frees (in one trial of three, one socket of the old world) waits for the collector's next
-            full pass. False for a planned reset (a host change, a new worker's join): no failed op.
+        failed: a collective failed in the old world: free its errors' reference cycles now, collecting the
+            young generations only (a full pass is the slowest part of a recovery; the engine closes its
+            sockets itself). False for a planned reset (a host change, a new worker's join): no failed op.
     """
     began = time.monotonic()
     _shutdown(peer_wait_s=peer_wait_s, collect=1 if failed else None)
@@ -274,8 +273,7 @@ def reset(peer_wait_s: float = 10.0, failed: bool = True) -> None:
 
 def is_alone() -> bool:
     """True while this process is a new worker of a running elastic job that has not joined the job's world
-    yet: ``hvd.init()`` gave it a world of its own (rank 0 of 1) to build in, and its first ``hvd.elastic.run``
-    call joins (see :mod:`hora.world`)."""
+    yet: ``hvd.init()`` gave it a world of its own to build in (see :mod:`hora.newcomer`)."""
     s = _state
     return s is not None and s.alone
 
@@ -356,39 +354,46 @@ def is_initialized() -> bool:
     return _state is not None
 
 
+def _shown(what: str) -> Topology:
+    """This process's place as the topology queries report it: a new elastic worker still alone reports the
+    place the launcher planned for it in the world it joins (Horovod starts it with that rank and size)."""
+    s = state(what)
+    return s.joining or s.topo
+
+
 def size() -> int:
     """Number of ranks in the job."""
-    return state("hvd.size()").topo.size
+    return _shown("hvd.size()").size
 
 
 def rank() -> int:
     """This process's global rank."""
-    return state("hvd.rank()").topo.rank
+    return _shown("hvd.rank()").rank
 
 
 def local_size() -> int:
     """Number of ranks on this host."""
-    return state("hvd.local_size()").topo.local_size
+    return _shown("hvd.local_size()").local_size
 
 
 def local_rank() -> int:
     """This process's index among the ranks on its host (use it to pick the GPU)."""
-    return state("hvd.local_rank()").topo.local_rank
+    return _shown("hvd.local_rank()").local_rank
 
 
 def cross_size() -> int:
     """Number of hosts that have a rank with this process's local rank."""
-    return state("hvd.cross_size()").topo.cross_size
+    return _shown("hvd.cross_size()").cross_size
 
 
 def cross_rank() -> int:
     """This host's index among the hosts that have a rank with this process's local rank."""
-    return state("hvd.cross_rank()").topo.cross_rank
+    return _shown("hvd.cross_rank()").cross_rank
 
 
 def is_homogeneous() -> bool:
     """True when every host runs the same number of ranks."""
-    return state("hvd.is_homogeneous()").topo.homogeneous
+    return _shown("hvd.is_homogeneous()").homogeneous
 
 
 atexit.register(_shutdown_at_exit)

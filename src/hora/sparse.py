@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hora import callsite, runtime
+from hora import callsite, newcomer
 from hora.calls import resolved_op
 from hora.calltypes import Call, Kind
 from hora.collectives import submit_many
@@ -25,7 +25,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
                            process_set: ProcessSet = global_process_set) -> GroupHandle:
     """Allreduce a sparse COO tensor by allgathering its indices and values; ``synchronize`` returns a
     coalesced sparse tensor. Average divides the values by the set's size."""
-    neg = runtime.state("hvd.sparse_allreduce_async()").negotiator
+    neg = newcomer.join("hvd.sparse_allreduce_async()").negotiator
     site = callsite.current() if neg.site_check and not name else callsite.UNKNOWN
     rop, rejected = resolved_op(op, None)
     if rejected is None and rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):

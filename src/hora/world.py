@@ -9,11 +9,13 @@ code 0.
 
 When a worker joins: the workers of the job's first world join at ``init()``. A worker that starts while the
 job already runs (a host added, a failed host back after its cooldown) does not: ``init()`` gives it a world
-of its own (:func:`alone`: rank 0 of 1, the launcher's local rank kept) to build its model, optimizer and
-state in, and it posts ready only at its first ``hvd.elastic.run`` call, just before the state sync. The
-driver announces it once it is ready, so the others train on while it imports and builds, and wait for it
-only for the sync itself. Host changes reach workers through the ``updates`` counter and the ``update/<n>`` records
-(:func:`host_updates`). Key names and the World record are shared with the driver
+of its own (:func:`alone`) to build its model, optimizer and state in, while ``hvd.rank()``, ``hvd.size()``
+and the local and cross ranks show the place the launcher planned for it in the world it joins
+(:func:`planned`, from its start values, as Horovod starts a new worker). It posts ready only at its first
+collective or ``hvd.elastic.run`` call (:mod:`hora.newcomer`). The driver announces it once it is ready, so
+the others train on while it imports and builds, and wait for it only for the state sync itself. Host
+changes reach workers through the ``updates`` counter and the ``update/<n>`` records (:func:`host_updates`).
+Key names and the World record are shared with the driver
 (:mod:`hora.launch.elastic_protocol`, the standard library only).
 
 Only the runtime (``init()``) and :mod:`hora.elastic` use this module.
@@ -33,6 +35,7 @@ from typing import Any
 from hora.env import WorkerEnv
 from hora.errors import ElasticTimeoutError
 from hora.launch import elastic_protocol as proto
+from hora.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +100,24 @@ def newest(store: Any, job: str) -> int:
     return int(store.get(key))
 
 
+def planned(env: WorkerEnv) -> Topology:
+    """The place the launcher planned for a new worker in the world it joins: its start values (the driver
+    numbers it after the workers it will join, :func:`hora.launch.elastic_protocol.assign_world`). What
+    ``hvd.rank()``, ``hvd.size()``, the local and cross ranks report until it joins.
+
+    Example:
+        >>> t = planned(WorkerEnv(rank=3, size=4, local_rank=1, local_size=2, cross_rank=1, cross_size=2))
+        >>> (t.rank, t.size, t.local_rank, t.local_size, t.cross_rank, t.cross_size)
+        (3, 4, 1, 2, 1, 2)
+    """
+    return Topology(rank=env.rank, size=env.size, local_rank=env.local_rank, local_size=env.local_size,
+                    cross_rank=env.cross_rank or 0, cross_size=env.cross_size or 1, hostnames=(), homogeneous=True)
+
+
 def alone(env: WorkerEnv) -> WorkerEnv:
     """A new worker's environment until it joins its first world: a job of its own, rank 0 of 1, with no key
-    in the launcher's store. The local rank and size stay the launcher's (the slot's GPU), so a script that
-    binds its device from ``hvd.local_rank()`` builds on the device it will train on.
+    in the launcher's store. The local rank and size stay the launcher's (the slot's GPU), so the device is
+    bound to the one it will train on.
 
     Example:
         >>> e = alone(WorkerEnv(rank=3, size=4, local_rank=1, local_size=2, source="hora", elastic=True))

@@ -359,14 +359,15 @@ def test_every_rank_raises_hosts_updated_at_the_same_commit() -> None:
 
 # --- a new worker builds alone while the others train ------------------------------------------------------
 BUILD_STEPS = 5  # steps the members must make while the newcomer builds (it waits for them)
+PLANNED = {"right": (2, 3, 0, 1, 2, 3), "stale": (3, 4, 1, 2, 0, 1)}  # the launcher's start values for h3
 
 
-def _slow_builder(rank: int, size: int) -> Any:
+def _slow_builder(rank: int, size: int, first: str, plan: str) -> Any:
     if rank == 0:
         d = _Driver()
         d.wait_ready(["h1:0", "h2:0"], 0)
         d.publish(1, ["h1:0", "h2:0"])
-        d.wait_ready(["h3:0"], 0)  # the newcomer posts ready only at its first hvd.elastic.run call
+        d.wait_ready(["h3:0"], 0)  # the newcomer posts ready only at its first collective or hvd.elastic.run
         d.host_update(added=["h3"], removed=[])
         d.wait_ready(["h1:0", "h2:0"], 1)
         d.publish(2, ["h1:0", "h2:0", "h3:0"])
@@ -375,12 +376,14 @@ def _slow_builder(rank: int, size: int) -> Any:
     os.environ.update(HORA_ELASTIC="1", HORA_WORKER_ID=worker, HORA_HOSTNAME=f"h{rank}", HORA_ELASTIC_TIMEOUT="60")
     store = dist.TCPStore("127.0.0.1", int(os.environ["HORA_STORE_PORT"]), is_master=False, wait_for_workers=False)
     out: dict[str, Any] = {}
-    if worker == "h3:0":  # starts while world 1 trains
+    if worker == "h3:0":  # starts while world 1 trains, with the place the launcher planned for it
+        names = ("HORA_RANK", "HORA_SIZE", "HORA_LOCAL_RANK", "HORA_LOCAL_SIZE", "HORA_CROSS_RANK", "HORA_CROSS_SIZE")
+        os.environ.update({n: str(v) for n, v in zip(names, PLANNED[plan], strict=True)})
         while int(store.add(_key("steps"), 0)) < 1:
             time.sleep(0.01)
         hvd.init()
-        out["alone"] = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), runtime.is_alone())
-        out["alone_sum"] = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()  # collectives work alone
+        out["shown"] = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
+                        hvd.cross_size(), runtime.is_alone())
         begun = int(store.add(_key("steps"), 0))
         deadline = time.monotonic() + 60
         while int(store.add(_key("steps"), 0)) < begun + BUILD_STEPS:  # a slow build: the members go on
@@ -399,8 +402,13 @@ def _slow_builder(rank: int, size: int) -> Any:
         resets.append(hvd.size())
         for group in opt.param_groups:
             group["lr"] = LR * hvd.size()
+        if first == "collective" and worker != "h3:0":  # meets the newcomer's collective before train()
+            out["hello"] = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="hello").item()
 
     state.register_reset_callbacks([on_reset])
+    if first == "collective" and worker == "h3:0":  # its first collective joins the job's world
+        out["hello"] = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="hello").item()
+        out["after_hello"] = (hvd.rank(), hvd.size(), runtime.is_alone())
 
     @hvd.elastic.run
     def train(state: Any) -> None:
@@ -423,19 +431,26 @@ def _slow_builder(rank: int, size: int) -> Any:
     return out
 
 
-def test_a_new_worker_builds_alone_while_the_others_train() -> None:
-    """A worker that starts while the job runs builds alone; the members train on until it reaches
-    ``train(state)`` (it waits for BUILD_STEPS of their steps while building: with a join in ``hvd.init()``
-    the members would sit in the state sync waiting for it, and neither would go on)."""
-    results = run_ranks(_slow_builder, 4, init=False, timeout=120)
+@pytest.mark.parametrize(("first", "plan"), [("run", "right"), ("collective", "right"), ("run", "stale")])
+def test_a_new_worker_sees_the_world_it_joins_from_init_and_builds_while_the_others_train(first: str,
+                                                                                        plan: str) -> None:
+    """Horovod 0.28.1 starts a new worker with the rank and size of the world it joins: ``hvd.size()`` read
+    right after ``hvd.init()`` (a DistributedSampler built at start-up) is the size it trains with. hora gives it
+    the launcher's planned place at once and lets it build while the members train on (it waits for
+    BUILD_STEPS of their steps: with a join in ``hvd.init()`` the members would sit in the state sync waiting
+    for it); it joins at its first collective or ``hvd.elastic.run`` call. The reset callbacks run on it only
+    when it joined elsewhere than ``hvd.init()`` said (a stale plan)."""
+    results = run_ranks(_slow_builder, 4, first, plan, init=False, timeout=120)
     assert all(isinstance(r, dict) for r in results[1:]), results  # a string names what went wrong
     h1, h2, h3 = results[1:]
-    assert h3["alone"] == (0, 1, 3, 4, True)  # rank 0 of 1 until it joins; the launcher's local rank kept
-    assert h3["alone_sum"] == 1.0
+    assert h3["shown"] == (*PLANNED[plan], True)  # the planned place, before it joined
+    if first == "collective":
+        assert h3["hello"] == h1["hello"] == 3.0 and h3["after_hello"] == (2, 3, False)
     assert [(r["rank"], r["size"], r["gen"], r["alone_after"]) for r in (h1, h2, h3)] == [
         (0, 3, 2, False), (1, 3, 2, False), (2, 3, 2, False)]
     assert h1["sizes"].count(2) >= 1 + BUILD_STEPS and h1["sizes"][-3:] == (3, 3, 3)
-    assert h1["resets"] == h3["resets"] == [3]  # the newcomer's join runs the reset callbacks too
+    assert h1["resets"] == [3]
+    assert h3["resets"] == ([3] if plan == "stale" else [])  # its callbacks ran only when the plan was stale
     for r in (h1, h2, h3):
         assert r["params"] == h1["params"] and r["sizes"] == h1["sizes"]
         assert r["lr"] == pytest.approx(LR * 3)

@@ -57,10 +57,14 @@ def test_a_worker_that_starts_while_the_job_runs_is_alone() -> None:
     assert world.newest(store, JOB) == 0  # the job is starting: its workers join in init()
     _publish(store, 2, ["a:0"])
     assert world.newest(store, JOB) == 2
-    env = world.alone(WorkerEnv(rank=1, size=2, local_rank=1, local_size=2, cross_rank=0, cross_size=1,
-                                source="hora", job_id=JOB, elastic=True, worker_id="b:1", hostname="b"))
+    start = WorkerEnv(rank=1, size=2, local_rank=1, local_size=2, cross_rank=0, cross_size=1, source="hora",
+                      job_id=JOB, elastic=True, worker_id="b:1", hostname="b")
+    env = world.alone(start)
     assert (env.rank, env.size, env.local_rank, env.local_size, env.cross_rank, env.cross_size) == (0, 1, 1, 2, 0, 1)
     assert (env.elastic, env.source, env.board_id, env.worker_id) == (False, "single", "", "b:1")
+    shown = world.planned(start)  # what hvd.rank(), hvd.size()... report until it joins: its start values
+    assert (shown.rank, shown.size, shown.local_rank, shown.local_size, shown.cross_rank, shown.cross_size) == (
+        1, 2, 1, 2, 0, 1)
 
 
 def test_host_updates_say_whether_only_removals_happened() -> None:

@@ -13,8 +13,9 @@ leaves out exits with code 0. Outside an elastic job (no ``hora run --min-np``),
 function runs once and a failed collective is raised as it is.
 
 A worker that started while the job was running built its model and state alone (``hvd.init()`` gave it a
-world of one process, :mod:`hora.world`): the first call joins the job's world (a reset, then the reset
-callbacks) before the first sync, so the others waited for it only for the join and the sync.
+world of its own and showed it its place in the job's, :mod:`hora.newcomer`): the first call joins the job's
+world before the first sync (unless a collective joined already), so the others waited for it only for the
+join and the sync; the reset callbacks run then only if it joined elsewhere than ``hvd.init()`` said.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from hora import runtime
+from hora import newcomer, runtime
 from hora.elastic.state import State
 from hora.errors import CollectiveError, CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt
 
@@ -47,13 +48,14 @@ def run(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
-        if runtime.state("hvd.elastic.run").alone:  # a new worker, built alone: join the job's world now
-            _reset(failed=False)
-            state.on_reset()  # the callbacks see the real size (e.g. the learning rate scaled for 1 process)
-        elastic = runtime.state("hvd.elastic.run").env.elastic
+        rt = runtime.state("hvd.elastic.run")
+        elastic = rt.env.elastic or rt.alone  # alone: a new worker of an elastic job, built in a world of its own
         skip_sync = False
         while True:
             try:
+                newcomer.join("hvd.elastic.run")  # a new worker still alone joins the job's world now
+                if newcomer.moved():  # ... elsewhere than hvd.init() said: the callbacks see where it is
+                    state.on_reset()
                 if not skip_sync:
                     state.sync()
                 return func(state, *args, **kwargs)
