@@ -118,3 +118,27 @@ def test_a_transfer_every_member_waits_for_ends_naming_the_network_not_a_rank() 
     assert found.how.startswith("allreduce 'big' (64.0 MB) did not finish within --stall-check-shutdown-time-seconds "
                                 "4 s, and every member (ranks 0, 1, 2, 3) waits for it in the communication backend "
                                 "and is running: the network between hosts n2, n3, n4 is slow or cut")
+
+
+def test_two_ranks_waiting_for_each_other_one_round_apart_are_a_partition() -> None:
+    # rank 3 got rank 1's frame of round 9 and waits in round 10; rank 1 never got rank 3's frame of round 9,
+    # sent before rank 3 finished that round: the link between their hosts lost it
+    watch = StallWatch(None, "", {0: "n2", 1: "n3", 3: "n4"})
+    waiting = {
+        0: {"missing": [3], "round": 10, "waited": 2.0},
+        1: {"missing": [3], "round": 9, "waited": 2.0},
+        3: {"missing": [1], "round": 10, "waited": 2.0},
+    }
+    probe, notes = watch.analyse(waiting)
+    assert probe == []
+    assert notes == ["stall: hosts n3 and n4 cannot reach each other: rank 1 on n3 and rank 3 on n4 wait for "
+                     "each other and all are running (a network partition; hora run still reaches both hosts)"]
+    culprit = watch.culprit()
+    assert culprit is not None and culprit.rank == 3 and culprit.how.startswith("unreachable from host n3")
+
+
+def test_ranks_two_rounds_apart_are_not_a_partition() -> None:
+    watch = StallWatch(None, "", {0: "n2", 1: "n3", 3: "n4"})
+    waiting = {1: {"missing": [3], "round": 9, "waited": 2.0}, 3: {"missing": [1], "round": 11, "waited": 2.0}}
+    assert watch.analyse(waiting) == ([], [])
+    assert watch.culprit() is None

@@ -251,7 +251,11 @@ class Driver:
         how = state.how or procs.describe_exit(state.code, state.sig)
         self.summary = f"rank {rank} on host {host}: {how}"
         culprit = self.root.culprit(self.console.traceback_ts)
-        found = None if state.sig or state.how else self.stalls.culprit()
+        found = None
+        if not (state.sig or state.how):
+            for line in self.stalls.poll(now_or_never=True)[1]:  # posts still settling: a partition is named now
+                output.note(line)
+            found = self.stalls.culprit()
         lost = [c for c in self.root.candidates if c.how and c.how.startswith("lost")]
         if found is not None and found.rank in self.ranks:
             # a waiting rank failed (a stall shutdown, an init() timeout, a peer that exited): blame the rank

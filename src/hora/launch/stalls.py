@@ -3,7 +3,8 @@
 Ranks whose negotiation round waits for peers that do not answer post whom they wait for. A rank that posts
 nothing while others wait for it cannot run Python (stopped, in a native call holding the GIL): its agent is
 asked what ``/proc`` says about its process. Two groups of ranks that wait for each other in the same round
-are cut off from each other by the network (the launcher still reaches both). Each finding is one
+(or one round apart: one side finished a round whose last frame the other never got) are cut off from each
+other by the network (the launcher still reaches both). Each finding is one
 ``hora run: stall: ...`` line, and the root-cause headline later names that rank or host rather than a rank
 that only waited. The driver also posts every rank's exit, so ranks waiting for one that has exited (its
 connections held open by a process it forked) stop waiting at once.
@@ -62,6 +63,14 @@ class Held:
         return f"{self.op} ({_bytes(self.nbytes)})"
 
 
+def _adjacent(post: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
+    """Two waiting posts are of the same negotiation round or of consecutive ones."""
+    try:
+        return abs(int(post.get("round", -9)) - int(other.get("round", 9))) <= 1
+    except (TypeError, ValueError):
+        return False
+
+
 def _bytes(n: int) -> str:
     for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
         if n >= size:
@@ -100,8 +109,12 @@ class StallWatch:
         except Exception as e:  # the store is the driver's own: this only fails while it shuts down
             log.debug("board: cannot post the exit of rank %d: %s", rank, e)
 
-    def poll(self) -> tuple[list[int], list[str]]:
-        """Called every tick: the ranks to probe and the lines to print (nothing most of the time)."""
+    def poll(self, now_or_never: bool = False) -> tuple[list[int], list[str]]:
+        """Called every tick: the ranks to probe and the lines to print (nothing most of the time).
+
+        ``now_or_never``: read whatever was posted without waiting for the settle time (the driver is about to
+        name a failure's root cause: a partition whose posts are still settling must be found now, whichever
+        rank's stall shutdown ended first)."""
         if self.store is None:
             return [], []
         try:
@@ -113,7 +126,7 @@ class StallWatch:
             self._seen = count
             if self._due is None:  # counted from the first post of a burst: ranks that keep posting (a
                 self._due = now + SETTLE_S  # transfer past the shutdown time) do not hold the report back
-        if self._due is None or now < self._due:
+        if self._due is None or (now < self._due and not now_or_never):
             return [], []
         self._due = None
         return self.analyse(self._read(protocol.WAITING), self._read(protocol.INFLIGHT))
@@ -139,12 +152,14 @@ class StallWatch:
             for peer in post.get("missing", []):
                 self.waited[peer] = max(self.waited.get(peer, 0.0), float(post.get("waited", 0.0)))
         silent = sorted({p for post in waiting.values() for p in post.get("missing", []) if p not in waiting})
-        # ranks in the same round that wait for each other: the link between their hosts is cut
+        # ranks that wait for each other: the link between their hosts is cut. They are in the same round, or one
+        # round apart: a rank that got its peer's frame of a round finished it and waits in the next, while the
+        # peer still waits for the frame that rank sent in the finished round (lost on the cut link)
         cut: dict[tuple[str, str], tuple[set[int], set[int]]] = {}
         for rank, post in waiting.items():
             for peer in post.get("missing", []):
                 other = waiting.get(peer)
-                if other is None or other.get("round") != post.get("round") or rank not in other.get("missing", []):
+                if other is None or rank not in other.get("missing", []) or not _adjacent(post, other):
                     continue
                 a, b = sorted((rank, peer))
                 pair = (self.hosts[a], self.hosts[b])
@@ -158,7 +173,7 @@ class StallWatch:
                 continue
             self._pairs.add((host_a, host_b))
             how = (f"unreachable from host {host_a}: {_ranks(sorted(side_a))} on {host_a} and {_ranks(sorted(side_b))} "
-                   f"on {host_b} wait for each other in the same negotiation round and all are running: the network "
+                   f"on {host_b} wait for each other in negotiation and all are running: the network "
                    f"between hosts {host_a} and {host_b} is cut (hora run still reaches both)")
             if self.partition is None:
                 self.partition = Finding(min(side_b), how)
