@@ -203,7 +203,7 @@ def test_second_ctrl_c_says_it_kills_then_that_everything_stopped(
     code, _, err = job.finish()
     assert code == 130
     lines = [ln for ln in err.splitlines() if ln.startswith("hora run:")]
-    assert lines[0].startswith("hora run: interrupted (SIGINT): stopping 2 rank(s) (SIGTERM, SIGKILL after 5s; "
+    assert lines[0].startswith("hora run: interrupted (SIGINT): stopping 2 rank(s) (SIGTERM, SIGKILL after 25s; "
                                "press Ctrl-C again to kill them now)"), err
     assert "hora run: interrupted again: killing the 2 rank(s) still running now (SIGKILL)" in lines, err
     assert lines[-1] == "hora run: stopped after SIGINT: no rank is running; exit code 130", err

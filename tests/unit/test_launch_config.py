@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hora.env import Knobs
+from hora.errors import ConfigError
 from hora.launch import config as run_config
 from hora.launch import envvars
 from hora.launch.cli import build_parser, parse_run_args
@@ -17,7 +18,8 @@ from hora.launch.transport import SshTransport
 
 FLAGS = [
     "--blacklist-cooldown-range", "--check-build", "--config-file", "--cycle-time-ms", "--disable-cache",
-    "--elastic-timeout", "--fusion-threshold-mb", "--gloo", "--heartbeat-timeout", "--help", "--hierarchical-allreduce",
+    "--elastic-timeout", "--fusion-threshold-mb", "--gloo", "--grace-period", "--heartbeat-timeout", "--help",
+    "--hierarchical-allreduce",
     "--host-discovery-script", "--hostfile",
     "--hosts", "--jsrun", "--log-level", "--max-np", "--max-num-proc", "--min-np", "--min-num-proc", "--mpi",
     "--mpi-args", "--network-interface",
@@ -111,6 +113,18 @@ def test_heartbeat_timeout_flag_sets_the_agents_deadline_and_ssh_keepalive() -> 
 
     ssh = default_transport(cfg)("remote", False)
     assert isinstance(ssh, SshTransport) and ssh.alive_interval == 3
+
+
+def test_grace_period_fits_schedulers_and_is_set_by_flag_or_environment() -> None:
+    argv = ["-np", "1", sys.executable, "-V"]
+    default = _cfg(argv)
+    assert default.grace == run_config.DEFAULT_GRACE == 25.0  # under Kubernetes' and Slurm's 30 s
+    assert _cfg(argv, {"PATH": "/usr/bin", "HORA_GRACE_PERIOD": "40"}).grace == 40.0
+    assert _cfg(["--grace-period", "3", *argv], {"PATH": "/usr/bin", "HORA_GRACE_PERIOD": "40"}).grace == 3.0
+    with pytest.raises(ConfigError, match=r"HORA_GRACE_PERIOD='soon': not a number of seconds"):
+        _cfg(argv, {"PATH": "/usr/bin", "HORA_GRACE_PERIOD": "soon"})
+    with pytest.raises(ConfigError, match=r"--grace-period -1: must be 0 or more seconds"):
+        _cfg(["--grace-period", "-1", *argv])
 
 
 def test_ssh_command_line_is_batch_mode_with_port_key_and_options() -> None:

@@ -47,6 +47,7 @@ class Worker:
     proc: subprocess.Popen[bytes]
     readers: list[threading.Thread] = field(default_factory=list)
     stopped: bool = False  # the agent asked it to stop (its exit is not a failure)
+    killed: float | None = None  # still running when this grace (seconds) after SIGTERM ran out: SIGKILLed
     splitters: dict[str, protocol.LineSplitter] = field(default_factory=dict)  # stdout, stderr
     lock: threading.Lock = field(default_factory=threading.Lock)  # orders the two streams' messages
 
@@ -183,8 +184,11 @@ class Agent:
     def _report_exit(self, worker: Worker, code: int, ended: float) -> None:
         self._exited.add(worker.rank)
         sig = -code if code < 0 else None
-        self.send({"t": protocol.EXIT, "r": worker.rank, "code": None if sig else code, "sig": sig,
-                   "stopped": worker.stopped, "ts": ended})
+        message = {"t": protocol.EXIT, "r": worker.rank, "code": None if sig else code, "sig": sig,
+                   "stopped": worker.stopped, "ts": ended}
+        if worker.killed:  # a grace of 0 (stop at once) is no grace that ran out
+            message["killed"] = worker.killed
+        self.send(message)
 
     # --- stopping -------------------------------------------------------------------------------------
     def live(self) -> list[Worker]:
@@ -204,6 +208,8 @@ class Agent:
         deadline = time.monotonic() + grace
         while self.live() and time.monotonic() < deadline:
             time.sleep(0.05)
+        for worker in self.live():
+            worker.killed = grace
         self.kill_all()
 
     def stop_some(self, grace: float, ranks: list[int]) -> None:
@@ -217,7 +223,10 @@ class Agent:
         procs.signal_groups(groups, signal.SIGCONT)
 
         def kill_left() -> None:
-            procs.signal_groups([w.proc.pid for w in chosen if w.proc.poll() is None], signal.SIGKILL)
+            late = [w for w in chosen if w.proc.poll() is None]
+            for worker in late:
+                worker.killed = grace
+            procs.signal_groups([w.proc.pid for w in late], signal.SIGKILL)
 
         timer = threading.Timer(grace, kill_left)
         timer.daemon = True

@@ -67,6 +67,9 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-timeout", type=float,
                    help="seconds of silence from the launcher (a dead link) before a host stops its workers "
                         "(default 30)")
+    p.add_argument("--grace-period", type=float, metavar="SECONDS",
+                   help="seconds a stopped rank gets between SIGTERM and SIGKILL (default 25, or HORA_GRACE_PERIOD; "
+                        "keep it below your scheduler's: Kubernetes' terminationGracePeriodSeconds, Slurm's KillWait)")
     p.add_argument("--output-filename", help="write DIR/rank.N/stdout and stderr")
     p.add_argument("--prefix-output-with-timestamp", action="store_true", default=None,
                    help="prefix each output line with the time")

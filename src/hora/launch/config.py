@@ -40,6 +40,11 @@ assert all(var in _KNOWN_KNOBS for _, var, _ in FLAG_KNOBS), "a flag maps to a k
 ELASTIC_FLAGS = ("min_np", "max_np", "slots_per_host", "host_discovery_script", "elastic_timeout",
                  "reset_limit", "blacklist_cooldown_range")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Seconds a stopped worker gets between SIGTERM and SIGKILL. Kubernetes (terminationGracePeriodSeconds) and Slurm
+# (KillWait) give the launcher 30 s by default before they SIGKILL it: the ranks get most of that, and the
+# launcher keeps a few seconds to kill the late ones and say which they were.
+DEFAULT_GRACE = 25.0
+GRACE_ENV = "HORA_GRACE_PERIOD"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,7 +67,7 @@ class RunConfig:
     timeline_filename: str | None = None
     python: str = sys.executable
     cwd: str = field(default_factory=os.getcwd)
-    grace: float = 5.0  # seconds between SIGTERM and SIGKILL when stopping workers
+    grace: float = DEFAULT_GRACE  # --grace-period: seconds between SIGTERM and SIGKILL when stopping workers
     heartbeat_timeout: float = 30.0  # an agent that hears nothing for this long stops its workers
     elastic: ElasticConfig | None = None  # an elastic job (--min-np, --host-discovery-script ...)
 
@@ -73,6 +78,8 @@ class RunConfig:
             raise ConfigError(f"-np {self.np}: the number of processes must be at least 1")
         if self.start_timeout <= 0:
             raise ConfigError(f"--start-timeout {self.start_timeout:g}: must be more than 0 seconds")
+        if not self.grace >= 0:
+            raise ConfigError(f"--grace-period {self.grace:g}: must be 0 or more seconds")
         if self.heartbeat_timeout < 3:
             raise ConfigError(f"--heartbeat-timeout {self.heartbeat_timeout:g}: must be at least 3 seconds "
                               "(the launcher sends a heartbeat every second)")
@@ -100,6 +107,15 @@ def default_elastic_timeout(environ: dict[str, str]) -> float:
         return float(text) if text else DEFAULT_ELASTIC_TIMEOUT
     except ValueError:
         raise ConfigError(f"HOROVOD_ELASTIC_TIMEOUT={text!r}: not a number of seconds") from None
+
+
+def default_grace(environ: dict[str, str]) -> float:
+    """``--grace-period`` when not given: ``HORA_GRACE_PERIOD``, else :data:`DEFAULT_GRACE` seconds."""
+    text = environ.get(GRACE_ENV)
+    try:
+        return float(text) if text else DEFAULT_GRACE
+    except ValueError:
+        raise ConfigError(f"{GRACE_ENV}={text!r}: not a number of seconds") from None
 
 
 def _elastic(ns: argparse.Namespace, environ: dict[str, str]) -> ElasticConfig | None:
@@ -265,4 +281,5 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         verbose=bool(ns.verbose), env=env,
         timeline_filename=env.get("HORA_TIMELINE"), cwd=cwd,
         heartbeat_timeout=float(ns.heartbeat_timeout) if ns.heartbeat_timeout is not None else 30.0,
+        grace=float(ns.grace_period) if ns.grace_period is not None else default_grace(environ),
     )

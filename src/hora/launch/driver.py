@@ -136,7 +136,7 @@ class Driver:
         addr, port = self._start_store(used)
         previous = {}
         if threading.current_thread() is threading.main_thread():  # signal handlers live there only
-            previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            previous = {s: signal.signal(s, self._on_signal) for s in procs.stop_signals()}
         try:
             try:
                 self._start_agents(slots, addr, port)
@@ -225,6 +225,7 @@ class Driver:
             state = self.ranks[int(message["r"])]
             state.done, state.code, state.sig = True, message.get("code"), message.get("sig")
             state.stopped = bool(message.get("stopped"))
+            state.killed = float(message.get("killed") or 0.0)
             state.exit_ts = float(message.get("ts") or time.time())
             log.info("rank %d exited: %s", state.slot.rank, procs.describe_exit(state.code, state.sig))
             self.stalls.rank_ended(state.slot.rank, procs.describe_exit(state.code, state.sig))
@@ -334,8 +335,9 @@ class Driver:
             self._force_kill()
             return
         self.interrupted = signum
-        output.note(f"interrupted ({procs.signal_name(signum)}): stopping {running} rank(s) "
-                    f"(SIGTERM, SIGKILL after {self.cfg.grace:g}s; press Ctrl-C again to kill them now)")
+        again = "; press Ctrl-C again to kill them now" if signum == signal.SIGINT else ""
+        output.note(f"interrupted ({procs.stop_reason(signum)}): stopping {running} rank(s) "
+                    f"(SIGTERM, SIGKILL after {self.cfg.grace:g}s{again})")
         self._stop_all()
 
     def _stop_all(self) -> None:
@@ -364,6 +366,10 @@ class Driver:
                 agent.proc.wait()
 
     def _exit_status(self) -> int:
+        killed = [r for r in self.ranks.values() if r.killed]
+        if killed:
+            output.note(output.grace_ran_out([f"rank {r.slot.rank} on host {r.slot.hostname}" for r in killed],
+                                             max(r.killed for r in killed)))
         if self.first_failure is not None:
             state = self.first_failure
             output.note(f"job failed: {self.summary or procs.describe_exit(state.code, state.sig)}")

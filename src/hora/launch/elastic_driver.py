@@ -81,7 +81,7 @@ class ElasticDriver(ElasticWorlds):
         self._start_store(hosts)
         previous = {}
         if threading.current_thread() is threading.main_thread():
-            previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            previous = {s: signal.signal(s, self._on_signal) for s in procs.stop_signals()}
         try:
             try:
                 self._loop()
@@ -263,6 +263,7 @@ class ElasticDriver(ElasticWorlds):
             state = w.state
             state.done, state.code, state.sig = True, message.get("code"), message.get("sig")
             state.stopped = bool(message.get("stopped"))
+            state.killed = float(message.get("killed") or 0.0)
             state.exit_ts = float(message.get("ts") or time.time())
             if w.stalled and self._stop_deadline is None:  # the stall inspector's stop: a failure
                 state.stopped, state.how = False, w.stalled
@@ -345,8 +346,9 @@ class ElasticDriver(ElasticWorlds):
             self._force_kill()
             return
         self.interrupted = signum
-        output.note(f"interrupted ({procs.signal_name(signum)}): stopping {running} worker(s) "
-                    f"(SIGTERM, SIGKILL after {self.cfg.grace:g}s; press Ctrl-C again to kill them now)")
+        again = "; press Ctrl-C again to kill them now" if signum == signal.SIGINT else ""
+        output.note(f"interrupted ({procs.stop_reason(signum)}): stopping {running} worker(s) "
+                    f"(SIGTERM, SIGKILL after {self.cfg.grace:g}s{again})")
         self._stop_all()
 
     def _shutdown_agents(self) -> None:
@@ -364,6 +366,10 @@ class ElasticDriver(ElasticWorlds):
                 agent.proc.wait()
 
     def _exit_status(self) -> int:
+        killed = [w for w in self.workers.values() if w.state.killed]
+        if killed:
+            output.note(output.grace_ran_out([f"worker {w.wid} (process [{w.number}]) on host {w.host}"
+                                              for w in killed], max(w.state.killed for w in killed)))
         if self.failure is not None:
             output.note(f"job failed: {self.failure.summary}")
             return self.failure.code

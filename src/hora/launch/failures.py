@@ -28,6 +28,7 @@ class RankState:
     stopped: bool = False  # hora stopped it (its exit is not a failure)
     exit_ts: float = 0.0  # wall-clock time the agent saw it exit
     how: str | None = None  # overrides the exit description (e.g. "lost: ...")
+    killed: float = 0.0  # still running when this grace (seconds) after SIGTERM ran out: its agent SIGKILLed it
 
     @property
     def failed(self) -> bool:

@@ -33,9 +33,29 @@ _UP = "\x1b[1A"
 def line(text: str, stream: IO[str] | None = None) -> None:
     """Print one line of the launcher's own (above any live progress bars)."""
     out = stream or sys.stdout
-    with _hold_bars(out):
-        out.write(text + "\n")
-        out.flush()
+    try:
+        with _hold_bars(out):
+            out.write(text + "\n")
+            out.flush()
+    except (OSError, ValueError):
+        _reader_gone(out)
+
+
+def _reader_gone(stream: IO[str]) -> None:
+    """Nobody reads ``stream`` any more (`hora run ... | head` exited; the terminal hung up, EIO): what is
+    written to it from now on goes to /dev/null, so the job, its log files and its exit status go on, and the
+    interpreter's last flush at exit cannot fail."""
+    try:
+        fd = stream.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError, AttributeError):
+        return
+    try:
+        os.dup2(null, fd)
+    except OSError:
+        pass
+    finally:
+        os.close(null)
 
 
 def error_line(prog: str, message: str) -> None:
@@ -198,8 +218,8 @@ class Console:
             if live and self._bars:
                 target.flush()
                 self._draw_bars()
-        except (BrokenPipeError, ValueError):
-            pass  # `hora run ... | head`: the reader left; the job and its log files go on
+        except (OSError, ValueError):
+            _reader_gone(target)  # `hora run ... | head`, a closed terminal: the job and its log files go on
         _active = self if self._bars else None
 
     def _redraw(self) -> None:
@@ -207,8 +227,9 @@ class Console:
         try:
             self._clear_bars()
             self._draw_bars()
-        except (BrokenPipeError, ValueError):
-            pass
+        except (OSError, ValueError):
+            if self._term is not None:
+                _reader_gone(self._term)
         _active = self if self._bars else None
 
     def _clear_bars(self) -> None:
@@ -246,8 +267,8 @@ class Console:
         for stream in (self._out, self._err):
             try:
                 stream.flush()
-            except (BrokenPipeError, ValueError):
-                pass
+            except (OSError, ValueError):
+                _reader_gone(stream)
 
     def close(self) -> None:
         global _active
@@ -332,12 +353,24 @@ def _missing_module_hint(tb: list[str]) -> list[str]:
             f"(hora run ... {sys.executable} train.py)"]
 
 
+def grace_ran_out(who: Sequence[str], grace: float) -> str:
+    """The line naming the ranks (``"rank 1 on host a"``) still running when the grace after SIGTERM ran out."""
+    verb = "was" if len(who) == 1 else "were"
+    return (f"{', '.join(who)} {verb} still running {grace:g}s after SIGTERM (--grace-period) and {verb} killed "
+            "(SIGKILL); if they need longer to stop (a checkpoint saved on SIGTERM), give a longer --grace-period "
+            "or HORA_GRACE_PERIOD, below your scheduler's own (Kubernetes' terminationGracePeriodSeconds, Slurm's "
+            "KillWait)")
+
+
 def print_lines(lines: list[str]) -> None:
     """Print launcher report lines on stderr (above any live progress bars)."""
-    with _hold_bars(sys.stderr):
-        for text in lines:
-            sys.stderr.write(text + "\n")
-        sys.stderr.flush()
+    try:
+        with _hold_bars(sys.stderr):
+            for text in lines:
+                sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+    except (OSError, ValueError):
+        _reader_gone(sys.stderr)
 
 
 def _columns(stream: IO[str]) -> int:

@@ -52,6 +52,23 @@ def signal_groups(pgids: Iterable[int], sig: int) -> None:
             pass
 
 
+def stop_signals() -> list[int]:
+    """The signals that stop a job gracefully (the ranks get the grace period): Ctrl-C, a scheduler's SIGTERM,
+    and SIGHUP (the terminal closed, the ssh session to the login node dropped) unless the launcher was
+    started to ignore it (``nohup``), which keeps the job running."""
+    found: list[int] = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        found.append(signal.SIGHUP)
+    return found
+
+
+def stop_reason(signum: int) -> str:
+    """What a stop signal usually means, for the launcher's message: ``"SIGHUP: the terminal closed ..."``."""
+    if signum == signal.SIGHUP:
+        return "SIGHUP: its terminal closed or its ssh session dropped"
+    return signal_name(signum)
+
+
 def signal_name(signum: int) -> str:
     """``9`` -> ``'SIGKILL'``."""
     try:

@@ -24,7 +24,7 @@ from typing import Any
 from hora import env as hora_env
 from hora.errors import ConfigError, HoraError, JobFailedError
 from hora.launch import shipping
-from hora.launch.config import RunConfig, default_elastic_timeout
+from hora.launch.config import RunConfig, default_elastic_timeout, default_grace
 from hora.launch.driver import Driver
 from hora.launch.elastic_driver import ElasticDriver
 from hora.launch.elastic_hosts import ElasticConfig
@@ -176,6 +176,7 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str,
         ssh_options=tuple(ssh_options), network_interfaces=tuple(network_interfaces or ()),
         start_timeout=30.0 if start_timeout is None else float(start_timeout), env=dict(env or {}),
         prefix_timestamp=prefix_output_with_timestamp, output_filename=output_filename,
+        grace=default_grace(hora_env.launcher_environ()),
     )
     if elastic is not None:
         edriver = ElasticDriver(cfg, store_ready=lambda store: store.set(FN_KEY, payload))
