@@ -35,8 +35,9 @@ from hora.diagnostics import timeline, user_errors
 from hora.diagnostics.board import Board
 from hora.engine.context import EngineContext
 from hora.engine.negotiator import Negotiator
-from hora.env import Knobs, WorkerEnv
+from hora.env import Knobs, WorkerEnv, job_secret
 from hora.errors import ConfigError, NotInitializedError, WorldMemberLostError
+from hora.jobsecret import JobSecret
 from hora.process_sets import ProcessSet, ProcessSetTable, global_process_set
 from hora.topology import Topology
 
@@ -62,6 +63,7 @@ class Runtime:
     process_sets: ProcessSetTable
     negotiator: Negotiator = field(init=False, repr=False)  # set by init() once the process sets exist
     connect_store: Callable[[], dist.Store] | None = None  # a fresh client connection (the negotiator's bell)
+    world: str = ""  # the store prefix of this world (job id and generation): names it in control handshakes
     alone: bool = False  # a new elastic worker before it joins the job's world (hora.world.alone)
     joining: Topology | None = None  # alone: its place in the world it joins, what rank(), size()... show
 
@@ -100,6 +102,7 @@ def _init(process_sets: Sequence[ProcessSet] | str | None, join: bool) -> None:
             return
         env = WorkerEnv.from_environ()
         knobs = Knobs.from_environ()
+        secret = job_secret()  # a malformed one fails here, before anything is built
         logging.getLogger("hora").setLevel(knobs.log_level.upper())
         alone, planned = False, None
         if env.elastic:  # the launcher's newest world decides rank and size; its number names the store prefix
@@ -129,7 +132,7 @@ def _init(process_sets: Sequence[ProcessSet] | str | None, join: bool) -> None:
         try:  # a failed init leaves nothing behind: is_initialized() stays False and init() can be retried
             for ps in sets:
                 rt.process_sets.register(ps)
-            rt.negotiator = Negotiator(_engine_context(rt))
+            rt.negotiator = Negotiator(_engine_context(rt, secret))
             rt.negotiator.start()
             timeline.set_world((rt.topo.rank, rt.topo.size))
             if knobs.timeline and not alone:  # alone, it would write the job's file as "rank 0 of 1"
@@ -158,12 +161,13 @@ def _build_elastic(env: WorkerEnv, knobs: Knobs, sets: list[Any]) -> Runtime:
         _generation = elastic_world.gen
 
 
-def _engine_context(rt: Runtime) -> EngineContext:
+def _engine_context(rt: Runtime, secret: JobSecret | None) -> EngineContext:
     """What the negotiation engine gets from this runtime (it never sees the Runtime itself)."""
     board = Board(getattr(rt.store, "underlying_store", None), rt.env.board_id, rt.topo.rank)
     return EngineContext(rank=rt.topo.rank, size=rt.topo.size, hostnames=rt.topo.hostnames, knobs=rt.knobs,
                          store=rt.store, store_addr=rt.env.store_addr, board=board, process_sets=rt.process_sets,
-                         device=rt.device, ctrl_group=rt.ctrl_group, connect_store=rt.connect_store)
+                         device=rt.device, ctrl_group=rt.ctrl_group, connect_store=rt.connect_store,
+                         secret=secret, world=rt.world)
 
 
 def _discard(rt: Runtime) -> None:
@@ -239,7 +243,8 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, alone: bool = False) -
             raise bootstrap.member_lost(env, generation, ended) from e
         raise
     return Runtime(env=env, knobs=knobs, store=base, topo=topo, backend=backend, owns_default_group=owns,
-                   ctrl_group=ctrl, device=device, process_sets=sets, connect_store=connect, alone=alone)
+                   ctrl_group=ctrl, device=device, process_sets=sets, connect_store=connect, alone=alone,
+                   world=prefix)
 
 
 def shutdown() -> None:

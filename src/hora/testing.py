@@ -5,7 +5,8 @@ The parent (a pytest process, a benchmark) never initialises a process group, an
 the rendezvous store (what ``hora run``'s driver hosts) lives in a separate store process, started once per
 session, because a child forked while the store's server thread holds a c10d lock would deadlock creating its
 own client. The parent gives each child the launcher's variables (``HORA_RANK`` ...), so ``hora.init()`` in
-a child takes the same path as under the real launcher; every job has its own key prefix (``HORA_JOB_ID``).
+a child takes the same path as under the real launcher; every job has its own key prefix (``HORA_JOB_ID``)
+and, as under ``hora run``, its own secret (``HORA_SECRET``; ``env={"HORA_SECRET": None}`` runs without).
 
 Each rank reports its return value, or its exception with traceback and wall-clock time. On failure one
 AssertionError shows the earliest failure first (a follow-on Gloo error on another rank can mask the root
@@ -45,6 +46,7 @@ import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 
 import hora
+from hora.jobsecret import ENV_SECRET, JobSecret
 
 # After one rank fails, the others get this long to report (their own error or a follow-on one).
 FAILURE_GRACE_S = 3.0
@@ -117,6 +119,7 @@ def run_ranks(
         "HORA_STORE_ADDR": "127.0.0.1",
         "HORA_STORE_PORT": str(port),
         "HORA_JOB_ID": f"test-{os.getpid()}-{next(_calls)}-{uuid.uuid4().hex[:8]}",
+        ENV_SECRET: JobSecret.generate().hex(),
         **(env or {}),
     }
     procs, conns = _start(fn, nprocs, args, job_env, init, threads, stacks)

@@ -12,9 +12,17 @@ import pytest
 import torch.distributed as dist
 
 from hora.engine.control import make_control_plane
+from hora.engine.handshake import Identity
 from hora.engine.mesh import Mesh, PeerLost, connect_mesh
 from hora.env import Knobs
 from hora.errors import CollectiveError, ConfigError
+from hora.jobsecret import JobSecret
+
+SECRET = JobSecret.generate()
+
+
+def identity(rank: int, secret: JobSecret | None = SECRET, code: str = "c0de", world: str = "job/g1") -> Identity:
+    return Identity(rank=rank, world=world, purpose="mesh", secret=secret, code=code, hora="0.1.0", host=f"node{rank}")
 
 
 def _meshes(size: int, round_timeout: float = 30.0, before: Callable[[dist.Store], None] | None = None
@@ -32,7 +40,7 @@ def _meshes(size: int, round_timeout: float = 30.0, before: Callable[[dist.Store
                     before(store)
                     store.set("before-done", "1")
                 store.wait(["before-done"])
-            out[rank] = connect_mesh(rank, size, store, "127.0.0.1", 20.0, round_timeout)
+            out[rank] = connect_mesh(identity(rank), size, store, "127.0.0.1", 20.0, round_timeout)
         except BaseException as e:  # surfaced below
             errors.append(e)
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from hora.diagnostics.board import Board
 from hora.env import Knobs
+from hora.jobsecret import JobSecret
 
 if TYPE_CHECKING:  # a process set only needs its ranks and group here; its module is a layer above
     from hora.process_sets import ProcessSet
@@ -35,6 +36,8 @@ class EngineContext:
     device: torch.device | None  # the CUDA device rounds issue collectives on, None on CPU
     ctrl_group: Any  # the Gloo group of the Gloo control plane (a c10d ProcessGroup)
     connect_store: Callable[[], dist.Store] | None  # a fresh store connection (the Gloo plane's bell); None: in memory
+    secret: JobSecret | None = None  # the job's secret (env.job_secret()); None: the control plane is unauthenticated
+    world: str = ""  # names this job's world (its store prefix: job id and generation); bound into every handshake
 
     def hostname(self, rank: int) -> str:
         return self.hostnames[rank] if 0 <= rank < len(self.hostnames) else "?"

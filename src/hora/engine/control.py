@@ -4,7 +4,13 @@ death watch of the Gloo plane. Plumbing only; the logic is in negotiator.py and 
 Two control planes share one interface (:class:`ControlPlane`): the TCP mesh (:mod:`hora.engine.mesh`, the
 default up to 256 ranks: one round trip per round) and :class:`GlooPlane` (an allgather on a Gloo group, idle ranks
 woken through a store key, peers watched by :class:`DeathWatch`), which needs one connection per rank
-instead of one per pair."""
+instead of one per pair.
+
+Both planes follow the same trust rules (docs/security.md, "The control mesh"): their frames are plain values
+(:mod:`hora.engine.frames`), never pickles, and carry their sender's tag (:mod:`hora.engine.seal`), checked
+before a frame is read. The Gloo plane's first allgather is a hello in which every rank checks every other's
+wire version, hora code and job secret (through the hello's tag); the death watch's connections open with the
+mesh's handshake (:mod:`hora.engine.handshake`)."""
 
 from __future__ import annotations
 
@@ -14,21 +20,35 @@ import queue
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from hora.code_fingerprint import code_fingerprint, installed_version, short
 from hora.dataplane import all_gather_into
+from hora.engine import handshake, wire
 from hora.engine.context import EngineContext
-from hora.engine.mesh import connect_mesh
-from hora.errors import ConfigError
+from hora.engine.handshake import Identity, IncompatiblePeer
+from hora.engine.listener import HANDSHAKE_S, PeerListener
+from hora.engine.mesh import BadFrame, connect_mesh
+from hora.engine.seal import FrameSeal
+from hora.errors import CollectiveError, ConfigError
 from hora.network import advertised_address
 
 log = logging.getLogger(__name__)
 
 _SLOT = 256  # bytes per rank in the first control allgather of a round (one new op fits); more takes a second
+_SLOT_HEAD = struct.Struct("<IB")  # payload length, tag length (0: the sender has no job secret)
+_SEQ = struct.Struct("<Q")
+
+
+def identity(ctx: EngineContext, purpose: str) -> Identity:
+    """How this rank presents itself on its control connections for ``purpose``."""
+    return Identity(rank=ctx.rank, world=ctx.world, purpose=purpose, secret=ctx.secret, code=code_fingerprint(),
+                    hora=installed_version(), host=ctx.hostname(ctx.rank))
 
 
 def _ignore_loss(peer: int, error: str) -> None:
@@ -37,20 +57,23 @@ def _ignore_loss(peer: int, error: str) -> None:
 
 class DeathWatch:
     """Notices at once when the next rank's process dies or its link breaks, even while every negotiator is
-    idle. Each rank listens on a TCP port it never accepts on and connects to its successor's: when the
-    successor's process ends, its kernel resets that connection and the blocked ``recv`` returns. Plain
-    sockets, so nothing is left pending in c10d when a process exits. Each rank watches its successor, so
-    every death is seen by someone, who rings a round that then fails on every rank."""
+    idle. Each rank connects to its successor's watch listener (the mesh's handshake opens the connection, so
+    only that successor can answer it) and holds the connection its predecessor opened to it; nothing is ever
+    sent on them. When the successor's process ends, its kernel closes that connection and the blocked
+    ``recv`` returns. Plain sockets, so nothing is left pending in c10d when a process exits. Each rank watches
+    its successor, so every death is seen by someone, who rings a round that then fails on every rank."""
 
-    def __init__(self, rank: int, size: int, store: dist.Store, advertise: str, timeout: float,
+    def __init__(self, me: Identity, size: int, store: dist.Store, advertise: str, timeout: float,
                  lost: Callable[[int, str], None]) -> None:
-        self.peer = (rank + 1) % size
+        self.me = me
+        self.peer = (me.rank + 1) % size
         self._store = store
         self._timeout = timeout
         self._lost = lost
-        self._listener = socket.create_server(("", 0), backlog=4)
-        store.set(f"watch/{rank}", f"{advertise}:{self._listener.getsockname()[1]}")
+        self._listener: PeerListener | None = PeerListener(me, [(me.rank - 1) % size], advertise)
+        store.set(f"watch/{me.rank}", self._listener.address)
         self._conn: socket.socket | None = None
+        self._held: socket.socket | None = None  # the predecessor's connection: closes when this process ends
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="hora-death-watch", daemon=True)
 
@@ -61,7 +84,10 @@ class DeathWatch:
         """Stop watching (shutdown): closing our sockets is what our predecessor will see."""
         self._closed = True
         self._lost = _ignore_loss  # it points back at the negotiator: no cycle left for the collector
-        for sock in (self._conn, self._listener):
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        for sock in (self._conn, self._held):
             if sock is not None:
                 try:
                     sock.close()
@@ -69,19 +95,27 @@ class DeathWatch:
                     pass
 
     def _run(self) -> None:
+        deadline = time.monotonic() + self._timeout
         try:
             key = f"watch/{self.peer}"
             self._store.wait([key], datetime.timedelta(seconds=self._timeout))
             host, _, port = self._store.get(key).decode().rpartition(":")
-            self._conn = socket.create_connection((host, int(port)), timeout=self._timeout)
-            self._conn.settimeout(None)
+            conn = socket.create_connection((host, int(port)), timeout=self._timeout)
+            self._conn = conn
+            handshake.dial(conn, self.me, self.peer, min(deadline, time.monotonic() + HANDSHAKE_S))
+            conn.settimeout(None)
+            listener = self._listener
+            if listener is not None:
+                held = listener.wait(deadline, self._timeout)
+                self._held = next(iter(held.values()))[0]
+                listener.close()
         except Exception as e:  # without a watch the job still runs; the stall inspector remains
             if not self._closed:
                 log.warning("death watch of rank %d not set up (%s); a lost rank is noticed by the stall "
                             "inspector instead", self.peer, e)
             return
         try:
-            self._conn.recv(1)  # never sent to: returns (or raises) only when the connection ends
+            conn.recv(1)  # never sent to: returns (or raises) only when the connection ends
             reason = "its connection closed"
         except OSError as e:
             reason = str(e)
@@ -93,37 +127,108 @@ def death_watch(ctx: EngineContext, plane: ControlPlane, lost: Callable[[int, st
     """A watch of this rank's successor, where the plane does not notice a dead peer by itself."""
     if ctx.size == 1 or plane.watches_peers:
         return None
-    return DeathWatch(ctx.rank, ctx.size, ctx.store, advertised_address(ctx.store_addr), ctx.knobs.start_timeout,
-                      lost)
+    return DeathWatch(identity(ctx, "watch"), ctx.size, ctx.store, advertised_address(ctx.store_addr),
+                      ctx.knobs.start_timeout, lost)
 
 
 class Exchange:
-    """A round's allgather of variable-size payloads over the control group, in preallocated buffers."""
+    """A round's allgather of variable-size payloads over the control group, in preallocated buffers. Each
+    rank's slot holds its payload's length, its tag over (exchange number, payload) and, when it fits, the
+    payload; a peer's payload is returned only once its tag checks."""
 
-    def __init__(self, size: int, group: Any) -> None:
+    def __init__(self, rank: int, size: int, group: Any, seal: FrameSeal, hostname: Callable[[int], str]) -> None:
+        self.rank = rank
         self.size = size
         self.group = group
+        self._seal = seal
+        self._hostname = hostname
+        self._number = 0  # allgathers so far: the same on every rank
+        self._head = _SLOT_HEAD.size + seal.tag_bytes
         self.slot = torch.zeros(_SLOT, dtype=torch.uint8)
         self.gathered = torch.zeros(_SLOT * size, dtype=torch.uint8)
         self._slot_np = self.slot.numpy()
         self._gathered_np = self.gathered.numpy()
 
     def allgather(self, payload: bytes) -> list[bytes]:
+        number = _SEQ.pack(self._number)
+        self._number += 1
         n = len(payload)
-        struct.pack_into("<I", self._slot_np.data, 0, n)
-        if n <= _SLOT - 4:
-            self._slot_np[4 : 4 + n] = memoryview(payload)
+        tag = self._seal.tag(number, payload)
+        _SLOT_HEAD.pack_into(self._slot_np.data, 0, n, len(tag))
+        self._slot_np[_SLOT_HEAD.size : self._head] = memoryview(tag)
+        fits = n <= _SLOT - self._head
+        if fits:
+            self._slot_np[self._head : self._head + n] = memoryview(payload)
         all_gather_into(self.gathered, self.slot, group=self.group)
-        lengths = [struct.unpack_from("<I", self._gathered_np.data, r * _SLOT)[0] for r in range(self.size)]
-        if max(lengths) <= _SLOT - 4:
-            return [self._gathered_np[r * _SLOT + 4 : r * _SLOT + 4 + n_r].tobytes() for r, n_r in enumerate(lengths)]
-        big = max(lengths)  # rare: a round with many new requests
-        mine = torch.zeros(big, dtype=torch.uint8)
-        mine[:n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        out = torch.empty(big * self.size, dtype=torch.uint8)
-        all_gather_into(out, mine, group=self.group)
-        raw = out.numpy()
-        return [raw[r * big : r * big + n_r].tobytes() for r, n_r in enumerate(lengths)]
+        raw = self._gathered_np
+        heads = [_SLOT_HEAD.unpack_from(raw.data, r * _SLOT) for r in range(self.size)]
+        for r, (n_r, t_r) in enumerate(heads):
+            if t_r != self._seal.tag_bytes:
+                raise self._mismatch(r, t_r)
+            if n_r > wire.MAX_FRAME_BYTES:
+                raise self._bad(r, f"announced a {n_r}-byte frame, more than the {wire.MAX_FRAME_BYTES} bytes allowed "
+                                   "(hora.engine.wire.MAX_FRAME_BYTES)")
+        big = max(n_r for n_r, _ in heads)
+        if big <= _SLOT - self._head:
+            out = [raw[r * _SLOT + self._head : r * _SLOT + self._head + n_r].tobytes() if r != self.rank else payload
+                   for r, (n_r, _) in enumerate(heads)]
+        else:  # rare: a round with many new requests
+            mine = torch.zeros(big, dtype=torch.uint8)
+            mine[:n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            full = torch.empty(big * self.size, dtype=torch.uint8)
+            all_gather_into(full, mine, group=self.group)
+            every = full.numpy()
+            out = [every[r * big : r * big + n_r].tobytes() if r != self.rank else payload
+                   for r, (n_r, _) in enumerate(heads)]
+        if self._seal.tag_bytes:
+            for r in range(self.size):
+                tag_r = raw[r * _SLOT + _SLOT_HEAD.size : r * _SLOT + self._head].tobytes()
+                if r != self.rank and not self._seal.check(r, tag_r, number, out[r]):
+                    raise self._bad(r, "sent a frame that failed authentication (its tag does not match: forged, "
+                                       "or that rank holds another job secret)")
+        return out
+
+    def _bad(self, rank: int, why: str) -> BadFrame:
+        return BadFrame(self.rank, rank, f"host {self._hostname(rank)}, Gloo control plane", why)
+
+    def _mismatch(self, rank: int, tag_bytes: int) -> CollectiveError:
+        has, lacks = (rank, self.rank) if tag_bytes else (self.rank, rank)
+        return CollectiveError(
+            f"rank {has} holds a job secret and rank {lacks} does not (Gloo control plane): give every rank the "
+            "same secret (hora run does; under other launchers set HORA_SECRET_FILE on every rank, see "
+            "docs/security.md)")
+
+
+_HELLO_MAGIC = b"HoRa"
+_HELLO_HEAD = struct.Struct("<4sH")  # in every wire version: magic, wire version; then the version's body
+
+
+def greet(exchange: Exchange, me: Identity) -> None:
+    """The Gloo plane's first allgather: every rank checks that every other speaks its wire version, runs
+    its hora code and holds its job secret (the hello's tag), before any round.
+
+    Raises:
+        IncompatiblePeer: some rank runs another wire version or other hora code (named, with its host).
+        CollectiveError: some rank holds another secret, or none where this rank has one.
+    """
+    body = wire.encode({"code": me.code, "hora": me.hora, "host": me.host})
+    hellos = exchange.allgather(_HELLO_HEAD.pack(_HELLO_MAGIC, wire.WIRE_VERSION) + body)
+    for rank, hello in enumerate(hellos):
+        magic, version = _HELLO_HEAD.unpack_from(hello) if len(hello) >= _HELLO_HEAD.size else (b"", -1)
+        if magic != _HELLO_MAGIC or version != wire.WIRE_VERSION:
+            raise IncompatiblePeer(f"rank {rank} speaks control wire version {version}, rank {me.rank} on {me.host} "
+                                   f"wire version {wire.WIRE_VERSION} (Gloo control plane): install the same hora on "
+                                   "every host")
+        try:
+            them = wire.decode(hello[_HELLO_HEAD.size :])
+            code, hora, host = them["code"], them["hora"], them["host"]
+        except (wire.FrameError, TypeError, KeyError):
+            raise IncompatiblePeer(f"rank {rank}'s hello on the Gloo control plane is malformed") from None
+        if (code, hora) != (me.code, me.hora):
+            raise IncompatiblePeer(
+                f"rank {rank} on {host} runs hora {hora} (code {short(str(code))}), rank {me.rank} on {me.host} runs "
+                f"hora {me.hora} (code {short(me.code)}): every host must run the same hora build (the same wheel, "
+                "or one checkout on shared storage); `hora run` checks this before starting")
 
 
 class LocalBell:
@@ -238,9 +343,12 @@ class GlooPlane(_UnreadPlane):
     inline_rounds = False  # every rank joins every rung round on its negotiator thread
 
     def __init__(self, ctx: EngineContext) -> None:
+        me = identity(ctx, "gloo")
+        self._exchange = Exchange(ctx.rank, ctx.size, ctx.ctrl_group, FrameSeal(ctx.secret, ctx.world, ctx.rank),
+                                  ctx.hostname)
+        greet(self._exchange, me)
         connect = ctx.connect_store  # None: an in-memory store, no second connection to wait on
         self._bell: LocalBell | StoreBell = LocalBell() if connect is None else StoreBell(connect)
-        self._exchange = Exchange(ctx.size, ctx.ctrl_group)
 
     def ring(self, round_no: int) -> None:
         self._bell.ring(round_no)
@@ -313,4 +421,5 @@ def make_control_plane(ctx: EngineContext) -> ControlPlane:
         return GlooPlane(ctx)
     # no fixed round timeout: a peer that does not answer is the stall inspector's (Rounds.on_wait), on the
     # deadlines of --stall-check-warning-time-seconds / --stall-check-shutdown-time-seconds
-    return connect_mesh(ctx.rank, ctx.size, ctx.store, advertised_address(ctx.store_addr), ctx.knobs.start_timeout)
+    return connect_mesh(identity(ctx, "mesh"), ctx.size, ctx.store, advertised_address(ctx.store_addr),
+                        ctx.knobs.start_timeout)

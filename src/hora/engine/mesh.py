@@ -10,25 +10,39 @@ closes its connections, so a lost rank is noticed by every rank at once and name
 Frames of later rounds may arrive early (a fast peer is already in the next round); they wait in a
 per-peer buffer. Sockets are non-blocking and a round sends and receives together, so two ranks exchanging
 large first-round payloads never deadlock on full socket buffers.
+
+Trust: a connection is used only after both ends proved who they are (:mod:`hora.engine.handshake`, run by
+:func:`connect_mesh` and :class:`~hora.engine.listener.PeerListener`). After that every frame is
+``seq:u64 length:u32 payload tag``: the number of the frame on its connection, the payload's length (at most
+:data:`~hora.engine.wire.MAX_FRAME_BYTES`, checked before the payload is read), and the sender's tag
+(:mod:`hora.engine.seal`) over both. A frame that fails any check fails the round, naming the peer. Payloads
+are round frames in the plain-value wire format (:mod:`hora.engine.frames`), never pickles.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import select
 import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from hora.engine import handshake
+from hora.engine.handshake import HandshakeFailed, Identity, Peer
+from hora.engine.listener import HANDSHAKE_S, PeerListener
+from hora.engine.seal import FrameSeal
+from hora.engine.wire import MAX_FRAME_BYTES
 from hora.errors import CollectiveError
 
-_HELLO = struct.Struct("<4sI")  # magic, rank: the first bytes a connecting rank sends
-_MAGIC = b"hora"
-_LEN = struct.Struct("<I")
+log = logging.getLogger(__name__)
+
+_HEAD = struct.Struct("<QI")  # the frame's number on its connection, the payload's length
 _RING = b"!"
 WAIT_TICK_S = 1.0  # how often a round waiting for peers calls Mesh.on_wait
 _READ = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
@@ -42,18 +56,34 @@ class PeerLost(CollectiveError):
         self.peer = peer
 
 
+class BadFrame(CollectiveError):
+    """A peer's control frame failed a check (its tag, its number, its size): the connection was tampered
+    with, or the peer is broken. The round fails on this rank, naming the peer."""
+
+    def __init__(self, rank: int, peer: int, where: str, why: str) -> None:
+        super().__init__(f"rank {rank}: the control connection from rank {peer} ({where}) {why}; the job cannot "
+                         "trust its negotiation any more")
+        self.peer = peer
+
+
 class Mesh:
     """The control plane of one negotiator; see the module docstring. Built by :func:`connect_mesh`."""
 
     watches_peers = True  # a dead peer's connection closes: no separate death watch needed
     inline_rounds = True  # a thread about to wait for its op may run the round itself (Negotiator.drive)
 
-    def __init__(self, rank: int, size: int, peers: dict[int, socket.socket], round_timeout: float = math.inf) -> None:
+    def __init__(self, rank: int, size: int, peers: dict[int, socket.socket], round_timeout: float = math.inf,
+                 seal: FrameSeal | None = None, addresses: dict[int, str] | None = None) -> None:
         self.rank = rank
         self.size = size
         self._peers = peers
         self._by_fd = {s.fileno(): r for r, s in peers.items()}
         self._inbox = {r: bytearray() for r in peers}
+        self._frames: dict[int, deque[bytes]] = {r: deque() for r in peers}  # checked payloads, not yet taken
+        self._next_in = dict.fromkeys(peers, 0)  # the number of the next frame due from each peer
+        self._next_out = 0  # every round sends one frame on every connection: one number for all
+        self._seal = seal if seal is not None else FrameSeal(None, "", rank)
+        self._addresses = addresses or {}
         self._round_timeout = round_timeout
         # called every WAIT_TICK_S while a round waits for peers, with (ranks missing, seconds waited); it may
         # raise to end the round (the negotiator's stall checks: a peer that cannot run Python never answers)
@@ -119,7 +149,7 @@ class Mesh:
 
     def has_input(self) -> bool:
         """True when some peer has sent (part of) a frame this rank has not consumed in a round."""
-        return any(self._inbox.values())
+        return any(self._frames.values()) or any(self._inbox.values())
 
     def clear(self, round_no: int) -> None:
         """Nothing to clean: a mesh keeps no state per round."""
@@ -132,19 +162,19 @@ class Mesh:
             pass
 
     def peek(self) -> dict[int, bytes]:
-        """The complete frames peers have sent for the next round, without consuming them."""
-        frames = {}
-        for peer, buf in self._inbox.items():
-            if len(buf) >= _LEN.size:
-                (n,) = _LEN.unpack_from(buf)
-                if len(buf) >= _LEN.size + n:
-                    frames[peer] = bytes(buf[_LEN.size : _LEN.size + n])
-        return frames
+        """The complete (checked) frames peers have sent for the next round, without consuming them."""
+        return {peer: frames[0] for peer, frames in self._frames.items() if frames}
 
     # --- the exchange -------------------------------------------------------------------------------
     def allgather(self, payload: bytes) -> list[bytes]:
         """Send ``payload`` to every peer and return every rank's payload of this round, in rank order."""
-        frame = memoryview(_LEN.pack(len(payload)) + payload)
+        if len(payload) > MAX_FRAME_BYTES:
+            raise CollectiveError(f"rank {self.rank}: a negotiation round of {len(payload)} bytes is larger than the "
+                                  f"control plane carries ({MAX_FRAME_BYTES} bytes, hora.engine.wire.MAX_FRAME_BYTES): "
+                                  "submit fewer new collectives at once")
+        head = _HEAD.pack(self._next_out, len(payload))
+        self._next_out += 1
+        frame = memoryview(b"".join((head, payload, self._seal.tag(head, payload))))
         unsent = {r: frame for r in self._peers}
         got: dict[int, bytes] = {self.rank: payload}
         for r in self._peers:
@@ -201,6 +231,7 @@ class Mesh:
                 if not chunk:
                     raise PeerLost(peer, "closed (its process exited)")
                 buf += chunk
+                self._check_frames(peer, buf)
                 if len(chunk) < 1 << 16:
                     return
         except BlockingIOError:
@@ -208,18 +239,37 @@ class Mesh:
         except OSError as e:
             raise PeerLost(peer, f"broke ({e})") from e
 
+    def _check_frames(self, peer: int, buf: bytearray) -> None:
+        """Move every complete frame at the start of ``buf`` to ``peer``'s checked frames. A length beyond
+        the bound is refused as soon as the header is in, before the rest is read."""
+        tag_bytes = self._seal.tag_bytes
+        while len(buf) >= _HEAD.size:
+            seq, n = _HEAD.unpack_from(buf)
+            if n > MAX_FRAME_BYTES:
+                raise self._bad(peer, f"announced a {n}-byte frame, more than the {MAX_FRAME_BYTES} bytes allowed "
+                                      "(hora.engine.wire.MAX_FRAME_BYTES)")
+            if seq != self._next_in[peer]:
+                raise self._bad(peer, f"sent frame number {seq} where number {self._next_in[peer]} was due "
+                                      "(a replayed or injected frame)")
+            end = _HEAD.size + n + tag_bytes
+            if len(buf) < end:
+                return
+            frame = bytes(buf[:end])
+            del buf[:end]
+            body = _HEAD.size + n
+            if not self._seal.check(peer, frame[body:], frame[: _HEAD.size], frame[_HEAD.size : body]):
+                raise self._bad(peer, "sent a frame that failed authentication (its tag does not match: forged or "
+                                      "changed on the way)")
+            self._frames[peer].append(frame[_HEAD.size : body])
+            self._next_in[peer] = seq + 1
+
+    def _bad(self, peer: int, why: str) -> BadFrame:
+        return BadFrame(self.rank, peer, self._addresses.get(peer, "?"), why)
+
     def _take(self, peer: int, got: dict[int, bytes]) -> None:
-        """Move one complete frame from ``peer``'s buffer into ``got`` (later frames stay buffered)."""
-        if peer in got:
-            return
-        buf = self._inbox[peer]
-        if len(buf) < _LEN.size:
-            return
-        (n,) = _LEN.unpack_from(buf)
-        if len(buf) < _LEN.size + n:
-            return
-        got[peer] = bytes(buf[_LEN.size : _LEN.size + n])
-        del buf[: _LEN.size + n]
+        """Move one checked frame of ``peer`` into ``got`` (later frames stay buffered)."""
+        if peer not in got and self._frames[peer]:
+            got[peer] = self._frames[peer].popleft()
 
     def close(self) -> None:
         self.on_wait = None  # it points back at the negotiator: let both be freed without the cycle collector
@@ -232,58 +282,64 @@ class Mesh:
                 pass
 
 
-def connect_mesh(rank: int, size: int, store: Any, advertise: str, timeout: float,
+def connect_mesh(me: Identity, size: int, store: Any, advertise: str, timeout: float,
                  round_timeout: float = math.inf) -> Mesh:
-    """Connect every pair of ranks (collective: every rank calls it). Each rank listens, publishes its
-    address in the store, connects to every lower rank and accepts every higher one."""
-    listener = socket.create_server(("", 0), backlog=max(size, 16))
+    """Connect every pair of ranks (collective: every rank calls it). Each rank but the last listens, publishes
+    its address in the store, dials every lower rank and accepts every higher one, each connection opened by
+    the handshake of :mod:`hora.engine.handshake`. Rounds' frames are then sealed with ``me.secret``.
+
+    Raises:
+        IncompatiblePeer: a rank runs another wire version or other hora code.
+        CollectiveError: a rank did not connect in time, or the hosts cannot reach each other.
+    """
+    rank = me.rank
+    deadline = time.monotonic() + timeout
+    listener = PeerListener(me, range(rank + 1, size), advertise) if rank < size - 1 else None
+    peers: dict[int, tuple[socket.socket, Peer]] = {}
     try:
-        store.set(f"mesh/{rank}", f"{advertise}:{listener.getsockname()[1]}")
-        deadline = time.monotonic() + timeout
-        peers: dict[int, socket.socket] = {}
+        if listener is not None:
+            store.set(f"mesh/{rank}", listener.address)
         for peer in range(rank):
-            store.wait([f"mesh/{peer}"], datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
-            host, _, port = store.get(f"mesh/{peer}").decode().rpartition(":")
-            try:
-                s = socket.create_connection((host, int(port)), timeout=max(deadline - time.monotonic(), 1.0))
-            except OSError as e:
-                raise CollectiveError(f"rank {rank} cannot connect to rank {peer} at {host}:{port} ({e}): the "
-                                      "ranks' hosts must reach each other on any TCP port") from e
-            s.sendall(_HELLO.pack(_MAGIC, rank))
-            peers[peer] = s
-        while len(peers) < size - 1:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(size)) - set(peers) - {rank})
-                raise CollectiveError(f"rank {rank}: rank(s) {missing} did not connect to it within {timeout:.0f}s")
-            listener.settimeout(left)
-            try:
-                s, _ = listener.accept()
-            except TimeoutError:
-                continue
-            s.settimeout(min(max(left, 1.0), 5.0))  # a real peer says hello at once
-            hello = _recv_exact(s, _HELLO.size)
-            magic, peer = _HELLO.unpack(hello) if hello is not None else (b"", -1)
-            if magic != _MAGIC or not rank < peer < size or peer in peers:
-                s.close()  # a stray connection (a port scanner, a stale job): ignore it
-                continue
-            peers[peer] = s
+            peers[peer] = _dial(me, store, peer, deadline, timeout)
+        if listener is not None:
+            peers.update(listener.wait(deadline, timeout))
+    except BaseException:
+        for sock, _ in peers.values():
+            sock.close()
+        raise
     finally:
-        listener.close()
-    for s in peers.values():
-        s.settimeout(None)
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return Mesh(rank, size, peers, round_timeout)
+        if listener is not None:
+            listener.close()
+    for sock, _ in peers.values():
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return Mesh(rank, size, {r: s for r, (s, _) in peers.items()}, round_timeout,
+                FrameSeal(me.secret, me.world, rank), {r: p.address for r, (_, p) in peers.items()})
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes | None:
-    data = b""
-    try:
-        while len(data) < n:
-            chunk = s.recv(n - len(data))
-            if not chunk:
-                return None
-            data += chunk
-    except OSError:
-        return None
-    return data
+def _dial(me: Identity, store: Any, peer: int, deadline: float, timeout: float) -> tuple[socket.socket, Peer]:
+    """Connect to ``peer``'s listener and open the connection. A listener that closes on us without an answer
+    (it was flooded, or restarting) is tried again until ``deadline``."""
+    key = f"mesh/{peer}"
+    store.wait([key], datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+    host, _, port = store.get(key).decode().rpartition(":")
+    pause = 0.05
+    while True:
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=max(deadline - time.monotonic(), 1.0))
+        except OSError as e:
+            raise CollectiveError(f"rank {me.rank} cannot connect to rank {peer} at {host}:{port} ({e}): the "
+                                  "ranks' hosts must reach each other on any TCP port") from e
+        try:
+            return sock, handshake.dial(sock, me, peer, min(deadline, time.monotonic() + HANDSHAKE_S))
+        except HandshakeFailed as e:
+            sock.close()
+            if time.monotonic() + pause >= deadline:
+                raise CollectiveError(f"rank {me.rank}: rank {peer} at {host}:{port} did not complete a control "
+                                      f"connection within {timeout:.0f}s ({e})") from None
+            log.debug("rank %d: handshake with rank %d failed (%s); trying again", me.rank, peer, e)
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
+        except BaseException:
+            sock.close()
+            raise

@@ -13,7 +13,6 @@ same checkpoint, :mod:`hora.engine.notices`), ride in the frames' flags.
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 from typing import Any
 
@@ -24,11 +23,13 @@ from hora.diagnostics.stall_inspector import StallInspector
 from hora.engine.context import EngineContext
 from hora.engine.control import ControlPlane
 from hora.engine.dispatch import Dispatcher
-from hora.engine.mesh import PeerLost
+from hora.engine.frames import decode_round, encode_round
+from hora.engine.mesh import BadFrame, PeerLost
 from hora.engine.notices import Notices
 from hora.engine.pending import Pending
 from hora.engine.plan import JOIN, SHUTDOWN, UNNAMED, Decision, Request, Table
 from hora.engine.response_cache import ResponseCache
+from hora.engine.wire import FrameError
 from hora.errors import CollectiveError, CollectiveTimeoutError
 from hora.names import JOIN_NAME, SHUTDOWN_NAME
 
@@ -64,24 +65,39 @@ class Rounds:
         if rejected:  # never cached: they travel in full, once
             sent += rejected
             inline += [None] * len(rejected)
-        payload = pickle.dumps((sent, inline, flags), protocol=5)
+        # one process has no peers: its own frame never needs encoding (nor decoding, on any rank)
+        payload = encode_round(sent, inline, flags) if self.ctx.size > 1 else b""
         t0 = time.perf_counter()
-        gathered = [pickle.loads(b) for b in self.plane.allgather(payload)]
+        raw = self.plane.allgather(payload)
+        gathered = [(sent, inline, flags) if rank == self.rank else self._decode(rank, frame)
+                    for rank, frame in enumerate(raw)]
         tl = timeline_mod.active()
         if tl is not None and tl.mark_cycles:
             tl.instant("round", t0, row="negotiator", round=round_no)
         now = time.monotonic()
         decision = Decision()
-        for rank, (entries, inline, _flags) in enumerate(gathered):
-            for item, data in zip(entries, inline):
+        for rank, (entries, data_of, _flags) in enumerate(gathered):
+            for item, data in zip(entries, data_of):
                 fresh = isinstance(item, Request)
-                req = self.cache.decode(item, rank)
+                try:
+                    req = self.cache.decode(item, rank)
+                except (IndexError, KeyError):
+                    raise self._bad(rank, f"names response-cache entry {item!r}, which it never had") from None
                 self.table.add(rank, req, round_no, now, decision, fresh=fresh, data=data)
         self.table.decide(decision)
         self._apply(decision)
         if any(f for _, _, f in gathered):
             self._handle_flags(gathered)
         return any(e.first.kind == SHUTDOWN for e in decision.ready)
+
+    def _decode(self, rank: int, frame: bytes) -> tuple[list[Any], list[bytes | None], dict[str, Any]]:
+        try:
+            return decode_round(frame)
+        except FrameError as e:
+            raise self._bad(rank, f"sent a round frame this rank cannot read ({e})") from None
+
+    def _bad(self, rank: int, why: str) -> BadFrame:
+        return BadFrame(self.rank, rank, f"host {self.ctx.hostname(rank)}", why)
 
     def _apply(self, decision: Decision) -> None:
         joined = self.table.joined
@@ -126,11 +142,14 @@ class Rounds:
         if not frames or JOIN_NAME in table.entries or SHUTDOWN_NAME in table.entries:
             return False
         for rank, raw in frames.items():
-            entries, _inline, flags = pickle.loads(raw)
+            entries, _inline, flags = self._decode(rank, raw)
             if flags:
                 return False
             for item in entries:
-                req = self.cache.decode(item, rank)
+                try:
+                    req = self.cache.decode(item, rank)
+                except (IndexError, KeyError):
+                    return False  # the round itself names the bad peer
                 if (req.kind in (JOIN, SHUTDOWN) or req.error or req.name in table.tombstones
                         or self.rank not in req.ps):
                     return False
@@ -177,7 +196,7 @@ class Rounds:
         """The error every pending op gets when a round fails: name the lost rank if some rank saw it go
         (the backend's own text then goes to the debug log); otherwise quote the backend. A stall shutdown's
         report stays as it is."""
-        if isinstance(error, CollectiveTimeoutError):
+        if isinstance(error, (CollectiveTimeoutError, BadFrame)):  # its message names the peer already
             return error
         store = self.ctx.store
         if isinstance(error, PeerLost):  # the mesh saw it: record it as the root cause unless one is known

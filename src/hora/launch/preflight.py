@@ -1,12 +1,14 @@
 """Preflight: before anything starts, every remote host is checked in parallel, within --start-timeout.
 
-Checked: the host answers over ssh (BatchMode, no password prompt), it has the launcher's Python, and
-the same Python, torch and hora versions. Each problem is one line naming the host and the fix (for a
+Checked: the host answers over ssh (BatchMode, no password prompt), it has the launcher's Python, the
+same Python, torch and hora versions, and the same hora code (:mod:`hora.code_fingerprint`: two installs
+that share a version string can differ). Each problem is one line naming the host and the fix (for a
 connection failure, the exact ssh command to reproduce it); then the launcher exits with code 2.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -17,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
+from hora import code_fingerprint
 from hora.errors import SetupError
 from hora.launch import output
 from hora.launch.hosts import HostSpec
@@ -27,7 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROBE = (
+# the fingerprint's own source runs first (standard library only), so every host hashes its hora the same way
+# without importing it
+PROBE = inspect.getsource(code_fingerprint) + (
     "import json,os,platform\n"
     "from importlib import metadata as m\n"
     "def v(n):\n"
@@ -37,7 +42,8 @@ PROBE = (
     "    try: return open('/proc/sys/kernel/random/boot_id').read().strip()+'/'+os.readlink('/proc/self/ns/net')\n"
     "    except OSError: return None\n"
     "print(json.dumps({'python':platform.python_version(),'torch':v('torch'),'hora':v('hora'),"
-    "'cpus':os.cpu_count(),'hostname':platform.node(),'machine':i()}))"
+    "'cpus':os.cpu_count(),'hostname':platform.node(),'machine':i(),"
+    "'code':(lambda r: fingerprint_of(r) if r else None)(package_root('hora'))}))"
 )
 VERSION_KEYS = ("python", "torch", "hora")
 
@@ -56,7 +62,8 @@ def hora_version() -> str:
 
 def local_versions() -> dict[str, Any]:
     """What the probe reports, for this machine."""
-    return {"python": platform.python_version(), "torch": _version("torch"), "hora": _version("hora")}
+    return {"python": platform.python_version(), "torch": _version("torch"), "hora": _version("hora"),
+            "code": code_fingerprint.code_fingerprint()}
 
 
 def machine_identity() -> str | None:
@@ -160,6 +167,12 @@ def compare(host: str, answer: dict[str, Any], mine: dict[str, Any], python: str
         if theirs is not None and theirs != mine[key]:
             problems.append(f"host {host}: {key} {theirs}, but the launcher has {key} {mine[key]}; "
                             "install the same versions on every host")
+    code = answer.get("code")  # None: an older hora's probe, which does not say
+    if answer.get("hora") == mine["hora"] and code is not None and code != mine["code"]:
+        short = code_fingerprint.short
+        problems.append(f"host {host}: hora {mine['hora']} there is different code from the launcher's hora "
+                        f"{mine['hora']} (code fingerprint {short(code)} there, {short(mine['code'])} here): install "
+                        "the same hora build on every host (the same wheel, or one checkout on shared storage)")
     return problems
 
 
