@@ -11,9 +11,12 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from hora.engine import handshake
 from hora.engine.control import make_control_plane
 from hora.engine.handshake import Identity
-from hora.engine.mesh import Mesh, PeerLost, connect_mesh
+from hora.engine.mesh import _HEAD, BadFrame, Mesh, PeerLost, connect_mesh
+from hora.engine.seal import TAG_BYTES
+from hora.engine.wire import MAX_FRAME_BYTES
 from hora.env import Knobs
 from hora.errors import CollectiveError, ConfigError
 from hora.jobsecret import JobSecret
@@ -25,8 +28,8 @@ def identity(rank: int, secret: JobSecret | None = SECRET, code: str = "c0de", w
     return Identity(rank=rank, world=world, purpose="mesh", secret=secret, code=code, hora="0.1.0", host=f"node{rank}")
 
 
-def _meshes(size: int, round_timeout: float = 30.0, before: Callable[[dist.Store], None] | None = None
-            ) -> list[Mesh]:
+def _meshes(size: int, round_timeout: float = 30.0, before: Callable[[dist.Store], None] | None = None,
+            secret: JobSecret | None = SECRET) -> list[Mesh]:
     """Connect ``size`` ranks; ``before(store)``, if given, runs once rank 0 listens, before the others start."""
     store = dist.HashStore()
     out: list[Any] = [None] * size
@@ -40,7 +43,7 @@ def _meshes(size: int, round_timeout: float = 30.0, before: Callable[[dist.Store
                     before(store)
                     store.set("before-done", "1")
                 store.wait(["before-done"])
-            out[rank] = connect_mesh(identity(rank), size, store, "127.0.0.1", 20.0, round_timeout)
+            out[rank] = connect_mesh(identity(rank, secret), size, store, "127.0.0.1", 20.0, round_timeout)
         except BaseException as e:  # surfaced below
             errors.append(e)
 
@@ -79,8 +82,9 @@ def _close(meshes: list[Mesh]) -> None:
         m.close()
 
 
-def test_rounds_gather_every_payload_in_rank_order_including_large_ones() -> None:
-    meshes = _meshes(4)
+@pytest.mark.parametrize("secret", [SECRET, None], ids=["secret", "no-secret"])
+def test_rounds_gather_every_payload_in_rank_order_including_large_ones(secret: JobSecret | None) -> None:
+    meshes = _meshes(4, secret=secret)
     try:
         sizes = [0, 10, 300, 5_000_000, 7]  # 5 MB each way at once: must not deadlock on full socket buffers
 
@@ -188,3 +192,92 @@ def test_an_unknown_control_plane_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="HORA_CONTROL_PLANE='carrier-pigeon'.*tcp"):
         make_control_plane(FakeRuntime())  # type: ignore[arg-type]
+
+
+def test_a_stranger_claiming_a_rank_first_is_refused_and_the_real_rank_connects() -> None:
+    refused: list[BaseException] = []
+
+    def impersonate_rank1(store: dist.Store) -> None:  # before the real rank 1 starts
+        host, _, port = store.get("mesh/0").decode().rpartition(":")
+        with socket.create_connection((host, int(port))) as s:
+            try:
+                handshake.dial(s, identity(1, JobSecret.generate()), 0, time.monotonic() + 5)
+            except CollectiveError as e:
+                refused.append(e)
+
+    meshes = _meshes(3, before=impersonate_rank1)
+    try:
+        assert "could not prove that it holds the job's secret" in str(refused[0])
+        assert _on_every_rank(meshes, lambda r, m: m.allgather(bytes([r])))[0] == [b"\0", b"\1", b"\2"]
+    finally:
+        _close(meshes)
+
+
+def _inject(meshes: list[Mesh], data: bytes) -> BadFrame:
+    """Send ``data`` on rank 1's connection to rank 0, as if injected into it; the error rank 0's round gets."""
+    meshes[1]._peers[0].sendall(data)
+    with pytest.raises(BadFrame) as info:
+        meshes[0].allgather(b"x")
+    assert info.value.peer == 1 and "rank 0: the control connection from rank 1 (127.0.0.1:" in str(info.value)
+    return info.value
+
+
+def test_a_forged_frame_fails_the_round_naming_the_peer() -> None:
+    meshes = _meshes(2)
+    try:
+        head = _HEAD.pack(0, 3)
+        error = _inject(meshes, head + b"abc" + b"\0" * TAG_BYTES)
+        assert "failed authentication" in str(error)
+    finally:
+        _close(meshes)
+
+
+def test_a_changed_byte_fails_authentication() -> None:
+    meshes = _meshes(2)
+    try:
+        head = _HEAD.pack(0, 3)
+        tag = meshes[1]._seal.tag(head, b"abc")
+        error = _inject(meshes, head + b"abd" + tag)
+        assert "failed authentication" in str(error)
+    finally:
+        _close(meshes)
+
+
+def test_a_replayed_frame_is_refused_by_its_number() -> None:
+    meshes = _meshes(2)
+    try:
+        assert _on_every_rank(meshes, lambda r, m: m.allgather(b"round0"))[0] == [b"round0", b"round0"]
+        head = _HEAD.pack(0, 6)
+        recorded = head + b"round0" + meshes[1]._seal.tag(head, b"round0")  # rank 1's genuine frame of round 0
+        error = _inject(meshes, recorded)
+        assert "frame number 0 where number 1 was due" in str(error)
+    finally:
+        _close(meshes)
+
+
+def test_an_oversized_frame_is_refused_from_its_header_alone() -> None:
+    meshes = _meshes(2)
+    try:
+        error = _inject(meshes, _HEAD.pack(0, MAX_FRAME_BYTES + 1))  # no payload follows: never waited for
+        bound = f"announced a {MAX_FRAME_BYTES + 1}-byte frame, more than the {MAX_FRAME_BYTES} bytes allowed"
+        assert bound in str(error)
+    finally:
+        _close(meshes)
+
+
+def test_garbage_on_the_connection_fails_the_round() -> None:
+    meshes = _meshes(2)
+    try:
+        _inject(meshes, bytes(range(256)) * 4)
+    finally:
+        _close(meshes)
+
+
+def test_without_a_secret_frames_carry_no_tag_and_still_check_their_number() -> None:
+    meshes = _meshes(2, secret=None)
+    try:
+        assert meshes[0]._seal.tag_bytes == 0
+        error = _inject(meshes, _HEAD.pack(7, 1) + b"x")
+        assert "frame number 7 where number 0 was due" in str(error)
+    finally:
+        _close(meshes)
