@@ -98,7 +98,7 @@ def dial(sock: socket.socket, me: Identity, peer: int, deadline: float) -> Peer:
     who = f"rank {peer} at {where}"
     hello_c = wire.encode(me.hello(peer, os.urandom(NONCE_BYTES)))
     _send(sock, HELLO, hello_c)
-    kind, hello_l = _receive(sock, deadline, where, f"rank {peer}")
+    kind, hello_l = _receive(sock, deadline, who)
     if kind != HELLO:
         _refused(kind, hello_l, who, me)
     try:
@@ -109,7 +109,7 @@ def dial(sock: socket.socket, me: Identity, peer: int, deadline: float) -> Peer:
     if problem is not None:
         raise CollectiveError(f"rank {me.rank}: the process at {where} is not rank {peer} of this job: {problem}")
     _secret_agrees(me, them, who, dialer=True)
-    kind, proof = _receive(sock, deadline, where, f"rank {peer}")
+    kind, proof = _receive(sock, deadline, who)
     if kind != PROOF:
         _refused(kind, proof, who, me)
     if not _proven(proof, me.proof(b"listener", hello_c, hello_l)):
@@ -118,7 +118,7 @@ def dial(sock: socket.socket, me: Identity, peer: int, deadline: float) -> Peer:
                               "of another job)")
     _send(sock, PROOF, wire.encode(me.proof(b"dialer", hello_c, hello_l)))
     _same_code(me, them, peer, where)
-    kind, body = _receive(sock, deadline, where, f"rank {peer}")
+    kind, body = _receive(sock, deadline, who)
     if kind != ACCEPT:
         _refused(kind, body, who, me)
     return Peer(peer, them["host"], where)
@@ -146,12 +146,12 @@ def answer(sock: socket.socket, me: Identity, seats: Seats, deadline: float) -> 
     """
     where = _address(sock)
     try:
-        kind, hello_c = _receive(sock, deadline, where, "the connecting process")
+        kind, hello_c = _receive(sock, deadline, "it")
     except IncompatiblePeer as e:  # unauthenticated (anyone can send a version number): not fatal here
         _refuse(sock, str(e))  # the prefix tells a real rank of another version this rank's version
         raise HandshakeFailed(str(e)) from None
     if kind != HELLO:
-        raise HandshakeFailed(f"{where} sent a {_NAMES.get(kind, kind)} message first, not a HELLO")
+        raise HandshakeFailed(f"it sent a {_NAMES.get(kind, kind)} message first, not a HELLO")
     try:
         fields = wire.decode(hello_c)
         problem = _check_hello(fields, me, claimed=None)
@@ -161,23 +161,23 @@ def answer(sock: socket.socket, me: Identity, seats: Seats, deadline: float) -> 
         problem = f"it claims rank {fields['rank']}, which is connected already or not one this rank waits for"
     if problem is not None:
         _refuse(sock, problem)
-        raise HandshakeFailed(f"{where}: {problem}")
+        raise HandshakeFailed(problem)
     claimed = fields["rank"]
     try:
-        _secret_agrees(me, fields, f"the process at {where} claiming rank {claimed}", dialer=False)
+        _secret_agrees(me, fields, f"the process claiming rank {claimed}", dialer=False)
     except HandshakeFailed as e:
         _refuse(sock, str(e))
         raise
     hello_l = wire.encode(me.hello(claimed, os.urandom(NONCE_BYTES)))
     _send(sock, HELLO, hello_l)
     _send(sock, PROOF, wire.encode(me.proof(b"listener", hello_c, hello_l)))
-    kind, proof = _receive(sock, deadline, where, f"the process claiming rank {claimed}")
+    kind, proof = _receive(sock, deadline, f"it (claiming rank {claimed})")
     if kind != PROOF:
-        raise HandshakeFailed(f"{where} (claiming rank {claimed}) answered with a {_NAMES.get(kind, kind)}, not its "
+        raise HandshakeFailed(f"it (claiming rank {claimed}) answered with a {_NAMES.get(kind, kind)}, not its "
                               "PROOF")
     if not _proven(proof, me.proof(b"dialer", hello_c, hello_l)):
         _refuse(sock, "the proof does not match")
-        raise HandshakeFailed(f"{where} claimed rank {claimed} but could not prove that it holds the job's secret (a "
+        raise HandshakeFailed(f"it claimed rank {claimed} but could not prove that it holds the job's secret (a "
                               "stranger, a replayed handshake, or a process of another job)")
     try:
         _same_code(me, fields, claimed, where)
@@ -186,7 +186,7 @@ def answer(sock: socket.socket, me: Identity, seats: Seats, deadline: float) -> 
         raise
     if not seats.claim(claimed):
         _refuse(sock, f"rank {claimed} is connected already")
-        raise HandshakeFailed(f"{where}: rank {claimed} is connected already")
+        raise HandshakeFailed(f"it claimed rank {claimed}, which is connected already")
     try:
         _send(sock, ACCEPT, wire.encode(None))
     except HandshakeFailed:
@@ -268,7 +268,7 @@ def _send(sock: socket.socket, kind: int, body: bytes) -> None:
     try:
         sock.sendall(_PREFIX.pack(MAGIC, wire.WIRE_VERSION, kind, len(body)) + body)
     except OSError as e:
-        raise HandshakeFailed(f"{_address(sock)} broke the connection during the handshake ({e})") from None
+        raise HandshakeFailed(f"the connection broke during the handshake ({e})") from None
 
 
 def _refuse(sock: socket.socket, reason: str) -> None:
@@ -279,38 +279,40 @@ def _refuse(sock: socket.socket, reason: str) -> None:
         pass
 
 
-def _receive(sock: socket.socket, deadline: float, where: str, who: str) -> tuple[int, bytes]:
-    head = _exactly(sock, _PREFIX.size, deadline, where, who)
+def _receive(sock: socket.socket, deadline: float, who: str) -> tuple[int, bytes]:
+    """The next message; ``who`` names the other end in errors ("rank 0 at 10.0.0.5:4000", or "it" on the
+    listener's side, whose log line names the address)."""
+    head = _exactly(sock, _PREFIX.size, deadline, who)
     magic, version, kind, n = _PREFIX.unpack(head)
     if magic == OLD_MAGIC:
-        raise IncompatiblePeer(f"{who} at {where} speaks the control protocol of a hora older than wire version 1 "
+        raise IncompatiblePeer(f"{who} speaks the control protocol of a hora older than wire version 1 "
                                f"(this rank: wire version {wire.WIRE_VERSION}); install the same hora on every host")
     if magic != MAGIC:
-        raise HandshakeFailed(f"{where} is not a hora rank (its first bytes are {head[:8]!r})")
+        raise HandshakeFailed(f"{who} is not a hora rank (its first bytes are {head[:8]!r})")
     if version != wire.WIRE_VERSION:
-        raise IncompatiblePeer(f"{who} at {where} speaks control wire version {version}, this rank wire version "
+        raise IncompatiblePeer(f"{who} speaks control wire version {version}, this rank wire version "
                                f"{wire.WIRE_VERSION}: install the same hora on every host")
     if n > MAX_MESSAGE_BYTES:
-        raise HandshakeFailed(f"{where} announced a {n}-byte handshake message (at most {MAX_MESSAGE_BYTES} are "
+        raise HandshakeFailed(f"{who} announced a {n}-byte handshake message (at most {MAX_MESSAGE_BYTES} are "
                               "allowed)")
-    return kind, _exactly(sock, n, deadline, where, who)
+    return kind, _exactly(sock, n, deadline, who)
 
 
-def _exactly(sock: socket.socket, n: int, deadline: float, where: str, who: str) -> bytes:
+def _exactly(sock: socket.socket, n: int, deadline: float, who: str) -> bytes:
     data = bytearray()
     while len(data) < n:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise HandshakeFailed(f"{who} at {where} did not complete the handshake in time")
+            raise HandshakeFailed(f"{who} did not complete the handshake in time")
         sock.settimeout(left)
         try:
             chunk = sock.recv(n - len(data))
         except TimeoutError:
             continue
         except OSError as e:
-            raise HandshakeFailed(f"{who} at {where} broke the connection during the handshake ({e})") from None
+            raise HandshakeFailed(f"{who} broke the connection during the handshake ({e})") from None
         if not chunk:
-            raise HandshakeFailed(f"{who} at {where} closed the connection during the handshake")
+            raise HandshakeFailed(f"{who} closed the connection during the handshake")
         data += chunk
     return bytes(data)
 

@@ -169,10 +169,11 @@ class PeerListener:
 
     def _serve(self, conn: socket.socket) -> None:
         peer: Peer | None = None
+        source = _sources([conn])
         try:
             peer = handshake.answer(conn, self.me, self, time.monotonic() + self._handshake_s)
         except HandshakeFailed as e:
-            self._refused(str(e))
+            self._refused(source, str(e))
         except IncompatiblePeer as e:
             log.error("%s", e)
             with self._cond:
@@ -180,7 +181,7 @@ class PeerListener:
                 self._cond.notify_all()
         except Exception as e:  # a bug must not take the listener down: refuse this one connection
             log.exception("rank %d: a control handshake failed unexpectedly", self.me.rank)
-            self._refused(f"unexpected error {type(e).__name__}: {e}")
+            self._refused(source, f"unexpected error {type(e).__name__}: {e}")
         with self._cond:
             self._pending.discard(conn)
             if peer is not None and not self._closed:
@@ -189,21 +190,24 @@ class PeerListener:
                 return
         conn.close()
 
-    def _refused(self, reason: str) -> None:
+    def _refused(self, source: str, reason: str) -> None:
         with self._cond:
             closing = self._closed
             if not closing:
-                self._refusals.append(reason)
+                self._refusals.append(f"from {source}: {reason}")
         if not closing:  # connections cut by close() are counted there, in one line
-            log.warning("rank %d: closed a %s connection that failed the handshake: %s", self.me.rank,
-                        self.me.purpose, reason)
+            log.warning("rank %d: closed a %s connection from %s that failed the handshake: %s", self.me.rank,
+                        self.me.purpose, source, reason)
 
 
 def _sources(socks: Iterable[socket.socket]) -> str:
-    hosts = set()
+    """The peer addresses of ``socks``: host:port for one socket, the distinct hosts for several."""
+    found = []
     for sock in socks:
         try:
-            hosts.add(str(sock.getpeername()[0]))
+            found.append(sock.getpeername()[:2])
         except OSError:
             pass
-    return ", ".join(sorted(hosts)) or "unknown addresses"
+    if len(found) == 1:
+        return f"{found[0][0]}:{found[0][1]}"
+    return ", ".join(sorted({str(host) for host, _ in found})) or "unknown addresses"
