@@ -35,7 +35,8 @@ import torch
 
 from hora.diagnostics import inflight
 from hora.engine.context import EngineContext
-from hora.engine.control import death_watch, make_control_plane
+from hora.engine.control import make_control_plane
+from hora.engine.death_watch import death_watch
 from hora.engine.dispatch import LocalOp
 from hora.engine.mesh import Mesh
 from hora.engine.notices import NOTICE, Notices
