@@ -30,6 +30,7 @@ from hora.errors import (  # noqa: F401
     JobFailedError,
     PeerRejectedCallError,
     LaunchError,
+    ModelMismatchError,
     NotInitializedError,
     SetupError,
     UnsupportedCallError,

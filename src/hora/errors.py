@@ -70,6 +70,12 @@ class InvalidCallError(HoraError, ValueError, RuntimeError):
     """
 
 
+class ModelMismatchError(InvalidCallError):
+    """``broadcast_parameters`` was given a different model on some ranks (parameters of other shapes or
+    dtypes, or other parameters); raised on every member, naming the parameters that differ. A programming
+    error, not a ``HorovodInternalError``: elastic training does not restart on it."""
+
+
 class UnsupportedDtypeError(InvalidCallError, TypeError):
     """A dtype the collective cannot take (complex, bool for arithmetic ops). Also a ``TypeError``."""
 
@@ -149,6 +155,7 @@ __all__ = [
     "InvalidCallError",
     "JobFailedError",
     "LaunchError",
+    "ModelMismatchError",
     "NotInitializedError",
     "PeerRejectedCallError",
     "SetupError",

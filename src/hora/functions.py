@@ -20,24 +20,26 @@ from typing import Any
 
 import torch
 
-from hora import ops, runtime
+from hora import ops, param_layout, runtime
+from hora.errors import ModelMismatchError
 from hora.handles import synchronize
 from hora.process_sets import ProcessSet, global_process_set
 
 log = logging.getLogger(__name__)
 
 
-def _as_tensors(params: Any) -> list[torch.Tensor]:
+def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
+    """``params`` as (name, tensor) pairs in a rank-independent order; unnamed tensors are ``#i``."""
     if isinstance(params, Mapping):
-        return [t for _, t in sorted(params.items(), key=lambda kv: kv[0])]
+        return sorted(params.items(), key=lambda kv: kv[0])
     out = []
-    for item in params:
-        t = item[1] if isinstance(item, tuple) else item
+    for i, item in enumerate(params):
+        name, t = (str(item[0]), item[1]) if isinstance(item, tuple) and len(item) == 2 else (f"#{i}", item)
         if not isinstance(t, torch.Tensor):
             raise TypeError(
                 f"broadcast_parameters takes a state_dict, a list of tensors or (name, tensor) pairs; got {item!r}"
             )
-        out.append(t)
+        out.append((name, t))
     return out
 
 
@@ -46,19 +48,25 @@ def broadcast_parameters(
 ) -> None:
     """Overwrite ``params`` in place with the root rank's values.
 
+    Raises :class:`~hora.errors.ModelMismatchError` on every rank, naming the parameters, when the ranks'
+    models differ (other shapes, dtypes or parameters): the model was built differently on some ranks.
+
     Args:
         params: ``model.state_dict()``, ``model.parameters()`` or ``model.named_parameters()``.
         root_rank: global rank whose values everyone receives.
         process_set: ranks taking part (all by default).
     """
-    tensors = [t for t in _as_tensors(params) if t.numel() > 0]
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    named = _named_tensors(params)
+    _check_same_layout(named, root_rank, process_set)
+    by_kind: dict[tuple[torch.dtype, str], list[torch.Tensor]] = {}
+    for _, t in named:
+        if t.numel() > 0:
+            by_kind.setdefault((t.dtype, t.device.type), []).append(t)
     with torch.no_grad():
         handles = []
-        for (dtype, device), group in sorted(by_kind.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        for (dtype, device), group in sorted(by_kind.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
             flat = torch.cat([t.detach().reshape(-1) for t in group])
+            # The device type, not the device: rank i's cuda:i must pair with every other rank's buffer.
             name = f"hora.broadcast_parameters.{str(dtype).removeprefix('torch.')}.{device}"
             handles.append((group, ops.broadcast_async_(flat, root_rank, name=name, process_set=process_set)))
         for group, handle in handles:
@@ -67,6 +75,19 @@ def broadcast_parameters(
             for t in group:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def _check_same_layout(named: list[tuple[str, torch.Tensor]], root_rank: int, process_set: ProcessSet) -> None:
+    """Raise ModelMismatchError on every member when the members' models differ (one 8-byte allgather when
+    they agree; the full layouts only when they do not)."""
+    mine = param_layout.layout(named)
+    prints = ops.allgather(torch.tensor([param_layout.fingerprint(mine)], dtype=torch.int64),
+                           name="hora.broadcast_parameters.layout", process_set=process_set)
+    if bool((prints == prints[0]).all()):
+        return
+    gathered = allgather_object((runtime.rank(), mine), name="hora.broadcast_parameters.layouts",
+                                process_set=process_set)
+    raise ModelMismatchError(param_layout.describe_mismatch(dict(gathered), root_rank))
 
 
 def _cpu(obj: Any) -> Any:

@@ -87,3 +87,35 @@ def test_broadcast_object_and_allgather_object() -> None:
         assert r["default_root"] == "from zero"
         assert [g["rank"] for g in r["gathered"]] == [0, 1, 2]
         assert [len(g["payload"]) for g in r["gathered"]] == [0, 50, 100]  # sizes differ per rank
+
+
+def _built_from_data(rank: int, size: int) -> dict:
+    """A model whose layer sizes come from something that differs by rank (here the rank itself, as a size read
+    from a rank's data shard would): broadcast_parameters must name the layers, on every rank."""
+    torch.manual_seed(0)
+    width = 9 if rank == 1 else 8
+    model = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 10))
+    try:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    except hvd.ModelMismatchError as exc:
+        failed = str(exc)
+    else:
+        failed = ""
+    same = nn.Linear(3, 3)  # the job goes on: a later broadcast of an identical model works
+    hvd.broadcast_parameters(same.state_dict(), root_rank=0)
+    return {"error": failed, "after": same.weight.detach().clone()}
+
+
+def test_a_model_built_differently_on_one_rank_is_named_by_its_parameters() -> None:
+    results = run_tensors(_built_from_data, 3)
+    for r in results:
+        message = r["error"]
+        assert message.startswith("broadcast_parameters: the model differs across ranks"), message
+        assert "\n  rank 1: " in message
+        assert "'0.weight' has shape [9, 4] here, [8, 4] on rank 0" in message
+        assert "'0.bias' has shape [9] here, [8] on rank 0" in message
+        assert "'2.weight' has shape [10, 9] here, [10, 8] on rank 0" in message
+        assert "rank 2" not in message  # built like the root's
+        assert "The model is built differently on the ranks" in message
+        assert "shape=[" not in message and "different names" not in message  # not the packed buffers' terms
+        assert torch.equal(r["after"], results[0]["after"])
