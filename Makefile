@@ -24,7 +24,7 @@ else
 $(error TORCH=$(TORCH): choose TORCH=cpu or TORCH=cuda)
 endif
 
-.PHONY: help train test lint bench bench-quick torch system-deps clean image-cuda
+.PHONY: help train test lint bench bench-quick torch system-deps clean image image-cuda
 
 help:  ## list the targets
 	@echo "make train         a real 2-rank training run on localhost (NP=4 for 4 ranks; sets up .venv on first use)"
@@ -32,7 +32,9 @@ help:  ## list the targets
 	@echo "make lint          ruff and mypy"
 	@echo "make bench-quick   every benchmark on its smallest settings, ~30 s; reports go to out/bench-quick/"
 	@echo "make bench         the full benchmarks (many minutes); reports go to benchmarks/results/"
-	@echo "make image-cuda    build the CUDA container image (docker/Containerfile) and run hora check in it"
+	@echo "make image         build the CPU container image localhost/hora:cpu (from Docker Hub's Debian, or from"
+	@echo "                   Debian packages where Docker Hub is unreachable) and run hora check in it"
+	@echo "make image-cuda    the same for the CUDA image localhost/hora:cuda"
 	@echo "make clean         remove .venv and build files"
 	@echo "variables: TORCH=cpu|cuda (torch build for .venv, default cpu), TORCH_VERSION=$(TORCH_VERSION), NP=$(NP)"
 
@@ -83,12 +85,23 @@ system-deps:
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# Opt-in (not part of `make test`: torch's CUDA wheels are several GB): build the CUDA image and run
-# `hora check` in it, on the GPUs when nvidia-smi is present. CONTAINER=docker works as well.
-CONTAINER ?= podman
+# The container images, by docker/build_image.py (the deployment tests build theirs with it too): the base is
+# Docker Hub's debian:bookworm-slim where it can be pulled, else a Debian made from Debian packages with
+# mmdebstrap; torch comes from PyTorch's index where it answers, else through this machine's pip configuration.
+# It says which it chose, then runs `hora check` in the new image. Opt-in, not part of `make test` (the CUDA
+# image downloads several GB). CONTAINER=docker works as well; OCI_RUNTIME=runc passes podman --runtime;
+# IMAGE names the image; PUBLIC_BASE the public base to try; TORCH_INDEX_URL=URL|pip-config forces torch's source.
+CONTAINER   ?= podman
+OCI_RUNTIME ?=
+PUBLIC_BASE ?= docker.io/library/debian:bookworm-slim
+IMAGE_ARGS = --engine $(CONTAINER) --torch-version $(TORCH_VERSION) --public-base $(PUBLIC_BASE) \
+             $(if $(OCI_RUNTIME),--runtime $(OCI_RUNTIME)) $(if $(TORCH_INDEX_URL),--torch-index $(TORCH_INDEX_URL)) \
+             $(if $(IMAGE),--tag $(IMAGE))
+image:
+	$(PYTHON) docker/build_image.py --flavor cpu $(IMAGE_ARGS)
+
 image-cuda:
-	$(CONTAINER) build -f docker/Containerfile -t hora:cuda --build-arg FLAVOR=cuda .
-	$(CONTAINER) run --rm $$(command -v nvidia-smi >/dev/null && echo --gpus all) hora:cuda hora check
+	$(PYTHON) docker/build_image.py --flavor cuda $(IMAGE_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

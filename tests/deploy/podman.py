@@ -1,15 +1,13 @@
 """Podman for the deployment tests: the CPU image built once per session, containers on a user network.
 
-Settings this machine needs live here, not in the image: ``--runtime runc`` (crun fails on this cgroup
-layout) and explicit ``--ulimit`` values (podman as root raises nofile/nproc above the hard limit, which fails
-without CAP_SYS_RESOURCE). No image registry is reachable, so the base image is a minimal Debian made with
-``mmdebstrap`` from Debian's mirror; the build mounts this machine's pip configuration, CA certificates and
-local wheel directories read-only, so torch installs from the local CPU wheel. docker/Containerfile itself
-stays generic.
+The image is built by docker/build_image.py, the implementation `make image` runs, so the tests and users
+share one way of building and podman's layer cache (``make image IMAGE=localhost/hora-test:cpu`` after a test
+session rebuilds nothing). No image registry is reachable on this machine, so it takes the Debian-packages base
+(``mmdebstrap``, made once) and torch through this machine's pip configuration, and says so.
 
-Caching: podman's own storage is the cache. The base image is made only when missing (a few minutes, mostly
-downloads); ``podman build`` reuses its layers, so a session whose hora sources did not change rebuilds
-nothing and one whose sources changed re-runs only the last layers (hora's own install).
+Settings this machine needs live here and there, not in the image: ``--runtime runc`` (crun fails on this
+cgroup layout) and ``--ulimit`` values at the shell's hard limits (podman as root raises nofile/nproc above
+them, which fails without CAP_SYS_RESOURCE). docker/Containerfile itself stays generic.
 
 Names carry the pytest process's pid (``hora14-<pid>-...``) so concurrent sessions never collide, and
 :func:`clean_stale` removes what a dead session left.
@@ -17,26 +15,39 @@ Names carry the pytest process's pid (``hora14-<pid>-...``) so concurrent sessio
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[2]
-PODMAN = ("podman", "--runtime", "runc")
-LIMITS = ("--ulimit", "nofile=20000:20000", "--ulimit", "nproc=4096:4096")
-BASE_IMAGE = "localhost/hora-test-base:bookworm"
+
+
+def _load_builder() -> ModuleType:
+    """docker/build_image.py, a script rather than a package module."""
+    spec = importlib.util.spec_from_file_location("hora_build_image", ROOT / "docker" / "build_image.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+builder = _load_builder()
+RUNTIME = "runc"
+ENGINE = builder.Engine("podman", RUNTIME)
+PODMAN = ENGINE.argv
+LIMITS = builder.ulimit_args()
 IMAGE = "localhost/hora-test:cpu"
-MIRROR = "http://deb.debian.org/debian"
-# Installed in the base already, so the Containerfile's apt-get step finds them (and downloads nothing).
-BASE_PACKAGES = "ca-certificates,python3,python3-venv,openssh-server,openssh-client,tini,procps,iproute2"
 PREFIX = f"hora14-{os.getpid()}"
-TORCH_SPEC = "torch==2.13.0"  # requirements-dev.txt's pin: the CPU build on this machine's disk
 _NAME_RE = re.compile(r"^hora14-(\d+)-")
 
 
@@ -58,51 +69,9 @@ def podman(*args: str, timeout: float = 120, check: bool = True,
     return out
 
 
-def _exists(image: str) -> bool:
-    return podman("image", "exists", image, check=False).returncode == 0
-
-
-def ensure_base() -> str:
-    """The minimal Debian base image (made with mmdebstrap when podman does not have it yet)."""
-    if _exists(BASE_IMAGE):
-        return BASE_IMAGE
-    tar = Path(os.environ.get("TMPDIR", "/var/tmp")) / f"{PREFIX}-base.tar"
-    try:
-        subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm",
-                        str(tar), MIRROR], check=True, capture_output=True, text=True, timeout=1500)
-        podman("import", "--quiet", str(tar), BASE_IMAGE, timeout=600)
-    finally:
-        tar.unlink(missing_ok=True)
-    return BASE_IMAGE
-
-
-def _pip_mounts() -> list[str]:
-    """This machine's pip configuration and local package directories, read-only, at the same paths."""
-    mounts: list[str] = []
-    for conf in (Path.home() / ".config/pip/pip.conf", Path("/etc/pip.conf")):
-        if conf.is_file():
-            mounts += ["-v", f"{conf}:/etc/pip.conf:ro"]
-            break
-    for path in ("/etc/xdg/pip", "/opt/wheels", "/opt/pypi", "/opt/pypi-more"):
-        if Path(path).exists():
-            mounts += ["-v", f"{path}:{path}:ro"]
-    ca = Path("/etc/ssl/certs/ca-certificates.crt")
-    if ca.is_file():
-        mounts += ["-v", f"{ca}:{ca}:ro"]
-    return mounts
-
-
 def ensure_image() -> str:
     """The CPU image of docker/Containerfile built from this checkout (cached layers reused)."""
-    base = ensure_base()
-    before = podman("image", "inspect", "--format", "{{.Id}}", IMAGE, check=False).stdout.strip()
-    podman("build", "--quiet", *LIMITS, "-f", "docker/Containerfile", "-t", IMAGE,
-           "--build-arg", f"BASE={base}", "--build-arg", "TORCH_INDEX_URL=pip-config",
-           "--build-arg", f"TORCH_SPEC={TORCH_SPEC}", *_pip_mounts(), str(ROOT), timeout=2400)
-    after = podman("image", "inspect", "--format", "{{.Id}}", IMAGE, check=False).stdout.strip()
-    if before and before != after:  # the previous build, now untagged: drop it (its shared layers stay)
-        podman("rmi", before, check=False)
-    return IMAGE
+    return builder.build(ENGINE, builder.Request(IMAGE, quiet=True))
 
 
 def clean_stale() -> None:
