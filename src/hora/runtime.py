@@ -134,7 +134,7 @@ def _init(process_sets: Sequence[ProcessSet] | str | None, join: bool) -> None:
                 rt.process_sets.register(ps)
             rt.negotiator = Negotiator(_engine_context(rt, secret))
             rt.negotiator.start()
-            timeline.set_world((rt.topo.rank, rt.topo.size))
+            timeline.set_world((rt.topo.rank, rt.topo.size), env.job_id)
             if knobs.timeline and not alone:  # alone, it would write the job's file as "rank 0 of 1"
                 timeline.start_timeline(knobs.timeline, mark_cycles=knobs.timeline_mark_cycles)
         except BaseException:

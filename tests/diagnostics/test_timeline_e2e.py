@@ -9,10 +9,11 @@ import torch
 
 import hora as hvd
 from hora.diagnostics import timeline as T
+from hora.env import WorkerEnv
 from tests.distributed.harness import run_ranks
 
 
-def _train_a_little(rank: int, size: int) -> str:
+def _train_a_little(rank: int, size: int) -> tuple[str, str]:
     torch.manual_seed(0)
     hvd.allreduce(torch.ones(4), name="loss")
     hvd.allreduce(torch.ones(2, 3, dtype=torch.float64))  # unnamed
@@ -26,7 +27,7 @@ def _train_a_little(rank: int, size: int) -> str:
         model(torch.randn(16, 8)).sum().backward()
         opt.step()
     tl = T.active()
-    return "" if tl is None else tl.path
+    return ("" if tl is None else tl.path), WorkerEnv.from_environ().job_id
 
 
 def _events(path: str) -> list[dict]:
@@ -41,8 +42,9 @@ def _rows(events: list[dict], pid: int) -> dict[int, str]:
 
 def test_two_rank_job_writes_a_row_per_rank_with_phases_and_op_details(tmp_path):
     path = str(tmp_path / "trace.json")
-    paths = run_ranks(_train_a_little, 2, env={"HORA_TIMELINE": path, "HORA_TIMELINE_MARK_CYCLES": "1"})
-    assert paths == [T.rank_path(path, 0), T.rank_path(path, 1)]
+    results = run_ranks(_train_a_little, 2, env={"HORA_TIMELINE": path, "HORA_TIMELINE_MARK_CYCLES": "1"})
+    paths, job = [p for p, _ in results], results[0][1]
+    assert job and paths == [T.rank_path(path, 0, job), T.rank_path(path, 1, job)]  # the job's id in the names
     for rank in range(2):
         events = _events(paths[rank])  # each rank's own file is valid JSON
         assert {e["pid"] for e in events} == {rank}
@@ -66,7 +68,7 @@ def test_two_rank_job_writes_a_row_per_rank_with_phases_and_op_details(tmp_path)
         assert (loss["args"]["dtype"], loss["args"]["shape"]) == ("float32", [4])
         assert loss["args"]["bytes"] == 16
         assert any(e["ph"] == "i" and e["name"] == "round" for e in events)  # --timeline-mark-cycles
-    T.finish_job_timeline(path, 2)
+    T.finish_job_timeline(path, 2, job=job)
     merged = _events(path)
     assert {e["args"]["name"] for e in merged if e["name"] == "process_name"} == {"rank 0", "rank 1"}
     assert sorted(os.listdir(tmp_path)) == ["trace.json"]

@@ -129,6 +129,44 @@ def test_valid_json_after_sigkill_mid_run(tmp_path):
 def test_rank_path_naming():
     assert T.rank_path("/x/t.json", 3) == "/x/t.rank3.json"
     assert T.rank_path("trace", 0) == "trace.rank0"
+    assert T.rank_path("/x/t.json", 3, job="3fa2c1") == "/x/t.3fa2c1.rank3.json"
+    assert T.rank_path("/x/t.json", 0, job="run7/attempt1") == "/x/t.run7-attempt1.rank0.json"
+
+
+def _rank_files(path, job, ranks, name="step"):
+    for r in ranks:
+        tl = T.Timeline(T.rank_path(path, r, job), rank=r)
+        tl.span(name, "communicate", 0.0, 0.001)
+        tl.close()
+
+
+def test_each_job_merges_its_own_rank_files_and_an_empty_merge_keeps_the_existing_file(tmp_path):
+    path = str(tmp_path / "t.json")
+    _rank_files(path, "first", range(2), name="first")
+    _rank_files(path, "second", range(2), name="second")  # a second job with the same path, at the same time
+    assert T.finish_job_timeline(path, 2, job="first") == 2
+    merged = Path(path).read_text()
+    assert {e["args"]["name"] for e in _spans(json.loads(merged))} == {"first"}
+    assert T.rank_parts(path, "second") == [T.rank_path(path, r, "second") for r in range(2)]
+    assert T.finish_job_timeline(path, 2, job="third") == 0  # a job whose ranks wrote nothing
+    assert Path(path).read_text() == merged  # ... does not write an empty timeline over the first's
+    assert sorted(os.listdir(tmp_path)) == ["t.json", "t.second.rank0.json", "t.second.rank1.json"]
+
+
+def test_a_merge_that_fails_on_a_full_disk_leaves_no_temporary_file_and_the_old_timeline(tmp_path, small_disk):
+    disk = small_disk(16)
+    out = disk / "t.json"
+    out.write_text("[\n]\n")
+    path = str(tmp_path / "t.json")
+    for r in range(2):
+        tl = T.Timeline(T.rank_path(path, r, "j"), rank=r)
+        for i in range(300):  # ~60 KB per rank: more than the disk holds
+            tl.span(f"op{i}", "communicate", 0.0, 0.001, note="x" * 100)
+        tl.close()
+    with pytest.raises(OSError, match="No space left on device"):
+        T.merge_timelines([T.rank_path(path, r, "j") for r in range(2)], str(out))
+    assert sorted(os.listdir(disk)) == ["t.json"]
+    assert out.read_text() == "[\n]\n"
 
 
 def test_merge_puts_every_rank_in_one_file(tmp_path):
@@ -139,7 +177,7 @@ def test_merge_puts_every_rank_in_one_file(tmp_path):
         tl.span("grad.bucket.0", "negotiate", t, t + 0.001)
         tl.span("grad.bucket.0", "communicate", t + 0.001, t + 0.002)
         tl.close()
-    assert T.finish_job_timeline(path, size=3) == path
+    assert T.finish_job_timeline(path, size=3) == 3  # ranks whose events were merged
     events = json.loads(Path(path).read_text())
     ranks = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert ranks == {0: "rank 0", 1: "rank 1", 2: "rank 2"}
@@ -202,6 +240,19 @@ def test_command_line_merge_of_a_run_time_timeline(tmp_path, capsys):
     assert sorted(e["pid"] for e in events if e["name"] == "process_name") == [0, 1, 10]
     assert sorted(os.listdir(tmp_path)) == ["t.json", "t.rankx.json"]
     assert T.main([str(tmp_path / "none.json")]) == 1
+
+
+def test_command_line_merge_asks_which_job_when_several_left_files(tmp_path, capsys):
+    path = str(tmp_path / "t.json")
+    _rank_files(path, "aa11", range(2))
+    _rank_files(path, "bb22", range(3))
+    assert T.main([path]) == 1
+    assert ("per-rank files of several jobs next to " + path + " (job ids: aa11, bb22); merge one job's with "
+            "--job ID") in capsys.readouterr().err
+    assert T.main([path, "--job", "bb22"]) == 0
+    events = json.loads(Path(path).read_text())
+    assert sorted(e["pid"] for e in events if e["name"] == "process_name") == [0, 1, 2]
+    assert T.rank_parts(path) == [T.rank_path(path, r, "aa11") for r in range(2)]
 
 
 def test_horovod_names_are_exported():

@@ -10,9 +10,10 @@ The file is valid JSON at every moment, even if the process is killed: events ar
 ``pwrite`` that overwrites the closing ``]`` and writes a new one, so a reader never sees a half-written
 array. Events are buffered and flushed every 0.5 s (a small daemon thread) or every 512 events.
 
-Per-rank files: with a world of N > 1 ranks and ``HORA_TIMELINE=t.json`` rank r writes
-``t.rank<r>.json`` (:func:`rank_path`); :func:`finish_job_timeline` (called by the launcher at job end)
-merges them into ``t.json``. A single process writes ``t.json`` directly.
+Per-rank files: with a world of N > 1 ranks and ``HORA_TIMELINE=t.json`` rank r of job j writes
+``t.<j>.rank<r>.json`` (:func:`rank_path`; ``t.rank<r>.json`` when the launcher gave no job id), so two jobs
+with one timeline path never share a file; :func:`finish_job_timeline` (called by the launcher at job end)
+merges a job's files into ``t.json``. A single process writes ``t.json`` directly.
 
 Cost when off: ``active()`` returns None; callers do ``tl = active()`` and ``if tl is not None``.
 
@@ -210,6 +211,7 @@ _active: Timeline | None = None
 _written: set[str] = set()  # files this process started: a restart appends instead of truncating
 _active_lock = threading.Lock()
 _world: tuple[int, int] | None = None  # (rank, size) while hora is initialised (set_world)
+_job: str | None = None  # the job id while hora is initialised (set_world)
 
 
 def active() -> Timeline | None:
@@ -235,7 +237,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False, *, rank: int | Non
     path = file_path
     if rank is None or size is None:
         rank, size = _topology(rank, size)
-    target = rank_path(path, rank) if size > 1 else path
+    target = rank_path(path, rank, _job_id()) if size > 1 else path
     with _active_lock:
         if _active is not None:
             _active.close()
@@ -261,11 +263,16 @@ def stop_timeline() -> None:
         tl.close()
 
 
-def set_world(world: tuple[int, int] | None) -> None:
-    """(rank, size) of the running hora, set by ``init()`` and cleared by ``shutdown()`` (the runtime sits
-    above the diagnostics, so it tells them instead of being asked)."""
-    global _world
+def set_world(world: tuple[int, int] | None, job: str = "") -> None:
+    """(rank, size) and the job id of the running hora, set by ``init()`` and cleared by ``shutdown()`` (the
+    runtime sits above the diagnostics, so it tells them instead of being asked)."""
+    global _world, _job
     _world = world
+    _job = job if world is not None else None
+
+
+def _job_id() -> str:
+    return _job if _job is not None else WorkerEnv.from_environ().job_id
 
 
 def _topology(rank: int | None, size: int | None) -> tuple[int, int]:

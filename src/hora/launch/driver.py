@@ -40,6 +40,7 @@ from hora.launch.agent_handle import (
 from hora.launch.config import RunConfig
 from hora.launch.failures import RankState, RootCause
 from hora.launch.hosts import SlotInfo, assign_slots
+from hora.launch.output_lock import OutputLock, lock_paths
 from hora.launch.stalls import StallWatch
 from hora.launch.transport import SSH_FAILED, Transport, agent_argv
 
@@ -130,14 +131,15 @@ class Driver:
         slots = assign_slots(self.cfg.hosts, self.cfg.np)
         self.ranks = {s.rank: RankState(s) for s in slots}
         used = {s.hostname for s in slots}  # -np may leave the last hosts without ranks: they are not touched
-        self._open_logs()
-        answers = {} if self.cfg.all_local else preflight.check_hosts(self.cfg, self.transport_for, used)
-        preflight.refuse_same_machine(self.cfg.hosts, used, answers)
-        addr, port = self._start_store(used)
+        outputs = OutputLock.hold(lock_paths(self.cfg.output_filename, self.cfg.timeline_filename), self.job_id)
         previous = {}
-        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
-            previous = {s: signal.signal(s, self._on_signal) for s in procs.stop_signals()}
         try:
+            self._open_logs()
+            answers = {} if self.cfg.all_local else preflight.check_hosts(self.cfg, self.transport_for, used)
+            preflight.refuse_same_machine(self.cfg.hosts, used, answers)
+            addr, port = self._start_store(used)
+            if threading.current_thread() is threading.main_thread():  # signal handlers live there only
+                previous = {s: signal.signal(s, self._on_signal) for s in procs.stop_signals()}
             try:
                 self._start_agents(slots, addr, port)
                 self._loop()
@@ -146,11 +148,12 @@ class Driver:
             finally:
                 self._shutdown_agents()  # Ctrl-C still reaches _on_signal here: it kills, never aborts
                 self.console.close()
-            timeline_hook.merge(self.cfg.timeline_filename, self.cfg.np)
+            timeline_hook.merge(self.cfg.timeline_filename, self.cfg.np, self.job_id)
             return self._exit_status()
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            outputs.release()
 
     def _open_logs(self) -> None:
         try:

@@ -49,6 +49,7 @@ from hora.launch.elastic_state import Worker, note
 from hora.launch.elastic_worlds import ElasticWorlds
 from hora.launch.failures import RankState
 from hora.launch.hosts import HostSpec, SlotInfo
+from hora.launch.output_lock import OutputLock, lock_paths
 from hora.launch.transport import SSH_FAILED, agent_argv
 
 log = logging.getLogger(__name__)
@@ -77,12 +78,13 @@ class ElasticDriver(ElasticWorlds):
     def run(self) -> int:
         """Run the job to the end; return the exit status for the ``hora run`` process."""
         self.job_id = uuid.uuid4().hex[:12]
-        hosts = self._first_hosts()
-        self._start_store(hosts)
+        outputs = OutputLock.hold(lock_paths(self.cfg.output_filename, self.cfg.timeline_filename), self.job_id)
         previous = {}
-        if threading.current_thread() is threading.main_thread():
-            previous = {s: signal.signal(s, self._on_signal) for s in procs.stop_signals()}
         try:
+            hosts = self._first_hosts()
+            self._start_store(hosts)
+            if threading.current_thread() is threading.main_thread():
+                previous = {s: signal.signal(s, self._on_signal) for s in procs.stop_signals()}
             try:
                 self._loop()
             finally:
@@ -93,6 +95,7 @@ class ElasticDriver(ElasticWorlds):
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            outputs.release()
 
     def _first_hosts(self) -> list[HostSpec]:
         """The hosts known before the store starts (it must listen on an address they reach)."""
@@ -237,7 +240,7 @@ class ElasticDriver(ElasticWorlds):
         for w in new:
             self.workers[w.number] = w
             if self.cfg.output_filename:
-                self.console.open_logs(range(w.number, w.number + 1))
+                self.console.open_logs(range(w.number, w.number + 1), strict=False)
         agent.send(spec)
         start_pumps(agent, self.events)
         log.info("host %s: starting workers %s", host, ", ".join(w.wid for w in new))

@@ -131,6 +131,7 @@ class Console:
         # fails, the failure report shows the root cause's traceback once, instead of every rank's interleaved
         self._held: dict[int, list[tuple[str, float | None]]] = {}
         self._held_since: dict[int, float] = {}
+        self._logs_lost = False  # a log file could not be written (a full disk): no more log writes
 
     @property
     def live(self) -> bool:
@@ -167,8 +168,11 @@ class Console:
             self.tails[rank].append(text)
             if _TRACEBACK_START.match(text) and rank not in self.traceback_ts:
                 self.traceback_ts[rank] = ts or time.time()
-        if self._dir is not None:
-            self._log(rank, stream).write(text + "\n")
+        if self._dir is not None and not self._logs_lost:
+            try:
+                self._log(rank, stream).write(text + "\n")
+            except OSError as exc:
+                self._lose_logs(os.path.join(self._dir, f"rank.{rank}", stream), exc)
 
     def release(self, rank: int) -> None:
         """Print the rank's held-back traceback now."""
@@ -256,12 +260,39 @@ class Console:
             self._logs[key] = open(os.path.join(folder, stream), "w", buffering=1)  # noqa: SIM115 - open for the job
         return self._logs[key]
 
-    def open_logs(self, ranks: range) -> None:
-        """Create every rank's log files up front, so a silent rank still has (empty) ones."""
-        if self._dir is not None:
-            for rank in ranks:
-                for stream in ("stdout", "stderr"):
+    def open_logs(self, ranks: range, strict: bool = True) -> None:
+        """Create every rank's log files up front, so a silent rank still has (empty) ones.
+
+        Raises:
+            OSError: a file cannot be created (``strict=False``: the one warning of :meth:`_lose_logs` instead).
+        """
+        if self._dir is None or self._logs_lost:
+            return
+        for rank in ranks:
+            for stream in ("stdout", "stderr"):
+                try:
                     self._log(rank, stream)
+                except OSError as exc:
+                    if strict:
+                        raise
+                    self._lose_logs(os.path.join(self._dir, f"rank.{rank}", stream), exc)
+                    return
+
+    def _lose_logs(self, path: str, exc: OSError) -> None:
+        """A log file cannot be written (a full disk, a quota): say so once, naming it, and write no more log
+        lines; the console output, the job and its exit status go on."""
+        self._logs_lost = True
+        note(f"warning: cannot write the log file {path} ({exc.strerror or exc}); --output-filename {self._dir} "
+             "gets no more lines from this job, the console output goes on")
+        self._close_logs()
+
+    def _close_logs(self) -> None:
+        for fh in self._logs.values():
+            try:
+                fh.close()
+            except OSError:  # its last lines could not be flushed: the warning above said so
+                pass
+        self._logs.clear()
 
     def flush(self) -> None:
         for stream in (self._out, self._err):
@@ -278,9 +309,13 @@ class Console:
             self.rank_done(rank)
         _active = None
         self.flush()
-        for fh in self._logs.values():
-            fh.close()
-        self._logs.clear()
+        for (rank, stream), fh in list(self._logs.items()):
+            try:
+                fh.flush()
+            except OSError as exc:
+                self._lose_logs(os.path.join(str(self._dir), f"rank.{rank}", stream), exc)
+                break
+        self._close_logs()
 
 
 def traceback_of(tail: list[str]) -> list[str] | None:
