@@ -80,27 +80,32 @@ def decode_round(data: bytes) -> tuple[list[Item], list[bytes | None], dict[str,
     at = _HEAD.size
     items: list[Item] = []
     inline: list[bytes | None] = []
+    end = len(data)
+    entry, length = _ENTRY.unpack_from, _LEN.unpack_from  # the steady state's loop: a few lookups per op
     try:
         for _ in range(count):
-            form, ident = _ENTRY.unpack_from(data, at)
-            at += _ENTRY.size
+            form, ident = entry(data, at)
+            at += 5
             kind = form & ~_INLINE
             if kind == _CACHED:
                 items.append(ident)
             elif kind == _CACHED_NAMED:
-                (n,) = _LEN.unpack_from(data, at)
-                name = _take(data, at + 4, n, "an op name")
-                items.append((ident, name.decode()))
+                (n,) = length(data, at)
                 at += 4 + n
+                if at > end:
+                    raise FrameError(f"an op name of {n} bytes runs past the frame's end ({end} bytes)")
+                items.append((ident, data[at - n : at].decode()))
             elif kind == _FULL:
                 fields, at = wire.decode_from(data, at)
                 items.append(_request(fields))
             else:
-                raise FrameError(f"unknown request form {form} at byte {at - _ENTRY.size}")
+                raise FrameError(f"unknown request form {form} at byte {at - 5}")
             if form & _INLINE:
-                (n,) = _LEN.unpack_from(data, at)
-                inline.append(_take(data, at + 4, n, "inline data"))
+                (n,) = length(data, at)
                 at += 4 + n
+                if at > end:
+                    raise FrameError(f"inline data of {n} bytes runs past the frame's end ({end} bytes)")
+                inline.append(data[at - n : at])
             else:
                 inline.append(None)
     except struct.error:
@@ -108,14 +113,9 @@ def decode_round(data: bytes) -> tuple[list[Item], list[bytes | None], dict[str,
                          f"{count}") from None
     except UnicodeDecodeError:
         raise FrameError(f"the name of request {len(items) + 1} is not UTF-8") from None
-    flags = wire.decode(memoryview(data)[at:])
-    return items, inline, _flags(flags)
-
-
-def _take(data: bytes, start: int, n: int, what: str) -> bytes:
-    if start + n > len(data):
-        raise FrameError(f"{what} of {n} bytes at byte {start} runs past the frame's end ({len(data)} bytes)")
-    return data[start : start + n]
+    if len(data) - at == len(_NO_FLAGS) and data.endswith(_NO_FLAGS):  # most rounds carry no flags
+        return items, inline, {}
+    return items, inline, _flags(wire.decode(memoryview(data)[at:]))
 
 
 def _ints(value: Any) -> bool:

@@ -257,7 +257,8 @@ class Mesh:
             frame = bytes(buf[:end])
             del buf[:end]
             body = _HEAD.size + n
-            if not self._seal.check(peer, frame[body:], frame[: _HEAD.size], frame[_HEAD.size : body]):
+            view = memoryview(frame)  # of immutable bytes: slices copy nothing
+            if not self._seal.check(peer, view[body:], view[:body]):
                 raise self._bad(peer, "sent a frame that failed authentication (its tag does not match: forged or "
                                       "changed on the way)")
             self._frames[peer].append(frame[_HEAD.size : body])

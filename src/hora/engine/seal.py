@@ -39,7 +39,7 @@ class FrameSeal:
             state = self._keyed[rank] = hashlib.blake2b(key=key, digest_size=TAG_BYTES)
         return state
 
-    def tag(self, *parts: bytes) -> bytes:
+    def tag(self, *parts: bytes | memoryview) -> bytes:
         """This rank's tag over ``parts`` (header, payload), or b"" without a secret."""
         if self._mine is None:
             return b""
@@ -48,7 +48,7 @@ class FrameSeal:
             h.update(part)
         return h.digest()
 
-    def check(self, peer: int, tag: bytes, *parts: bytes) -> bool:
+    def check(self, peer: int, tag: bytes | memoryview, *parts: bytes | memoryview) -> bool:
         """Whether ``tag`` is ``peer``'s tag over ``parts`` (True without a secret)."""
         if self._secret is None:
             return True
