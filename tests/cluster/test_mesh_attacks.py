@@ -3,7 +3,7 @@ code: what the issue's attacker did (issue 23) now runs nothing, delays nothing,
 
 The attacker (tests/cluster/mesh_attack.py) runs on node2, the login host, with nothing but TCP; its sniffer
 watches node4's cable from the hub (a mirrored switch port). The job's ranks are slowed at chosen points
-(tests/cluster/attacked_worker.py) so that every attack meets every listener while it is open.
+(tests/cluster/mesh_attack_worker.py) so that every attack meets every listener while it is open.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.cluster
 
 HERE = Path(__file__).resolve().parent
 ATTACKER = str(HERE / "mesh_attack.py")
-WORKER = str(HERE / "attacked_worker.py")
+WORKER = str(HERE / "mesh_attack_worker.py")
 STRANGER = "10.78.0.2"
 
 

@@ -1,6 +1,6 @@
 """The training script of the mesh attack test: a real job whose ranks leave an attacker time to act.
 
-    python attacked_worker.py DIR
+    python mesh_attack_worker.py DIR
 
 Two ranks are slowed at chosen points, so that an attacker on the network meets every listener of the
 control mesh while it is open, deterministically (test scaffolding; hora itself is not changed):
