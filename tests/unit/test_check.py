@@ -82,6 +82,15 @@ def test_hosts_disagreeing_on_torch_are_named():
     assert "c: unreachable: ssh: connect to host c port 22: Connection refused" in text
 
 
+def test_hosts_running_different_hora_code_under_one_version_are_named():
+    mine = check.local_info()
+    answers = {"a": mine, "b": {**mine, "host": "b", "code": "e" * 64}, "c": {**mine, "host": "c", "code": None}}
+    report = check.collect(["a", "b", "c"], lambda host, argv: (0, json.dumps({"hosts": [answers[host]]}), ""))
+    assert report["ok"] is False
+    assert report["disagree"] == {"code": {mine["code"][:12]: ["a"], "e" * 12: ["b"]}}  # c: too old to say
+    assert f"MISMATCH code: {mine['code'][:12]} on a; eeeeeeeeeeee on b" in check.format_table(report)
+
+
 def test_hosts_over_the_real_command_with_one_unreachable(capsys):
     if shutil.which("ssh") is None:
         pytest.skip("no ssh client here")

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hora.code_fingerprint import code_fingerprint, short
 from hora.errors import ConfigError
 from hora.launch.hosts import HostSpec, hosts_from
 from hora.launch.preflight import hora_version, run_on_host
@@ -36,7 +37,7 @@ from hora.network import interface_addresses
 
 log = logging.getLogger(__name__)
 
-AGREE_KEYS = ("hora", "torch", "python")
+AGREE_KEYS = ("hora", "torch", "python", "code")  # code: hora's code fingerprint (one version, two builds)
 RemoteRunner = Callable[[str, Sequence[str]], "tuple[int, str, str]"]  # host, argv -> rc, stdout, stderr
 
 
@@ -123,6 +124,7 @@ def local_info() -> dict[str, Any]:
         "host": socket.gethostname(),
         "reachable": True,
         "hora": hora_version(),
+        "code": code_fingerprint(),
         "python": platform.python_version(),
         "python_executable": sys.executable,
         "torch": torch.__version__,
@@ -135,18 +137,21 @@ def local_info() -> dict[str, Any]:
 
 
 def version_disagreements(hosts: Sequence[dict[str, Any]]) -> dict[str, dict[str, list[str]]]:
-    """For each of hora/torch/python with more than one value among reachable hosts: value -> hosts.
+    """For each of hora/torch/python/code with more than one value among reachable hosts: value -> hosts.
 
-    Python must agree on major.minor only (pickled functions and bytecode care; patch releases do not).
+    Python must agree on major.minor only (pickled functions and bytecode care; patch releases do not). The
+    code fingerprint shows as its first 12 digits; a host whose hora is too old to report one is left out.
     """
     out: dict[str, dict[str, list[str]]] = {}
     for key in AGREE_KEYS:
         seen: dict[str, list[str]] = {}
         for h in hosts:
-            if h.get("reachable"):
+            if h.get("reachable") and (key != "code" or h.get("code")):
                 value = str(h.get(key))
                 if key == "python":
                     value = ".".join(value.split(".")[:2])
+                if key == "code":
+                    value = short(value)
                 seen.setdefault(value, []).append(h["host"])
         if len(seen) > 1:
             out[key] = seen
