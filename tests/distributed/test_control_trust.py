@@ -68,7 +68,8 @@ def test_a_rank_with_another_secret_is_refused_on_the_mesh() -> None:
                         env={"HORA_START_TIMEOUT": "12"})
     assert "is not rank 0 of this job: it could not prove that it holds the job's secret" in results[1], results[1]
     # rank 0 waited for the real rank 1 until its deadline, and says what it refused meanwhile
-    assert "rank(s) [1] did not connect to it within 12s; meanwhile it refused 1 connection(s)" in results[0], results[0]
+    waited = "rank(s) [1] did not connect to it within 12s; meanwhile it refused 1 connection(s)"
+    assert waited in results[0], results[0]
 
 
 def test_a_rank_without_a_secret_among_ranks_with_one_is_told_how_to_fix_it() -> None:
