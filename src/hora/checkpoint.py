@@ -8,6 +8,11 @@ a newer one is being written. The directory must be shared by every host (a PVC,
 /checkpoints volume); a rank that cannot see the chosen file gets a :class:`CheckpointError` saying so.
 
 Files are ``<directory>/ckpt-<step, 9 digits>.pt``; temporary files start with a dot and are never chosen.
+A temporary file is named after its writer (``.ckpt-<step>.pt.tmp.<host>.<pid>``): ``save`` and ``restore``
+remove those of writers that died mid-save (a SIGKILL, a lost node): on the same host, when that process is
+gone; from another host, when the file has not changed for :data:`STALE_AFTER_S`. ``restore`` skips a latest
+checkpoint that cannot be read (cut short by a full disk, damaged) with a warning naming it, and resumes from
+the newest one every rank can read.
 
 Example:
     >>> from hora import checkpoint
@@ -22,20 +27,26 @@ import logging
 import os
 import pickle
 import re
+import socket
+import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from hora import runtime
 from hora.errors import HoraError
-from hora.functions import broadcast_object
+from hora.functions import allgather_object, broadcast_object
 
-__all__ = ["CheckpointError", "checkpoints", "latest", "restore", "save"]
+__all__ = ["CheckpointError", "checkpoints", "clear_stale", "latest", "restore", "save"]
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
+_TEMP = re.compile(r"^\.ckpt-\d{9}\.pt\.tmp\.(?:(?P<host>.+)\.)?(?P<pid>\d+)$")
+STALE_AFTER_S = 3600.0  # a temporary file from another host untouched this long belongs to a dead writer
+# what torch.load raises on a file cut short or damaged
+_UNREADABLE = (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError)
 
 
 class CheckpointError(HoraError, OSError):
@@ -90,6 +101,9 @@ def save(directory: str | os.PathLike[str], step: int, state: Any, *, keep: int 
 
     The write is atomic (temporary file, fsync, rename, fsync of the directory). Afterwards only the newest
     ``keep`` checkpoints are kept (``keep=0`` keeps all). Returns the path on rank 0, None elsewhere.
+
+    Raises:
+        CheckpointError: the file could not be written (a full disk, no permission); no temporary file is left.
     """
     if step < 0 or step >= 10**9:
         raise ValueError(f"checkpoint step must be in 0..999999999, got {step}")
@@ -97,19 +111,21 @@ def save(directory: str | os.PathLike[str], step: int, state: Any, *, keep: int 
         return None
     where = Path(directory)
     final = _path(where, step)
-    tmp = where / f".{final.name}.tmp.{os.getpid()}"
+    tmp = where / f".{final.name}.tmp.{_writer()}"
     try:
         where.mkdir(parents=True, exist_ok=True)
+        clear_stale(where)
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            _write(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
         _fsync_dir(where)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise CheckpointError(f"cannot write checkpoint {final}: {e.strerror or e}; check that {where} is "
                               "writable and has space") from e
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed write (a full disk) leaves nothing behind
     if keep > 0:
         for _, old in checkpoints(where)[:-keep]:
             old.unlink(missing_ok=True)
@@ -117,29 +133,148 @@ def save(directory: str | os.PathLike[str], step: int, state: Any, *, keep: int 
     return final
 
 
-def restore(directory: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any | None:
-    """Load the newest complete checkpoint in ``directory`` on every rank; None when there is none yet.
+class _Sink:
+    """The file ``torch.save`` writes to, remembering the OSError a write raised: torch reports a failed write
+    to a real file as its own ``RuntimeError`` ("unexpected pos ...")."""
 
-    Call it on every rank (after ``hora.init()`` in a job of several ranks): rank 0 chooses the file and every
-    rank loads that same file from the shared directory.
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _write(state: Any, f: IO[bytes]) -> None:
+    sink = _Sink(f)
+    try:
+        torch.save(state, sink)  # type: ignore[arg-type]  # a writable object is what torch.save needs
+    except RuntimeError as e:
+        if sink.error is None:
+            raise
+        raise sink.error from e
+
+
+def _writer() -> str:
+    """This process as a temporary file's suffix: ``<host>.<pid>``."""
+    host = re.sub(r"[^A-Za-z0-9_-]+", "-", socket.gethostname()) or "host"
+    return f"{host}.{os.getpid()}"
+
+
+def clear_stale(directory: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary files of writers that died mid-save; return what was removed.
+
+    A writer on this host is dead when its process is gone (or a younger process has its pid); a writer on
+    another host, or one named by pid alone (older hora), when its file has not changed for
+    :data:`STALE_AFTER_S` seconds.
+    """
+    removed = []
+    me = _writer().rsplit(".", 1)[0]
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        m = _TEMP.match(entry.name)
+        if m is None:
+            continue
+        try:
+            changed = entry.stat().st_mtime
+        except OSError:
+            continue  # gone meanwhile (renamed into place)
+        if m.group("host") == me:
+            stale = not _alive_since(int(m.group("pid")), changed)
+        else:
+            stale = time.time() - changed > STALE_AFTER_S
+        if stale:
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+            log.warning("removed %s: the temporary file of a checkpoint write that never finished (its writer "
+                        "died)", entry)
+    return removed
+
+
+def _alive_since(pid: int, changed: float) -> bool:
+    """Process ``pid`` exists and started before ``changed`` (a wall-clock time), so it may be that file's writer."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as fh:
+            boot = next(float(line.split()[1]) for line in fh if line.startswith("btime "))
+    except (OSError, StopIteration, IndexError, ValueError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    if fields[0] in ("Z", "X"):
+        return False
+    started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return started <= changed + 1.0  # start times are in clock ticks, boot time in seconds
+
+
+def restore(directory: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any | None:
+    """Load the newest checkpoint of ``directory`` that every rank can read, on every rank; None when there is
+    none yet.
+
+    Call it on every rank (after ``hora.init()`` in a job of several ranks): rank 0 lists the checkpoints and
+    every rank loads the same file from the shared directory. A newer one that cannot be read (cut short by a
+    full disk, damaged) is skipped with a warning naming it, and the previous one is loaded.
+
+    Raises:
+        CheckpointError: a rank does not see the file rank 0 chose (the directory is not shared), or no
+            checkpoint in ``directory`` can be read.
     """
     rank, size = _rank_and_size()
-    chosen: str | None = None
+    names: list[str] | None = None
     if rank == 0:
-        found = latest(directory)
-        chosen = str(found[1]) if found else None
+        clear_stale(directory)
+        names = [str(p) for _, p in reversed(checkpoints(directory))]
     if size > 1:
-        chosen = broadcast_object(chosen, root_rank=0, name="hora.checkpoint.restore")
-    if chosen is None:
-        return None
+        names = broadcast_object(names, root_rank=0, name="hora.checkpoint.restore")
+    assert names is not None
+    unreadable: list[str] = []
+    for attempt, chosen in enumerate(names):
+        state, problem = _load(chosen, map_location)
+        problems = [problem] if size == 1 else allgather_object(problem, name=f"hora.checkpoint.load.{attempt}")
+        missing = [r for r, p in enumerate(problems) if p is not None and p[0] == "missing"]
+        if missing and len(missing) < size:
+            ranks = ", ".join(map(str, missing))
+            raise CheckpointError(f"rank{'s' if len(missing) > 1 else ''} {ranks}: rank 0 chose checkpoint {chosen} "
+                                  f"but {'they do' if len(missing) > 1 else 'its host does'} not see it; {directory} "
+                                  "must be storage shared by every host (a PVC, NFS, a volume)")
+        bad = [(r, p[1]) for r, p in enumerate(problems) if p is not None and p[0] == "unreadable"]
+        if not missing and not bad:
+            log.info("resumed from checkpoint %s", chosen)
+            return state
+        if bad:
+            who, why = bad[0]
+            unreadable.append(f"{chosen} ({why})")
+            if rank == 0:
+                log.warning("checkpoint %s cannot be read (rank %d: %s): it was cut short or is damaged; going back "
+                            "to the previous one. The file is left in place (the next save of that step replaces "
+                            "it)", chosen, who, why)
+    if unreadable:
+        raise CheckpointError(f"rank {rank}: no checkpoint in {directory} can be read: {'; '.join(unreadable)}. "
+                              "Move the damaged files out of the directory to start afresh")
+    return None
+
+
+def _load(path: str, map_location: Any) -> tuple[Any, tuple[str, str] | None]:
+    """``(state, None)``, or ``(None, ("missing" | "unreadable", why))``."""
     try:
-        state = torch.load(chosen, map_location=map_location, weights_only=False)
+        return torch.load(path, map_location=map_location, weights_only=False), None
     except FileNotFoundError as e:
-        raise CheckpointError(f"rank {rank}: rank 0 chose checkpoint {chosen} but this host does not see it; "
-                              f"{directory} must be storage shared by every host (a PVC, NFS, a volume)") from e
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
-        raise CheckpointError(f"rank {rank}: cannot read checkpoint {chosen}: {e}. The file is damaged or was "
-                              "written by an incompatible torch; move it out of the directory and restore() "
-                              "takes the previous one") from e
-    log.info("resumed from checkpoint %s", chosen)
-    return state
+        return None, ("missing", str(e))
+    except _UNREADABLE as e:
+        first = (str(e).splitlines() or [""])[0].split(". ")[0]  # torch adds paragraphs of advice
+        return None, ("unreadable", f"{type(e).__name__}: {first}"[:300])

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +56,83 @@ def test_a_failed_write_leaves_no_checkpoint_and_says_where(tmp_path: Path) -> N
     assert checkpoint.latest(tmp_path) is None
 
 
-def test_a_damaged_checkpoint_says_how_to_go_back_to_the_previous_one(tmp_path: Path) -> None:
-    checkpoint.save(tmp_path, 1, {"step": 1})
+def _restore_or_error(rank: int, size: int, directory: str) -> Any:
+    try:
+        return _restore(rank, size, directory)
+    except checkpoint.CheckpointError as e:
+        return f"CheckpointError: {e}"
+
+
+def test_a_truncated_latest_checkpoint_is_skipped_with_a_warning_naming_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    checkpoint.save(tmp_path, 1, {"step": 1, "w": torch.ones(2)})
+    whole = checkpoint.save(tmp_path, 2, {"step": 2, "w": torch.zeros(100_000)})
+    assert whole is not None
+    whole.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])  # the disk filled up mid-copy
+    assert run_ranks(_restore, 2, str(tmp_path)) == [(1, [1.0, 1.0]), (1, [1.0, 1.0])]  # every rank: the same one
+    with caplog.at_level("WARNING", logger="hora.checkpoint"):
+        state = checkpoint.restore(tmp_path)
+    assert state["step"] == 1
+    assert any(f"checkpoint {whole} cannot be read" in r.getMessage() and "going back to the previous one"
+               in r.getMessage() for r in caplog.records), caplog.text
+    assert whole.exists()  # left for the user to look at; the next save of step 2 replaces it
+
+
+def test_no_readable_checkpoint_is_an_error_naming_the_files(tmp_path: Path) -> None:
     (tmp_path / "ckpt-000000002.pt").write_bytes(b"not a torch file")  # e.g. copied in half by hand
-    with pytest.raises(checkpoint.CheckpointError, match=r"ckpt-000000002\.pt.*move it out of the directory"):
-        checkpoint.restore(tmp_path)
-    (tmp_path / "ckpt-000000002.pt").rename(tmp_path / "damaged")
-    assert checkpoint.restore(tmp_path) == {"step": 1}
+    results = run_ranks(_restore_or_error, 2, str(tmp_path))
+    for rank, text in enumerate(results):
+        assert text.startswith(f"CheckpointError: rank {rank}: no checkpoint in {tmp_path} can be read: "
+                               f"{tmp_path / 'ckpt-000000002.pt'} ("), text
+        assert text.endswith("Move the damaged files out of the directory to start afresh"), text
+
+
+def test_a_full_disk_is_a_checkpoint_error_and_leaves_no_temporary_file(small_disk) -> None:  # type: ignore[no-untyped-def]
+    disk = small_disk(256)
+    checkpoint.save(disk, 1, {"w": torch.ones(8)})
+    with pytest.raises(checkpoint.CheckpointError, match=r"cannot write checkpoint .*ckpt-000000002\.pt: No space "
+                                                         r"left on device; check that .* is writable and has space"):
+        checkpoint.save(disk, 2, {"w": torch.zeros(1 << 20)})  # 4 MB on a 256 KB disk
+    assert sorted(p.name for p in disk.iterdir()) == ["ckpt-000000001.pt"]
+
+
+SAVER_KILLED_MID_SAVE = """
+import sys, time
+from hora import checkpoint
+
+class Slow:
+    def __reduce__(self):  # torch.save pickles the state into the open temporary file
+        open(sys.argv[2], "w").close()
+        time.sleep(600)
+
+checkpoint.save(sys.argv[1], 3, {"x": Slow()})
+"""
+
+
+def test_temporary_files_of_dead_writers_are_cleared_and_live_ones_kept(tmp_path: Path) -> None:
+    folder, mid_save = tmp_path / "ckpt", tmp_path / "mid_save"
+    writer = subprocess.Popen([sys.executable, "-c", SAVER_KILLED_MID_SAVE, str(folder), str(mid_save)])
+    try:
+        deadline = time.monotonic() + 60
+        while not mid_save.exists() and writer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mid_save.exists(), "the writer never reached its save"
+    finally:
+        writer.kill()  # SIGKILL mid-save: its temporary file stays behind
+        writer.wait()
+    dead = [p.name for p in folder.iterdir()]
+    assert len(dead) == 1 and dead[0].startswith(".ckpt-000000003.pt.tmp.") and dead[0].endswith(f".{writer.pid}")
+    host = dead[0][len(".ckpt-000000003.pt.tmp."):-len(f".{writer.pid}")]
+    live = folder / f".ckpt-000000004.pt.tmp.{host}.{os.getpid()}"  # this process: alive, so maybe still writing
+    live.write_bytes(b"partial")
+    elsewhere = folder / ".ckpt-000000005.pt.tmp.otherhost.77"  # another host's writer, recently active
+    elsewhere.write_bytes(b"partial")
+    abandoned = folder / ".ckpt-000000006.pt.tmp.otherhost.78"
+    abandoned.write_bytes(b"partial")
+    hour_ago = time.time() - checkpoint.STALE_AFTER_S - 60
+    os.utime(abandoned, (hour_ago, hour_ago))
+
+    assert checkpoint.restore(folder) is None
+    assert sorted(p.name for p in folder.iterdir()) == sorted([live.name, elsewhere.name])
+    checkpoint.save(folder, 7, {"step": 7})
+    assert sorted(p.name for p in folder.iterdir()) == sorted([live.name, elsewhere.name, "ckpt-000000007.pt"])
