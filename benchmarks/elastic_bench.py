@@ -5,18 +5,18 @@ Each figure is from one run on this machine, with the load average beside it:
 
 * recovery: from a SIGKILL of one worker to the survivors' next completed step (every survivor done with a
   step in the new world), median and max over ``--trials`` kills. hora: ``hora run -np 4 --min-np 2 -H
-  127.0.0.1:2,127.0.0.2:2 --blacklist-cooldown-range 1 1`` (two "hosts" on loopback addresses, no ssh; the
-  killed worker's host is blacklisted for about a second, then comes back, so every trial starts from 4
-  workers). torchrun: ``torchrun --nnodes=1:2 --nproc-per-node=4 --max-restarts=N`` (c10d rendezvous): it
-  restarts every worker; its figure is from the kill to the restarted workers' first step (they start again
-  from step 0: torchrun keeps no in-memory state).
-* scale-up: while the blacklisted host's new workers start (import torch, build) and join, the survivors'
+  localhost:4 --blacklist-cooldown-range 1 1`` (one machine, as docs/elastic.md runs it: the killed worker's
+  host takes no new worker for about a second while the other three train on, then its slot gets a new
+  worker, so every trial starts from 4 workers). torchrun: ``torchrun --nnodes=1:2 --nproc-per-node=4
+  --max-restarts=N`` (c10d rendezvous): it restarts every worker; its figure is from the kill to the
+  restarted workers' first step (they start again from step 0: torchrun keeps no in-memory state).
+* scale-up: while the failed slot's new worker starts (import torch, build) and joins, the survivors'
   longest gap between two steps.
 * no-event overhead: the median step time of the same script under ``hora run -np 4 --min-np 4`` (elastic,
   nothing happens) over ``hora run -np 4`` (fixed), alternating A B A B.
 * failures in a row (``--kill-runs N``): each of SIGKILL / an exception, with fixed ``-H`` + ``--min-np`` and
-  with a discovery script, N times in one job; each failure checked (survivors recover, the failed host's
-  processes are gone, equal parameters on every rank at every step), and the job's end (exit 0, equal final
+  with a discovery script, N times in one job; each failure checked (survivors recover, the failed worker's
+  process is gone, equal parameters on every rank at every step), and the job's end (exit 0, equal final
   parameters, no process left). The exit status is 1 when any of them failed.
 
 The worker is benchmarks/elastic_worker.py (hvd.elastic.run + TorchState, a commit every step). The report
@@ -183,19 +183,18 @@ VARIANTS: dict[str, tuple[str, str]] = {
     "SIGKILL, discovery script": ("kill", "discovery"),
     "raise, discovery script": ("raise", "discovery"),
 }
-HOSTS = ("127.0.0.2", "127.0.0.1")  # the host of the failing worker, in turn (127.0.0.1 holds rank 0 at first)
+HOSTS = "localhost:4"  # one machine: the failed worker's host-mates train on (docs/elastic.md)
 RECOVER_S = 60.0  # a failure whose survivors have not stepped again by then counts as failed
-LEAVE_S = 30.0  # the failed host's processes (the failed one and the host-mate the launcher stops) must be gone
+LEAVE_S = 30.0  # the failed worker's process must be gone by then
 
 
 def _cycle(job: Job, trial: int, how: str, since: float) -> tuple[dict[str, Any], float]:
-    """One failure in a world of 4, the survivors' recovery, the failed host's return; checks each step."""
+    """One failure in a world of 4, the survivors' recovery, the failed slot's return; checks each step."""
     world = _full_world(job, since, 4, 3)
-    host = HOSTS[trial % 2]
-    on_host = sorted((s for s in world.values() if s["host"] == host), key=lambda s: s["wid"])
-    victim = on_host[(trial // 2) % len(on_host)]
-    survivors = {pid for pid, s in world.items() if s["host"] != host}
-    doomed = frozenset(s["pid"] for s in on_host)
+    ranked = sorted(world.values(), key=lambda s: s["rank"])
+    victim = ranked[0] if trial % 2 else ranked[1 + (trial // 2) % 3]  # rank 0 every other time
+    survivors = {pid for pid in world if pid != victim["pid"]}
+    doomed = frozenset({victim["pid"]})
     load = os.getloadavg()[0]
     failed_at = time.time()
     if how == "kill":
@@ -203,22 +202,22 @@ def _cycle(job: Job, trial: int, how: str, since: float) -> tuple[dict[str, Any]
     else:
         (job.out / f"raise.{victim['wid']}").touch()
     job.wait_for("the survivors' next step", lambda steps: survivors <= {
-        s["pid"] for s in steps if s["t"] > failed_at and s["size"] == 2}, RECOVER_S)
+        s["pid"] for s in steps if s["t"] > failed_at and s["size"] == 3}, RECOVER_S)
     firsts: dict[int, float] = {}
     for s in job.steps:
-        if s["t"] > failed_at and s["size"] == 2 and s["pid"] in survivors:
+        if s["t"] > failed_at and s["size"] == 3 and s["pid"] in survivors:
             firsts.setdefault(s["pid"], s["t"])
     deadline = time.monotonic() + LEAVE_S
     while any(_alive(p) for p in doomed) and time.monotonic() < deadline:
         time.sleep(0.05)
     left = sorted(p for p in doomed if _alive(p))
-    # the host comes back after its cooldown (~1 s): its new workers import, build and join
+    # the host comes back after its cooldown (~1 s): the failed slot's new worker imports, builds and joins
     _full_world(job, failed_at, 4, 2, exclude=doomed)
     joined = min(s["t"] for s in job.steps if s["t"] > failed_at and s["size"] == 4 and s["pid"] not in doomed
                  and s["pid"] not in survivors)
     times = sorted(s["t"] for s in job.steps if s["pid"] in survivors and min(firsts.values()) <= s["t"] <= joined + 1)
     differ = _digests_differ(job.read(), since)
-    problems = ([f"processes of the failed host left running: {left}"] if left else []) + (
+    problems = ([f"the failed worker's process left running: {left}"] if left else []) + (
         [f"parameters differ between ranks at {', '.join(differ[:3])}"] if differ else [])
     record = {"trial": trial, "victim": victim["wid"], "victim_rank": victim["rank"], "load_1min": load,
               "recovery_s": max(firsts.values()) - failed_at,
@@ -228,17 +227,17 @@ def _cycle(job: Job, trial: int, how: str, since: float) -> tuple[dict[str, Any]
 
 
 def kill_runs(name: str, cycles: int, tmp: Path) -> dict[str, Any]:
-    """One elastic job of 4 workers on two loopback hosts; ``cycles`` failures in a row (each: a worker fails,
-    the survivors recover, the failed host comes back after its cooldown); then the job is stopped and must
-    end with exit code 0, equal parameters on every rank and no process left."""
+    """One elastic job of 4 workers on this machine; ``cycles`` failures in a row (each: a worker fails, the
+    survivors recover, the failed slot gets a new worker after its host's cooldown); then the job is stopped and
+    must end with exit code 0, equal parameters on every rank and no process left."""
     how, source = VARIANTS[name]
     out = tmp / f"kills-{how}-{source}"
     out.mkdir()
     if source == "fixed":
-        hosts = ["-H", "127.0.0.1:2,127.0.0.2:2"]
+        hosts = ["-H", HOSTS]
     else:
         listing = out / "hosts.txt"
-        listing.write_text("127.0.0.1:2\n127.0.0.2:2\n")
+        listing.write_text(HOSTS + "\n")
         hosts = ["--max-np", "4", "--host-discovery-script", f"cat {listing}"]
     job = Job([*HORA, "-np", "4", "--min-np", "2", *hosts, "--blacklist-cooldown-range", "1", "1",
                PYTHON, WORKER, str(out), "--sleep", "0.02", "--digest"], out)
@@ -384,12 +383,11 @@ def _report(data: dict[str, Any]) -> str:
         "",
         "## Every failure test many times in a row (target: 0 failures)",
         "",
-        "Each variant is one elastic job of 4 workers on two loopback hosts (127.0.0.1:2, 127.0.0.2:2, "
-        "--blacklist-cooldown-range 1 1) in which a worker fails again and again, on each host in turn (so rank 0 "
-        "fails every other time): a SIGKILL, or an exception raised in the training loop. A failure counts as "
-        f"passed when both survivors step in a world of 2 within {RECOVER_S:g} s, every process of the failed "
-        f"host (the failed worker and the host-mate the launcher stops) is gone within {LEAVE_S:g} s, the host's "
-        "new workers join after the cooldown (a world of 4 again), and every rank of every world has the same "
+        f"Each variant is one elastic job of 4 workers on one machine ({HOSTS}, --blacklist-cooldown-range 1 1) "
+        "in which a worker fails again and again (rank 0 every other time): a SIGKILL, or an exception raised in "
+        "the training loop. A failure counts as passed when the 3 survivors step in a world of 3 within "
+        f"{RECOVER_S:g} s, the failed worker's process is gone within {LEAVE_S:g} s, the failed slot's new "
+        "worker joins after the cooldown (a world of 4 again), and every rank of every world has the same "
         "parameters at every step (a hash recorded each step). At the end each job must exit 0 with equal final "
         "parameters on every rank and no process left (none of the agents and workers seen below its launcher); "
         "a job that does not counts as one more failure.",

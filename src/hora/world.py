@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.01  # how often a waiting worker reads the newest world's number (one small store read)
 _joined: proto.World | None = None  # the last world this process joined
+_before: proto.World | None = None  # the world it was in before that one
 
 
 def join(store: Any, env: WorkerEnv, last_gen: int, timeout_s: float) -> tuple[WorkerEnv, proto.World]:
@@ -76,8 +77,8 @@ def join(store: Any, env: WorkerEnv, last_gen: int, timeout_s: float) -> tuple[W
                     local_size=member.local_size, cross_rank=member.cross_rank, cross_size=member.cross_size,
                     hostname=member.hostname or env.hostname, world_gen=gen)
                 log.info("worker %s joins world %d as rank %d of %d", env.worker_id, gen, member.rank, world.size)
-                global _joined
-                _joined = world
+                global _joined, _before
+                _before, _joined = _joined, world
                 return new_env, world
             if last_gen > 0:
                 log.warning("hora elastic: worker %s (in world %d) is not in world %d: its host was removed; "
@@ -141,6 +142,12 @@ def hosts_by_rank(env: WorkerEnv) -> list[str] | None:
 def joined() -> proto.World | None:
     """The last world this process joined (None outside elastic jobs)."""
     return _joined
+
+
+def grew() -> bool:
+    """The last world this process joined holds a worker that the world before it did not: whatever the reset
+    was for (e.g. the removal of hosts whose workers handed the state to new ones), the state must be synced."""
+    return _before is not None and _joined is not None and any(w not in _before.workers for w in _joined.workers)
 
 
 def updates_count(store: Any, job_id: str) -> int:

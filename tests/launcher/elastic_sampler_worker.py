@@ -9,10 +9,12 @@ divide evenly over 2 or 4 ranks, and the exactly-once check needs no padding). E
 ``{"wid", "pid", "rank", "size", "gen", "step"}`` to OUTDIR/steps.jsonl. At the end each worker writes
 OUTDIR/final.<wid>.json: its parameters, the global batches the state applied (rolled back with it at a
 failure), and the parameters of a one-process replay of exactly those batches. OUTDIR/started.<wid> says a
-worker got as far as ``hvd.init()``, OUTDIR/built.<wid> that it calls ``train(state)`` (where a worker started
-while the job runs joins the job's world). OUTDIR/kill.<wid> makes that worker SIGKILL itself at its next step;
-while OUTDIR/hold exists, rank 0 waits before each commit (its peers wait for it in their next collective),
-so a test can change the hosts before training goes on.
+worker got as far as ``hvd.init()`` (OUTDIR/slow.<wid> holding a number of seconds makes it sleep that long
+first), OUTDIR/init.<wid>.json holds the rank and size ``hvd.init()`` gave it, OUTDIR/built.<wid> says that it
+calls ``train(state)`` (where a worker started while the job runs joins the job's world). OUTDIR/kill.<wid>
+makes that worker SIGKILL itself at its next step; OUTDIR/pace (seconds) slows every step down; while
+OUTDIR/hold exists, rank 0 waits before each commit
+(its peers wait for it in their next collective), so a test can change the hosts before training goes on.
 """
 
 from __future__ import annotations
@@ -64,7 +66,13 @@ def replay(batches: list[list[int]]) -> list[float]:
 def main(out: Path) -> None:
     wid = os.environ["HORA_WORKER_ID"]
     (out / f"started.{wid}").touch()
+    slow = out / f"slow.{wid}"
+    if slow.exists():  # a slow start-up (a cold container, large imports): seconds before hvd.init()
+        time.sleep(float(slow.read_text()))
     hvd.init()
+    # what a Horovod script reads right after init(), e.g. for a DistributedSampler: the world it trains in
+    (out / f"init.{wid}.json").write_text(json.dumps({"rank": hvd.rank(), "size": hvd.size()}))
+    pace = float((out / "pace").read_text()) if (out / "pace").exists() else 0.0  # seconds added to each step
     model = new_model()
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
                                          named_parameters=model.named_parameters())
@@ -92,6 +100,8 @@ def main(out: Path) -> None:
                 everyone = hvd.allgather_object(batch, name="test.batch")
                 state.sampler.record_batch(idx, BATCH)
                 state.applied = (*state.applied, [i for part in everyone for i in part])
+                if pace:
+                    time.sleep(pace)
                 with (out / "steps.jsonl").open("a") as f:
                     f.write(json.dumps({"wid": wid, "pid": os.getpid(), "rank": hvd.rank(), "size": hvd.size(),
                                         "step": len(state.applied), "t": time.time()}) + "\n")

@@ -126,24 +126,44 @@ def test_discovery_grows_and_shrinks_the_world(elastic: Callable[..., Elastic], 
     _no_orphans(job)
 
 
-def test_failed_hosts_are_blacklisted_and_come_back_after_their_cooldown(elastic: Callable[..., Elastic]) -> None:
+def test_a_failed_worker_blacklists_its_host_for_new_workers_only_and_it_comes_back_after_the_cooldown(
+        elastic: Callable[..., Elastic]) -> None:
     job = elastic("-H", "127.0.0.1:2,127.0.0.2:2", "--min-np", "2", "--blacklist-cooldown-range", "2", "2",
                   "--reset-limit", "3")
     assert len(job.wait_world(1, 4)) == 4
-    job.inject("raise", "127.0.0.2:1")  # an exception: its host is blacklisted, its host-mate stopped
-    w2 = job.wait_world(2, 2)
-    assert w2 == {"127.0.0.1:0": (0, 2), "127.0.0.1:1": (1, 2)}
-    # the cooldown ends: the host is back with new processes, numbered after the survivors
+    job.inject("raise", "127.0.0.2:1")  # an exception: its host is blacklisted, its healthy host-mate stays
+    w2 = job.wait_world(2, 3)
+    assert w2 == {"127.0.0.1:0": (0, 3), "127.0.0.1:1": (1, 3), "127.0.0.2:0": (2, 3)}
+    # the cooldown ends: the failed slot gets a new process, numbered after the survivors
     w3 = job.wait_world(3, 4)
-    assert w3["127.0.0.2:0"] == (2, 4) and w3["127.0.0.2:1"] == (3, 4)
-    job.inject("kill", "127.0.0.1:0")  # SIGKILL of rank 0: a survivor on the other host becomes rank 0
-    w4 = job.wait_world(4, 2)
-    assert w4 == {"127.0.0.2:0": (0, 2), "127.0.0.2:1": (1, 2)}
+    assert w3["127.0.0.2:1"] == (3, 4)
+    job.inject("kill", "127.0.0.1:0")  # SIGKILL of rank 0: the next survivor in rank order becomes rank 0
+    w4 = job.wait_world(4, 3)
+    assert w4 == {"127.0.0.1:1": (0, 3), "127.0.0.2:0": (1, 3), "127.0.0.2:1": (2, 3)}
     code, log = job.finish()
     assert code == 0, log  # 3 resets: within --reset-limit 3
     assert "RuntimeError: 127.0.0.2:1: injected failure" in log  # the failed worker's traceback is shown
-    assert "host 127.0.0.2 blacklisted for 2s" in log
+    assert "host 127.0.0.2 blacklisted for 2s (no new worker starts there)" in log
     assert "worker 127.0.0.1:0 (process [0], rank 0) on host 127.0.0.1 failed: signal SIGKILL (9)" in log
+    _no_orphans(job)
+
+
+def test_on_one_machine_a_failed_workers_host_mate_goes_on_and_the_slot_comes_back_after_the_cooldown(
+        elastic: Callable[..., Elastic]) -> None:
+    """Issue 27 item 2: with every slot on one host, a SIGKILLed worker's host-mate holds the only copy of the
+    state; blacklisting the host must not stop it (hora failed: "no worker of world 1 is left to carry the
+    training state"). After the cooldown a new worker takes the slot, started as rank 1 of 2."""
+    job = elastic("-H", "localhost:2", "--min-np", "1", "--blacklist-cooldown-range", "1", "1")
+    job.wait_world(1, 2)
+    job.inject("kill", "localhost:1")
+    assert job.wait_world(2, 1) == {"localhost:0": (0, 1)}
+    assert job.wait_world(3, 2) == {"localhost:0": (0, 2), "localhost:1": (1, 2)}
+    first = {s["pid"] for s in job.steps() if s["wid"] == "localhost:1" and s["gen"] == 1}
+    again = [s for s in job.steps() if s["wid"] == "localhost:1" and s["gen"] == 3]
+    assert again[0]["pid"] not in first and again[0]["start_rank"] == 1  # a new process, started for rank 1
+    code, log = job.finish()
+    assert code == 0, log
+    assert "host localhost blacklisted for 1s (no new worker starts there)" in log, log
     _no_orphans(job)
 
 

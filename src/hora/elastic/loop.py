@@ -3,7 +3,7 @@
     sync the state from rank 0 -> call the function
       -> a collective failed (HorovodInternalError): restore the last commit, reset, sync, call again
       -> hosts changed (HostsUpdatedInterrupt at a commit): keep the current state, reset, sync unless only
-         hosts were removed, call again
+         hosts were removed and the new world holds no new worker, call again
       -> it returned: return its value
 
 A reset (:func:`hora.runtime.reset`) leaves the old world and joins the launcher's next one: new ranks, a
@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from hora import newcomer, runtime
+from hora import newcomer, runtime, world
 from hora.elastic.state import State
 from hora.errors import CollectiveError, CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt
 
@@ -70,6 +70,7 @@ def run(func: F) -> F:
             except HostsUpdatedInterrupt as e:
                 skip_sync, failed = e.skip_sync, False
             _reset(failed)
+            skip_sync = skip_sync and not world.grew()  # a new worker is in the new world: it needs the state
             state.on_reset()
 
     return wrapper  # type: ignore[return-value]

@@ -8,11 +8,14 @@ It runs the contract of :mod:`hora.launch.elastic_protocol` from the launcher's 
   they posted ready, an ``update`` (added) makes the members reset at their next commit, and the next world
   holds them too.
 * a host removed: an ``update`` (removed); the next world leaves its workers out; they exit 0 (or are
-  stopped after a grace).
+  stopped after a grace). When they are the last members (every other host went too), they hand the state
+  over first: they wait (up to ``--elastic-timeout``) for new workers, form one world with them, and leave
+  at its first commit.
 * a worker that dies or raises: ``ended/<rank>`` goes onto the newest world's board at once (its peers'
   collectives fail with ``HorovodInternalError``), its host is blacklisted (cooldown with backoff when a
-  range is given), the host's other workers are stopped, and once every survivor posted ready the next
-  world goes out without them.
+  range is given): no new worker starts there meanwhile, but the host's other workers are healthy and stay
+  (they may hold the only copy of the state, e.g. on one machine); once every survivor posted ready the
+  next world goes out without the failed one.
 * a member frozen (stopped, stuck in a native call, cut off): the newest world's board is read as the fixed
   driver reads it (:mod:`hora.launch.stalls`): its agent says what its process is doing; past the stall
   shutdown time (``--stall-check-shutdown-time-seconds``), once its peers gave up on it (they reset) or it
@@ -199,8 +202,8 @@ class ElasticDriver(ElasticWorlds):
         by_host: dict[str, list[int]] = {}
         for host, slot in missing:
             by_host.setdefault(host, []).append(slot)
-        base = self._members() + [w for w in self.workers.values() if w.alive and not w.leaving
-                                  and not self._member(w)]
+        base = (self._members() or self._carriers()) + [w for w in self.workers.values() if w.alive and not w.leaving
+                                                         and not self._member(w)]
         plan = ep.assign_world(self._previous(base), (self.world.gen if self.world else 0) + 1,
                                [(w.wid, w.host) for w in base] + [(ep.worker_id(h, s), h) for h, s in missing])
         for host, host_slots in by_host.items():
@@ -312,16 +315,13 @@ class ElasticDriver(ElasticWorlds):
             return
         self.console.release(w.number)  # its traceback, as it printed it: the job goes on
         self.console.rank_done(w.number)
+        # the blacklist decides where new workers start: the host's other workers are healthy and go on (they
+        # may hold the only copy of the training state)
         delay = self.hostman.blacklist(w.host, time.monotonic(), how)
         back = "for good" if delay == float("inf") else f"for {delay:.0f}s"
-        note(f"{who} on host {w.host} failed: {how}; host {w.host} blacklisted {back}")
+        note(f"{who} on host {w.host} failed: {how}; host {w.host} blacklisted {back} (no new worker starts there)")
         if member:
             self._lost_member = True
-        for other in self.workers.values():  # the failed host's other workers go too
-            if other.alive and other.host == w.host and not other.leaving:
-                self._let_go(other)
-                self._post_ended(other, f"stopped: host {w.host} was blacklisted")
-                other.agent.send({"t": protocol.STOP, "grace": self.cfg.grace, "r": [other.number]})
         self._last = w
 
     def _on_agent_gone(self, agent: AgentHandle, code: int) -> None:

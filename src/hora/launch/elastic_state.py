@@ -102,6 +102,7 @@ class ElasticState:
         self._stop_deadline: float | None = None
         self._reset_since: float | None = None
         self._lost_member = False  # a member of the newest world died or left: a reset is due
+        self._handing_over = False  # the members left are on removed hosts and wait for newcomers (said once)
         self._short_since: float | None = None  # since when fewer than --min-np slots are available
         self._start_deadline = 0.0
         self._stopping = threading.Event()

@@ -37,7 +37,7 @@ class ElasticWorlds(ElasticState):
 
     def _read_ready(self) -> None:
         for w in self.workers.values():
-            if not w.alive or w.leaving:
+            if not w.alive or (w.leaving and not self._member(w)):  # a removed member may hand the state over
                 continue
             want = self.world.gen if self.world is not None and self._member(w) else None
             if w.ready is not None and (want is None or w.ready == want):
@@ -57,14 +57,15 @@ class ElasticWorlds(ElasticState):
 
     # --- slots -----------------------------------------------------------------------------------------
     def _slots_wanted(self, now: float) -> list[tuple[str, int]]:
-        """``(host, slot)`` of every slot that should hold a worker now, capped at --max-np (slots of
-        running workers counted first, so a cap never evicts a running worker)."""
-        slots = [(h.name, s) for h in self.hostman.available(now) for s in range(h.slots)]
+        """``(host, slot)`` of every slot that should hold a worker now: the slots of the running workers that
+        stay (a blacklisted host's healthy workers keep theirs: the blacklist decides where new workers start,
+        not who is stopped), then the free slots of the available hosts, in order; at most --max-np (running
+        workers first, so a cap never evicts one)."""
+        running = [(w.host, ep.parse_worker_id(w.wid)[1]) for w in self.workers.values() if w.alive and not w.leaving]
+        held = set(running)
+        free = [(h.name, s) for h in self.hostman.available(now) for s in range(h.slots) if (h.name, s) not in held]
         cap = self.ecfg.max_np
-        if cap is None or len(slots) <= cap:
-            return slots
-        running = {(w.host, ep.parse_worker_id(w.wid)[1]) for w in self.workers.values() if w.alive and not w.leaving}
-        return ([s for s in slots if s in running] + [s for s in slots if s not in running])[:cap]
+        return (running + free) if cap is None else (running + free)[:cap]
 
     def _check_hopeless(self, now: float) -> bool:
         """Fail the job when it cannot go on; True when it failed."""
@@ -143,28 +144,56 @@ class ElasticWorlds(ElasticState):
             return
         if self._reset_since is None:
             self._reset_since = now
-        if not members:
+        carriers = [] if members else self._carriers()
+        if not members and not carriers:
             self._fail(f"no worker of world {self.world.gen} is left to carry the training state "
                        f"(hosts {', '.join(self.world.hosts())} all failed or were removed); a new world must keep "
                        "at least one worker of the old one", self._last_failed())
             return
-        late = [w for w in members if w.ready != self.world.gen]
+        late = [w for w in members or carriers if w.ready != self.world.gen]
         if late:
             if now - self._reset_since > self.ecfg.elastic_timeout:
                 names = ", ".join(f"rank {self.world.rank_of(w.wid)} ({w.wid})" for w in late)
                 self._fail(f"{names} did not reset within --elastic-timeout {self.ecfg.elastic_timeout:g}s "
                            "(stuck outside hvd.elastic.run's reset?)")
             return
-        chosen = members + newcomers
-        if self.ecfg.max_np is not None:
-            chosen = chosen[:self.ecfg.max_np]
+        if carriers and not self._ready_to_take_over(now, carriers, newcomers):
+            return
+        chosen = (members + newcomers)[:self.ecfg.max_np]  # handing over: the newcomers (carriers added below)
         if len(chosen) < self.ecfg.min_np:
             return  # more workers may come; _check_hopeless applies the elastic timeout
+        if carriers:
+            chosen = carriers + chosen
         if self.ecfg.reset_limit is not None and self.world.gen > self.ecfg.reset_limit:
             self._fail(f"more than --reset-limit {self.ecfg.reset_limit} resets: the job reset "
                        f"{self.world.gen} times", self._last_failed())
             return
         self._publish(chosen)
+        if carriers:  # they leave at the world's first commit, once the newcomers hold the state
+            self._post_update(ep.Update(removed=tuple(dict.fromkeys(w.host for w in carriers))))
+
+    def _carriers(self) -> list[Worker]:
+        """The live workers of the newest world on hosts that discovery removed (they leave gracefully)."""
+        return [w for w in self.workers.values() if w.alive and w.leaving and self._member(w)]
+
+    def _ready_to_take_over(self, now: float, carriers: list[Worker], newcomers: list[Worker]) -> bool:
+        """Every member left is on a removed host: its workers hand the training state over before they leave.
+        True once new workers are ready to take it (those started together, unless some take longer than
+        --start-timeout); the job fails if none is within --elastic-timeout of the removal."""
+        starting = [w for w in self.workers.values() if w.alive and not w.leaving and w.ready is None
+                    and now - w.started_at < self.cfg.start_timeout]
+        if newcomers and not starting:
+            return True
+        assert self._reset_since is not None
+        if not self._handing_over:
+            self._handing_over = True
+            note(f"hosts {', '.join(dict.fromkeys(w.host for w in carriers))} removed: their workers hold the training "
+                 f"state and wait for new workers to take it (up to --elastic-timeout {self.ecfg.elastic_timeout:g}s)")
+        if now - self._reset_since > self.ecfg.elastic_timeout:
+            self._fail(f"the workers of removed hosts ({', '.join(w.wid for w in carriers)}) hold the only copy of "
+                       f"the training state and no new worker was ready to take it within --elastic-timeout "
+                       f"{self.ecfg.elastic_timeout:g}s; add hosts sooner, or give a longer --elastic-timeout")
+        return False
 
     def _publish_first(self, now: float) -> None:
         """World 1: every started worker once all posted ready; after --start-timeout, those that did (if
@@ -192,14 +221,14 @@ class ElasticWorlds(ElasticState):
         self.member_numbers = {w.number for w in chosen}
         self.stalls = StallWatch(self.store, ep.world_job_id(self.job_id, gen),
                                  {p.rank: p.hostname for p in world.workers.values()})
-        self._reset_since, self._lost_member = None, False
+        self._reset_since, self._lost_member, self._handing_over = None, False, False
         if previous is not None:
             self.stats.resets += 1
         for w in chosen:
             w.announced = False
         leave_by = time.monotonic() + LEAVE_GRACE
         for w in self.workers.values():
-            if w.alive and w.leaving and w.leave_by is None:
+            if w.alive and w.leaving and w.leave_by is None and w.number not in self.member_numbers:
                 w.leave_by = leave_by
         old = previous.worker_ids() if previous else []  # in rank order, so the line reads the same every time
         joined = [wid for wid in world.worker_ids() if wid not in old]
