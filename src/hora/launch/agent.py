@@ -31,6 +31,7 @@ from typing import Any, BinaryIO
 from hora import env as hora_env
 from hora import network
 from hora.launch import procs, protocol
+from hora.launch.oom import OomWatch
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class Agent:
         self.workers: dict[int, Worker] = {}
         self._exited: set[int] = set()
         self._stopping = False
+        self.oom = OomWatch()  # the workers' memory cgroups: was a SIGKILL the OOM killer's?
 
     # --- messages -------------------------------------------------------------------------------------
     def send(self, message: dict[str, Any]) -> None:
@@ -110,6 +112,7 @@ class Agent:
             except OSError as exc:
                 self._spawn_failed(rank, command, exc)
                 continue
+            self.oom.track(proc.pid)
             interval = float(self.spec.get("progress_interval", 1.0))
             worker = Worker(rank, proc, splitters={s: protocol.LineSplitter(interval) for s in ("stdout", "stderr")})
             self.workers[rank] = worker
@@ -188,6 +191,10 @@ class Agent:
                    "stopped": worker.stopped, "ts": ended}
         if worker.killed:  # a grace of 0 (stop at once) is no grace that ran out
             message["killed"] = worker.killed
+        if sig == signal.SIGKILL and not worker.stopped:
+            oom = self.oom.explain(worker.proc.pid)
+            if oom is not None:
+                message["oom"] = oom
         self.send(message)
 
     # --- stopping -------------------------------------------------------------------------------------
@@ -288,6 +295,8 @@ class Agent:
             if kind == "tick" and time.monotonic() - last_reap > REAP_INTERVAL:
                 last_reap = time.monotonic()
                 self._reap_orphans()
+                for worker in self.live():  # a worker may have moved to a cgroup of its own
+                    self.oom.track(worker.proc.pid)
         self.kill_all()
         self.send({"t": protocol.DONE})
         return 0

@@ -229,6 +229,8 @@ class Driver:
             state.done, state.code, state.sig = True, message.get("code"), message.get("sig")
             state.stopped = bool(message.get("stopped"))
             state.killed = float(message.get("killed") or 0.0)
+            if message.get("oom"):  # the agent found the kernel's OOM killer behind the SIGKILL
+                state.how = f"{message['oom']}, {procs.describe_exit(state.code, state.sig)}"
             state.exit_ts = float(message.get("ts") or time.time())
             log.info("rank %d exited: %s", state.slot.rank, procs.describe_exit(state.code, state.sig))
             self.stalls.rank_ended(state.slot.rank, procs.describe_exit(state.code, state.sig))

@@ -270,6 +270,8 @@ class ElasticDriver(ElasticWorlds):
             state.done, state.code, state.sig = True, message.get("code"), message.get("sig")
             state.stopped = bool(message.get("stopped"))
             state.killed = float(message.get("killed") or 0.0)
+            if message.get("oom"):  # the agent found the kernel's OOM killer behind the SIGKILL
+                state.how = f"{message['oom']}, {procs.describe_exit(state.code, state.sig)}"
             state.exit_ts = float(message.get("ts") or time.time())
             if w.stalled and self._stop_deadline is None:  # the stall inspector's stop: a failure
                 state.stopped, state.how = False, w.stalled

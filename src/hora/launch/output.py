@@ -26,6 +26,8 @@ _TAIL_NOISE = re.compile(r"hostname of the client socket cannot be retrieved")
 _MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '(torch|hora)'$")
 
 
+OOM_KILLED = "killed by the kernel's out-of-memory killer"  # how the agents word it (hora.launch.oom)
+
 _ERASE_LINE = "\r\x1b[2K"  # to the line's start, clear it
 _UP = "\x1b[1A"
 
@@ -350,6 +352,10 @@ def failure_report(rank: int, host: str, how: str, tail: list[str], others: int,
     if same:
         ranks = ", ".join(str(r) for r in sorted(same))
         lines.append(f"hora run: rank{'s' if len(same) > 1 else ''} {ranks} failed with the same error")
+    if how.startswith(OOM_KILLED):
+        lines.append("hora run: hint: the rank needed more memory than its limit allows: use less per rank (a smaller "
+                     "batch, fewer DataLoader workers), run fewer ranks per host, or raise the limit (a pod's "
+                     "resources.limits.memory, Slurm's --mem, the container's --memory)")
     lines.extend(_missing_module_hint(tb or []))
     lines.extend(_finished_early_hint(tb or [], finished))
     return lines
