@@ -194,26 +194,41 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str,
 
 
 def _collect(driver: Driver, code: int) -> list[Any]:
-    store = driver.store
-    records: dict[int, tuple[Any, ...]] = {}
-    for rank in range(driver.cfg.np):
-        key = RESULT_KEY.format(rank=rank)
-        if store.check([key]):
-            records[rank] = shipping.loads(store.get(key))
     failed = driver.first_failure
     if failed is None and driver.interrupted is not None:
         raise KeyboardInterrupt(f"hora.run: interrupted ({driver.interrupted}); every rank was stopped")
-    if code == 0 and len(records) == driver.cfg.np and all(r[0] == "ok" for r in records.values()):
-        return [records[rank][1] for rank in range(driver.cfg.np)]
-    order = ([failed.slot.rank] if failed is not None else []) + sorted(records)
-    for rank in order:
-        record = records.get(rank)
-        if record is not None and record[0] == "error":
-            _reraise(f"rank {rank} on host {driver.ranks[rank].slot.hostname}", record)
+    values = collect_results(driver.store, driver.cfg.np, lambda rank: f"host {driver.ranks[rank].slot.hostname}",
+                             failed.slot.rank if failed is not None else None, complete=code == 0)
+    if values is not None:
+        return values
     if failed is not None:
         raise JobFailedError(f"hora.run: rank {failed.slot.rank} on host {failed.slot.hostname} failed: "
                           f"{describe_exit(failed.code, failed.sig)}", code)
     raise JobFailedError(f"hora.run: the job ended with status {code} before every rank returned", code)
+
+
+def collect_results(store: Any, np: int, where: Callable[[int], str], failed_rank: int | None,
+                    complete: bool) -> list[Any] | None:
+    """What the ranks of a function job (``python -m hora.launch.pyworker``) left in the store.
+
+    Returns every rank's value in rank order when ``complete`` (the job ended well) and every rank returned one;
+    re-raises the exception a rank raised (``failed_rank``'s first, else the lowest rank's), chained to a
+    :class:`RemoteTraceback` naming the rank and ``where(rank)`` (e.g. ``"host node2"``); None when no rank
+    raised (the caller says how the job ended).
+    """
+    records: dict[int, tuple[Any, ...]] = {}
+    for rank in range(np):
+        key = RESULT_KEY.format(rank=rank)
+        if store.check([key]):
+            records[rank] = shipping.loads(store.get(key))
+    if complete and len(records) == np and all(r[0] == "ok" for r in records.values()):
+        return [records[rank][1] for rank in range(np)]
+    order = ([failed_rank] if failed_rank is not None else []) + sorted(records)
+    for rank in order:
+        record = records.get(rank)
+        if record is not None and record[0] == "error":
+            _reraise(f"rank {rank} on {where(rank)}", record)
+    return None
 
 
 def _collect_elastic(driver: ElasticDriver, code: int) -> list[Any]:

@@ -1,0 +1,283 @@
+"""``RayExecutor``: Horovod 0.28.1's ``horovod.ray.RayExecutor``, on Ray actors and a placement group.
+
+The executor reserves the ranks' resources in one placement group, starts one actor per rank
+(:class:`~hora.ray.worker.BaseHorovodWorker`), gives each its place in the job through its environment and runs
+functions on all of them. A rank that raises or dies ends the job: every actor is stopped, the placement group
+released, and the error names the rank and its node.
+
+Example:
+    >>> import ray, hora.ray
+    >>> def train():
+    ...     import hora as hvd
+    ...     hvd.init()
+    ...     return hvd.rank()
+    >>> ray.init()                                                          # doctest: +SKIP
+    >>> executor = hora.ray.RayExecutor(hora.ray.RayExecutor.create_settings(timeout_s=30), num_workers=2)
+    >>> executor.start()                                                    # doctest: +SKIP
+    >>> executor.run(train)                                                 # doctest: +SKIP
+    [0, 1]
+    >>> executor.shutdown()                                                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import ray.exceptions
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hora.engines import rank_failed
+from hora.errors import ConfigError, JobFailedError
+from hora.jobsecret import ENV_SECRET, JobSecret
+from hora.launch.pyrun import RemoteTraceback
+from hora.ray import placement
+from hora.ray.worker import BaseHorovodWorker
+
+log = logging.getLogger(__name__)
+
+_ELASTIC = ("min_workers", "max_workers", "reset_limit", "cooldown_range")
+
+
+@dataclass(kw_only=True)
+class MiniSettings:
+    """What ``RayExecutor.create_settings`` returns (Horovod's name). ``timeout_s``: seconds ``hvd.init()`` waits
+    for every rank and :meth:`RayExecutor.start` for the actors; ``nics``: the network interfaces for Gloo/NCCL."""
+
+    timeout_s: float = 30
+    placement_group_timeout_s: float = 100
+    nics: set[str] | None = None
+    ssh_identity_file: str | None = None
+    verbose: int = 1
+    elastic: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Rank:
+    actor: Any
+    node_id: str
+    node_ip: str
+    pid: int
+
+    @property
+    def where(self) -> str:
+        return f"node {self.node_ip} (Ray node {self.node_id[:8]}, pid {self.pid})"
+
+
+class RayExecutor:
+    """Run hora functions on Ray: one actor per rank (Horovod 0.28.1's ``horovod.ray.RayExecutor``).
+
+    Args:
+        settings: from :meth:`create_settings`.
+        num_workers: ranks, packed onto as few nodes as fit; or ``num_hosts`` nodes with
+            ``num_workers_per_host`` ranks each (each host a different Ray node).
+        cpus_per_worker, use_gpu, gpus_per_worker: what Ray reserves for each rank.
+        use_current_placement_group: inside a placement group (a Ray Tune trial), run the ranks in it.
+        min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout, override_discovery: Horovod's
+            elastic form, not supported (a :class:`~hora.errors.ConfigError` says so; docs/engines.md).
+    """
+
+    @classmethod
+    def create_settings(cls, timeout_s: float = 30, ssh_identity_file: str | None = None, ssh_str: str | None = None,
+                        placement_group_timeout_s: float = 100, nics: set[str] | None = None) -> MiniSettings:
+        """Settings for :class:`RayExecutor`. ``ssh_identity_file`` and ``ssh_str`` are accepted for Horovod's sake
+        and unused: Ray reaches the nodes, hora needs no ssh (and writes no key file)."""
+        return MiniSettings(timeout_s=timeout_s, placement_group_timeout_s=placement_group_timeout_s,
+                            nics=set(nics) if nics else None, ssh_identity_file=ssh_identity_file)
+
+    def __init__(self, settings: MiniSettings, num_workers: int | None = None, num_hosts: int | None = None,
+                 num_workers_per_host: int = 1, cpus_per_worker: float = 1, use_gpu: bool = False,
+                 gpus_per_worker: float | None = None, use_current_placement_group: bool = True,
+                 min_workers: int | None = None, max_workers: int | None = None, reset_limit: int | None = None,
+                 cooldown_range: Sequence[int] | None = None, elastic_timeout: int = 600,
+                 override_discovery: bool = True) -> None:
+        given = dict(zip(_ELASTIC, (min_workers, max_workers, reset_limit, cooldown_range)))
+        elastic = [name for name, value in given.items() if value is not None]
+        if elastic:
+            raise ConfigError(
+                f"hora.ray.RayExecutor({elastic[0]}=...): the elastic executor is not supported by hora; give "
+                "num_workers (or num_hosts) for a fixed job, and let Ray Train's FailureConfig restart a failed "
+                "run from its checkpoint, or run an elastic job with `hora run --min-np` (docs/engines.md)")
+        if gpus_per_worker and not use_gpu:
+            raise ValueError("hora.ray.RayExecutor: gpus_per_worker is set but use_gpu is False; set use_gpu=True")
+        if num_workers is not None and num_hosts is not None:
+            raise ValueError("hora.ray.RayExecutor: give num_workers or num_hosts (with num_workers_per_host), "
+                             "not both")
+        if num_workers is None and num_hosts is None:
+            raise ValueError("hora.ray.RayExecutor: give num_workers, or num_hosts and num_workers_per_host")
+        for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts),
+                            ("num_workers_per_host", num_workers_per_host)):
+            if value is not None and value < 1:
+                raise ValueError(f"hora.ray.RayExecutor: {name}={value} must be at least 1")
+        self.settings = settings
+        self.num_workers = num_workers if num_workers is not None else int(num_hosts or 0) * num_workers_per_host
+        self.num_hosts = num_hosts
+        self.num_workers_per_host = num_workers_per_host
+        self.cpus_per_worker = cpus_per_worker
+        self.use_gpu = use_gpu
+        self.gpus_per_worker = (gpus_per_worker or 1) if use_gpu else 0
+        self.use_current_placement_group = use_current_placement_group
+        self._ranks: list[_Rank] = []
+        self._reservation: placement.Reservation | None = None
+
+    # -- starting -------------------------------------------------------------------------------------------------
+
+    def start(self, executable_cls: type | None = None, executable_args: list[Any] | None = None,
+              executable_kwargs: dict[str, Any] | None = None,
+              extra_env_vars: Mapping[str, Any] | None = None) -> None:
+        """Reserve the ranks, start one actor each, tell each its place and build ``executable_cls`` in each.
+
+        Raises:
+            ConfigError: the cluster cannot place the ranks within ``placement_group_timeout_s``.
+            JobFailedError: an actor did not start within ``timeout_s``.
+        """
+        if self._ranks:
+            raise ConfigError("hora.ray.RayExecutor.start(): already started; call shutdown() first")
+        self._reservation = placement.reserve(
+            num_workers=None if self.num_hosts is not None else self.num_workers, num_hosts=self.num_hosts,
+            num_workers_per_host=self.num_workers_per_host, cpus_per_worker=self.cpus_per_worker,
+            gpus_per_worker=self.gpus_per_worker, use_current=self.use_current_placement_group,
+            timeout_s=self.settings.placement_group_timeout_s)
+        try:
+            self._start_actors(executable_cls, executable_args, executable_kwargs, extra_env_vars or {})
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_actors(self, executable_cls: type | None, executable_args: list[Any] | None,
+                      executable_kwargs: dict[str, Any] | None, extra_env: Mapping[str, Any]) -> None:
+        assert self._reservation is not None
+        actor_cls = ray.remote(BaseHorovodWorker)
+        actors = [
+            actor_cls.options(
+                num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._reservation.group, placement_group_bundle_index=bundle,
+                    placement_group_capture_child_tasks=False),
+            ).remote(world_rank=rank, world_size=self.num_workers)
+            for rank, bundle in enumerate(self._reservation.bundles)
+        ]
+        described = self._get([a.describe.remote() for a in actors], "start the rank actors")
+        self._ranks = [_Rank(actor, node, ip, pid) for actor, (node, ip, _host, pid) in zip(actors, described)]
+        node_ids = [r.node_id for r in self._ranks]
+        port = self._get([actors[0].free_port.remote()], "find a port for the job's store")[0]
+        envs = placement.rank_environments(node_ids, [r.node_ip for r in self._ranks], self._ranks[0].node_ip, port)
+        if self.use_gpu:
+            gpus = self._get([a.get_gpu_ids.remote() for a in actors], "read the ranks' GPUs")
+            for env, devices in zip(envs, placement.visible_devices(node_ids, gpus)):
+                env["CUDA_VISIBLE_DEVICES"] = devices
+        secret = JobSecret.generate()  # one per job; travels in Ray's own calls, never on a command line or in a log
+        common: dict[str, Any] = {"HORA_START_TIMEOUT": str(self.settings.timeout_s), ENV_SECRET: secret.hex(),
+                                  "PYTHONUNBUFFERED": "1"}
+        if self.settings.nics:
+            nic = sorted(self.settings.nics)[0]
+            common.update(GLOO_SOCKET_IFNAME=nic, NCCL_SOCKET_IFNAME=",".join(sorted(self.settings.nics)))
+        common.update(extra_env)
+        self._get([a.update_env_vars.remote({**env, **common}) for a, env in zip(actors, envs)], "set up the ranks")
+        self._get([a.start_executable.remote(executable_cls, executable_args, executable_kwargs) for a in actors],
+                  "build the executable on every rank")
+
+    def _get(self, refs: list[Any], doing: str) -> list[Any]:
+        """``ray.get`` of a start-up step on every rank, within ``timeout_s``."""
+        try:
+            return list(ray.get(refs, timeout=self.settings.timeout_s))
+        except ray.exceptions.GetTimeoutError:
+            raise JobFailedError(
+                f"hora.ray: could not {doing} within {self.settings.timeout_s:.0f} s (timeout_s in "
+                "create_settings()); check that the cluster has room for every rank", 1) from None
+
+    # -- running --------------------------------------------------------------------------------------------------
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
+            callbacks: list[Callable[..., Any]] | None = None) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the values in rank order.
+
+        ``callbacks`` is accepted for Horovod's sake: as in Horovod's fixed executor, nothing calls them.
+
+        Raises:
+            The exception a rank raised (the first), with its traceback as the cause, after every rank was
+            stopped; :class:`~hora.errors.JobFailedError` if a rank's process died. Either way the executor is shut
+            down: call :meth:`start` again for another job.
+        """
+        call_args, call_kwargs = tuple(args or ()), dict(kwargs or {})
+        return self._supervise(self._submit(lambda _executable: fn(*call_args, **call_kwargs)))
+
+    def execute(self, fn: Callable[[Any], Any], callbacks: list[Callable[..., Any]] | None = None) -> list[Any]:
+        """Run ``fn(executable)`` on every rank (the object ``start(executable_cls)`` built); values in rank order."""
+        return self._supervise(self._submit(fn))
+
+    def execute_single(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(executable)`` on rank 0 only and return its value."""
+        return self._supervise(self._submit(fn, ranks=self._started()[:1]))[0]
+
+    def run_remote(self, fn: Callable[..., Any], args: Sequence[Any] | None = None,
+                   kwargs: Mapping[str, Any] | None = None) -> list[Any]:
+        """Start ``fn(*args, **kwargs)`` on every rank and return their ObjectRefs at once (``ray.get`` them). The
+        executor does not watch these: a rank that fails shows in its ref, and the others may wait for it."""
+        call_args, call_kwargs = tuple(args or ()), dict(kwargs or {})
+        return self._submit(lambda _executable: fn(*call_args, **call_kwargs))
+
+    def _started(self) -> list[_Rank]:
+        if not self._ranks:
+            raise ConfigError("hora.ray.RayExecutor: not started (call start() first, or again after a failure)")
+        return self._ranks
+
+    def _submit(self, fn: Callable[[Any], Any], ranks: list[_Rank] | None = None) -> list[Any]:
+        return [r.actor.execute.remote(fn) for r in (ranks if ranks is not None else self._started())]
+
+    def _supervise(self, refs: list[Any]) -> list[Any]:
+        """Wait for every rank's value; at the first failure stop every rank and raise it, naming the rank."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayTaskError as e:
+                    self._fail(rank_of[ref], e)
+                except ray.exceptions.RayError as e:  # the actor's process died (killed, out of memory, node lost)
+                    self._fail(rank_of[ref], e)
+        return list(ray.get(refs))
+
+    def _fail(self, rank: int, error: Exception) -> None:
+        where = self._ranks[rank].where
+        self.shutdown()
+        if isinstance(error, ray.exceptions.RayTaskError):
+            cause = error.cause if isinstance(error.cause, BaseException) else error
+            headline = rank_failed("hora.ray", rank, where, f"raised {type(cause).__name__}: {cause}")
+            log.error("%s", headline.splitlines()[0])
+            if hasattr(cause, "add_note"):
+                cause.add_note(headline.splitlines()[0])
+            raise cause from RemoteTraceback(f"rank {rank} on {where} raised:\n{error.traceback_str}")
+        how = "its process died (killed, out of memory, or its node was lost)"
+        headline = rank_failed("hora.ray", rank, where, how)
+        log.error("%s", headline)
+        raise JobFailedError(headline, 1) from error
+
+    # -- stopping -------------------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop every rank's actor (their processes end) and release the placement group the executor made."""
+        ranks, self._ranks = self._ranks, []
+        for r in ranks:
+            try:
+                ray.kill(r.actor, no_restart=True)
+            except Exception as e:  # noqa: BLE001 - already gone
+                log.debug("hora.ray: rank actor already gone: %s", e)
+        reservation, self._reservation = self._reservation, None
+        if reservation is not None and reservation.owned:
+            ray.util.remove_placement_group(reservation.group)
+
+
+class ElasticRayExecutor:
+    """Horovod's elastic Ray executor: not supported by hora; constructing one says what to use instead."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ConfigError(
+            "hora.ray.ElasticRayExecutor is not supported by hora: use RayExecutor(num_workers=...) for a fixed "
+            "job, Ray Train's FailureConfig to restart a failed run from its checkpoint, or `hora run --min-np` "
+            "for an elastic job (docs/engines.md)")

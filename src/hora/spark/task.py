@@ -1,0 +1,109 @@
+"""The Spark side of :func:`hora.spark.run`: one barrier task per rank starts the rank's process and reports how
+it ended.
+
+Each task of the barrier stage is rank ``partitionId()``. It learns every task's host from the barrier context
+(local and cross ranks: ranks on one host are local), starts ``python -m hora.launch.pyworker`` with the rank's
+variables (the function and its result travel through the driver's store, as with ``hora.run``), waits for it and
+writes how it ended to the store. A rank process dies with its task (a cancelled job leaves nothing running).
+
+A task of a retried stage attempt (a second task for a rank) starts nothing: a job whose rank failed is over, never run twice.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hora.jobsecret import ENV_SECRET
+from hora.launch import envvars, procs
+from hora.launch.hosts import SlotInfo
+from hora.topology import derive_topology
+
+EXIT_KEY = "hora.spark/exit/{rank}"  # how rank's process ended: {"code", "signal", "host", "time"}
+EXITS_KEY = "hora.spark/exits"  # a counter of the exit records written
+STOP_KEY = "hora.spark/stop"  # set by the driver when the job is over: late or retried tasks start nothing
+STARTS_KEY = "hora.spark/starts/{rank}"  # how many tasks took rank's place: a second one is a retry
+HOST_KEY = "hora.spark/host/{rank}"  # the host rank's task runs on (for reports)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskSpec:
+    """What every task needs; travels to the executors inside the task's closure (Spark's RPC; turn on
+    ``spark.authenticate`` and ``spark.network.crypto.enabled`` where the network is not trusted)."""
+
+    store_addr: str
+    store_port: int
+    job_id: str
+    executable: str
+    env: Mapping[str, str]  # the driver's forwarded environment and the user's env=
+    secret_hex: str = field(repr=False)
+    start_timeout: float
+
+
+def rank_task(spec: TaskSpec) -> Any:
+    """The function for ``rdd.barrier().mapPartitions``: run this task's rank; yield its exit record."""
+
+    def run(_partition: Iterator[Any]) -> Iterator[dict[str, Any]]:
+        from pyspark import BarrierTaskContext
+
+        ctx = BarrierTaskContext.get()
+        rank = ctx.partitionId()
+        hosts = [info.address.rsplit(":", 1)[0] for info in ctx.getTaskInfos()]
+        store = _store(spec)
+        if store.add(STARTS_KEY.format(rank=rank), 1) > 1 or store.check([STOP_KEY]):
+            yield {"rank": rank, "host": hosts[rank], "skipped": True}
+            return
+        store.set(HOST_KEY.format(rank=rank), hosts[rank])
+        yield _run_rank(spec, store, rank, hosts, _gpus(ctx))
+
+    return run
+
+
+def _store(spec: TaskSpec) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore(spec.store_addr, spec.store_port, is_master=False,
+                    timeout=datetime.timedelta(seconds=spec.start_timeout))
+
+
+def _gpus(ctx: Any) -> list[str]:
+    resources = ctx.resources()
+    return list(resources["gpu"].addresses) if "gpu" in resources else []
+
+
+def rank_environment(spec: TaskSpec, rank: int, hosts: list[str], gpus: list[str]) -> dict[str, str]:
+    """The rank process's environment: the driver's (forwarded), the rank's place among ``hosts`` (every task's
+    host in rank order), the store, and the job's secret (in the environment only: never on a command line)."""
+    topo = derive_topology(hosts, hosts, rank)
+    slot = SlotInfo(rank=rank, size=topo.size, local_rank=topo.local_rank, local_size=topo.local_size,
+                    cross_rank=topo.cross_rank, cross_size=topo.cross_size, hostname=hosts[rank],
+                    host_index=topo.cross_rank)
+    env = dict(spec.env)
+    env.update(envvars.rank_env(slot, store_addr=spec.store_addr, store_port=spec.store_port, job_id=spec.job_id))
+    env[ENV_SECRET] = spec.secret_hex
+    if gpus:  # the GPUs Spark gave this task (spark.task.resource.gpu.amount)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    return env
+
+
+def _run_rank(spec: TaskSpec, store: Any, rank: int, hosts: list[str], gpus: list[str]) -> dict[str, Any]:
+    env = rank_environment(spec, rank, hosts, gpus)
+    proc = subprocess.Popen([spec.executable, "-m", "hora.launch.pyworker"], env=env,
+                            preexec_fn=procs.child_setup(os.getpid()))
+    try:
+        status = proc.wait()
+    finally:
+        if proc.poll() is None:  # this task was interrupted (the job was cancelled): the rank goes with it
+            proc.kill()
+            proc.wait()
+    record = {"rank": rank, "host": hosts[rank], "code": status if status >= 0 else None,
+              "signal": -status if status < 0 else None, "time": time.time()}
+    store.set(EXIT_KEY.format(rank=rank), json.dumps(record))
+    store.add(EXITS_KEY, 1)
+    return record
