@@ -85,6 +85,9 @@ def _failed(store: Any, key: str, exc: BaseException) -> int:
     record = _error_record(exc)
     store.set(key, record)
     sys.stderr.write(pickle.loads(record)[4])
+    # As after an uncaught exception (the interpreter sets these): hora's exit hook leaves at once, so the peers
+    # learn now that this rank is gone, not after waiting for them to reach shutdown.
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
     return 1
 
 

@@ -252,7 +252,7 @@ class RayExecutor:
             log.error("%s", headline.splitlines()[0])
             if hasattr(cause, "add_note"):
                 cause.add_note(headline.splitlines()[0])
-            raise cause from RemoteTraceback(f"rank {rank} on {where} raised:\n{error.traceback_str}")
+            raise cause from RemoteTraceback(f"rank {rank} on {where} raised:\n{error}")
         how = "its process died (killed, out of memory, or its node was lost)"
         headline = rank_failed("hora.ray", rank, where, how)
         log.error("%s", headline)
