@@ -66,12 +66,14 @@ train: $(STAMP)
 
 # Multi-host tests build hosts from network namespaces with their own sshd: they need root, iproute2 and
 # openssh-server. The deployment tests (tests/deploy) need podman, runc, mmdebstrap and iptables (containers) and
-# slurm-wlm and munge (a Slurm cluster). Installed here when missing (root with apt only); a failed install
-# is reported and the tests that need the missing tools skip and say why.
+# slurm-wlm and munge (a Slurm cluster); the Spark tests (tests/engines) need Java 17. Installed here when missing
+# (root with apt only); a failed install is reported and the tests that need the missing tools skip and say why
+# (under CI the engine tests fail instead).
 SYSTEM_DEPS := openssh-server iproute2 podman runc buildah mmdebstrap iptables netavark aardvark-dns uidmap \
-               slurm-wlm munge podman-compose catatonit
+               slurm-wlm munge podman-compose catatonit openjdk-17-jre-headless
 SYSTEM_TOOLS := /usr/sbin/sshd /usr/sbin/ip /usr/bin/podman /usr/sbin/runc /usr/bin/mmdebstrap /usr/sbin/iptables \
-                /usr/sbin/slurmctld /usr/sbin/slurmd /usr/sbin/munged /usr/bin/podman-compose /usr/bin/catatonit
+                /usr/sbin/slurmctld /usr/sbin/slurmd /usr/sbin/munged /usr/bin/podman-compose /usr/bin/catatonit \
+                /usr/bin/java
 system-deps:
 	@missing=""; for t in $(SYSTEM_TOOLS); do [ -x "$$t" ] || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
