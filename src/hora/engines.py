@@ -27,6 +27,17 @@ def require(module: str, extra: str, feature: str) -> ModuleType:
         ) from e
 
 
+# What a rank raises because a peer failed first (hora's "rank N ... is gone"): never the root cause while another
+# rank failed otherwise. A CollectiveMismatchError is every rank's own error, not a follow-on.
+FOLLOW_ON_ERRORS = frozenset({"CollectiveError", "WorldMemberLostError", "HorovodInternalError"})
+FOLLOW_ON_GRACE_S = 5.0  # how long a driver waits for the root cause after seeing a follow-on error first
+
+
+def is_follow_on(type_name: str | None) -> bool:
+    """Whether an exception of this type (its ``__name__``) reports a peer's failure rather than its own."""
+    return type_name in FOLLOW_ON_ERRORS
+
+
 def rank_failed(engine: str, rank: int, where: str, how: str) -> str:
     """The headline of a job that one of its ranks ended: the engine, the rank, where it ran, what happened."""
     return f"{engine}: rank {rank} on {where} failed: {how}"

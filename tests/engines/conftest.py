@@ -11,9 +11,9 @@ from tests.engines.engines import RayCluster, SparkDriver, java_missing, module_
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[RayCluster]:
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
     require("ray", module_missing("ray"), "pip install 'hora[ray]', or make .venv from requirements-dev.txt")
-    cluster = RayCluster()
+    cluster = RayCluster(Path(tmp_path_factory.mktemp("ray-cluster")))
     try:
         yield cluster
     finally:

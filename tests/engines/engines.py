@@ -7,6 +7,8 @@
   local-cluster lives inside its driver, so tests send it scripts to run (:class:`SparkDriver`) instead of
   starting their own.
 
+Both engines run under a :class:`Keeper`, outside pytest's process tree.
+
 A missing engine (ray, pyspark, java) skips these tests with the reason, except under CI (``CI=true``), where it
 is a failure: CI installs all of them (requirements-dev.txt, ``make system-deps``).
 """
@@ -17,9 +19,9 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,8 @@ def module_missing(name: str) -> bool:
     return importlib.util.find_spec(name) is None
 
 
-def run_driver(script: str, tmp: Path, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_driver(script: str, tmp: Path, timeout: float,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``TRAINING + script`` as a driver program in its own process; output captured (text)."""
     path = tmp / "driver.py"
     path.write_text(TRAINING.replace('if __name__ == "__main__":', "if False:") + "\n" + script)
@@ -75,36 +78,115 @@ def rank_files(out: Path, n: int) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
 
+DETACH = ("import os, sys\nif os.fork():\n    os._exit(0)\nos.setsid()\n"
+          "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
+
+
+class Keeper:
+    """A Python program that keeps an engine up for the session, detached from pytest's process tree (a double
+    fork, a session of its own): the engine's processes (Ray's workers, Spark's executors and Python workers)
+    come and go as tests run, and must not count as processes a test left behind. It talks on its stdin and
+    stdout; when its stdin closes (the session ends, or pytest died) it stops its engine and exits."""
+
+    def __init__(self, program: str, tmp: Path, name: str, start_timeout: float) -> None:
+        self.tmp = tmp
+        (tmp / f"{name}.py").write_text(program)
+        self.log_path = tmp / f"{name}.log"
+        self.log = open(self.log_path, "w")
+        launcher = subprocess.Popen([sys.executable, "-c", DETACH, str(tmp / f"{name}.py")], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=tmp,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        launcher.wait()  # it forked the keeper and left; the keeper holds the same pipes
+        assert launcher.stdin is not None and launcher.stdout is not None
+        self.stdin, self.stdout = launcher.stdin, launcher.stdout
+        self._fd, self._pending = launcher.stdout.fileno(), b""
+        first = self.line(30.0)
+        self.pid = int(first.split()[1]) if first.startswith("PID ") else 0
+        ready = self.line(start_timeout) if self.pid else first
+        if not ready.startswith("READY"):
+            self.shutdown()
+            raise RuntimeError(f"{name} did not start: {ready!r}; see {self.log_path}")
+        self.ready = ready.split(" ", 1)[1] if " " in ready else ""
+
+    def line(self, timeout: float) -> str:
+        """The keeper's next line, waiting up to ``timeout`` seconds for it."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self._fd], [], [], max(left, 0))
+            if not ready:
+                return f"<nothing within {timeout:.0f} s>"
+            chunk = os.read(self._fd, 65536)
+            if not chunk:
+                return "<the keeper ended>"
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode().strip()
+
+    def send(self, line: str) -> None:
+        self.stdin.write(line + "\n")
+        self.stdin.flush()
+
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Close its stdin (it stops its engine), wait for it; kill its whole session if it does not go."""
+        try:
+            self.stdin.close()
+        except OSError:
+            pass
+        if self.pid:
+            deadline = time.monotonic() + timeout
+            while _alive(self.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            try:
+                os.killpg(self.pid, signal.SIGKILL)  # whatever of the engine is left: it is all in this session
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.log.close()
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists() and _state(pid) != "Z"
+
+
+RAY_KEEPER = r'''
+import os, shutil, sys, tempfile
+print("PID", os.getpid(), flush=True)
+from ray.cluster_utils import Cluster
+tmp = tempfile.mkdtemp(prefix="hora-ray-")  # short: Ray's socket paths must fit in 107 bytes
+cluster = Cluster(initialize_head=True, connect=False,
+                  head_node_args={"num_cpus": 2, "include_dashboard": False, "temp_dir": tmp})
+try:
+    cluster.add_node(num_cpus=2)  # a second raylet: a second host
+    cluster.wait_for_nodes()
+    print("READY", cluster.address, flush=True)
+    sys.stdin.read()  # until the session ends
+finally:
+    cluster.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+'''
+
+
 class RayCluster:
     """A head node and a second node, started with the session and stopped at its end."""
 
-    def __init__(self) -> None:
-        from ray.cluster_utils import Cluster
-
-        self.tmp = tempfile.mkdtemp(prefix="hora-ray-")  # short: Ray's socket paths must fit in 107 bytes
-        self.cluster = Cluster(initialize_head=True, connect=False,
-                               head_node_args={"num_cpus": 2, "include_dashboard": False, "temp_dir": self.tmp})
-        self.cluster.add_node(num_cpus=2)
-        self.cluster.wait_for_nodes()
-        self.address = self.cluster.address
+    def __init__(self, tmp: Path) -> None:
+        self.keeper = Keeper(RAY_KEEPER, tmp, "ray-keeper", start_timeout=180.0)
+        self.address = self.keeper.ready
 
     def shutdown(self) -> None:
-        try:
-            self.cluster.shutdown()
-        finally:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        self.keeper.shutdown()
 
 
-SPARK_SERVER = r'''
+SPARK_KEEPER = r'''
 import json, os, runpy, sys, traceback
 proto = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)  # everything else printed (ours, the JVM's) goes to the log, not the request channel
 sys.stdout = sys.stderr
+print("PID", os.getpid(), file=proto)
 os.environ["PYSPARK_PYTHON"] = sys.executable
 from pyspark.sql import SparkSession
 spark = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("hora-tests")
-         .config("spark.ui.enabled", "false").config("spark.executor.memory", "512m")
-         .config("spark.python.worker.reuse", "true").getOrCreate())
+         .config("spark.ui.enabled", "false").config("spark.executor.memory", "512m").getOrCreate())
 spark.sparkContext.setLogLevel("ERROR")
 spark.sparkContext.parallelize(range(2), 2).count()  # both executors up
 print("READY", file=proto)
@@ -116,57 +198,32 @@ for line in sys.stdin:
     except BaseException as e:
         reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     print(json.dumps(reply), file=proto)
+spark.stop()
 '''
 
 
 class SparkDriver:
-    """A driver process with a SparkContext on local-cluster[2,1,1024]; runs the scripts tests send it."""
+    """A driver with a SparkContext on local-cluster[2,1,1024] that runs the scripts tests send it."""
 
-    def __init__(self, tmp: Path, start_timeout: float = 240.0) -> None:
+    def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.log_path = tmp / "spark-driver.log"
-        (tmp / "server.py").write_text(SPARK_SERVER)
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, str(tmp / "server.py")], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=tmp,
-                                     start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        line = self._line(start_timeout)
-        if line != "READY":
-            self.shutdown()
-            raise RuntimeError(f"the Spark driver did not start: {line!r}; see {self.log_path}")
+        self.keeper = Keeper(SPARK_KEEPER, tmp, "spark-driver", start_timeout=240.0)
         self.runs = 0
-
-    def _line(self, timeout: float) -> str:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            return f"<nothing within {timeout:.0f} s>"
-        return self.proc.stdout.readline().strip()
 
     def run(self, script: str, timeout: float = 180.0) -> dict[str, Any]:
         """Run ``TRAINING + script`` in the driver (globals ``spark``, ``sc``); its reply ``{"ok", "error"}``."""
-        assert self.proc.stdin is not None
         self.runs += 1
         path = self.tmp / f"job{self.runs}.py"
         path.write_text(TRAINING.replace('if __name__ == "__main__":', "if False:") + "\n" + script)
-        self.proc.stdin.write(json.dumps({"script": str(path)}) + "\n")
-        self.proc.stdin.flush()
-        line = self._line(timeout)
+        self.keeper.send(json.dumps({"script": str(path)}))
+        line = self.keeper.line(timeout)
         if not line.startswith("{"):
-            raise AssertionError(f"the Spark driver gave no answer ({line}); its log: {self.log_path}")
+            raise AssertionError(f"the Spark driver gave no answer ({line}); its log: {self.keeper.log_path}")
         reply: dict[str, Any] = json.loads(line)
         return reply
 
     def shutdown(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()  # the server leaves its loop and Python stops the SparkContext at exit
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
-        self.log.close()
+        self.keeper.shutdown()
 
 
 def java_missing() -> bool:

@@ -4,7 +4,6 @@ hora.ray.RayExecutor (Horovod's horovod.ray API); a rank that raises or is kille
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ import ray
 import ray.exceptions
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hora.engines import rank_failed
+from hora.engines import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed
 from hora.errors import ConfigError, JobFailedError
 from hora.jobsecret import ENV_SECRET, JobSecret
 from hora.launch.pyrun import RemoteTraceback
@@ -151,7 +152,7 @@ class RayExecutor:
                       executable_kwargs: dict[str, Any] | None, extra_env: Mapping[str, Any]) -> None:
         assert self._reservation is not None
         actor_cls = ray.remote(BaseHorovodWorker)
-        actors = [
+        actors: list[Any] = [
             actor_cls.options(
                 num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -234,14 +235,30 @@ class RayExecutor:
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayTaskError as e:
-                    self._fail(rank_of[ref], e)
-                except ray.exceptions.RayError as e:  # the actor's process died (killed, out of memory, node lost)
-                    self._fail(rank_of[ref], e)
+            failures = self._failures(done, rank_of)
+            if failures:
+                self._fail(*self._root_cause(failures, pending, rank_of))
         return list(ray.get(refs))
+
+    @staticmethod
+    def _failures(done: list[Any], rank_of: dict[Any, int]) -> list[tuple[int, Exception]]:
+        failures: list[tuple[int, Exception]] = []
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as e:  # raised in the rank (RayTaskError), or its process died
+                failures.append((rank_of[ref], e))
+        return failures
+
+    def _root_cause(self, failures: list[tuple[int, Exception]], pending: list[Any],
+                    rank_of: dict[Any, int]) -> tuple[int, Exception]:
+        """The failure to report: a rank that raised an error of its own or died, rather than a peer that only saw
+        it go (hora's "rank N is gone" comes before Ray notices a killed process), waiting a little for it."""
+        deadline = time.monotonic() + FOLLOW_ON_GRACE_S
+        while all(_follows(e) for _, e in failures) and pending and time.monotonic() < deadline:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+            failures += self._failures(done, rank_of)
+        return min(failures, key=lambda f: (_follows(f[1]), f[0]))
 
     def _fail(self, rank: int, error: Exception) -> None:
         where = self._ranks[rank].where
@@ -271,6 +288,12 @@ class RayExecutor:
         reservation, self._reservation = self._reservation, None
         if reservation is not None and reservation.owned:
             ray.util.remove_placement_group(reservation.group)
+
+
+def _follows(error: Exception) -> bool:
+    """A rank's failure that only reports a peer's (see hora.engines.FOLLOW_ON_ERRORS)."""
+    cause = getattr(error, "cause", None) if isinstance(error, ray.exceptions.RayTaskError) else None
+    return cause is not None and is_follow_on(type(cause).__name__)
 
 
 class ElasticRayExecutor:

@@ -26,12 +26,13 @@ import json
 import logging
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hora import env as hora_env
-from hora.engines import rank_failed, require
+from hora.engines import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed, require
 from hora.errors import ConfigError, JobFailedError
 from hora.jobsecret import JobSecret
 from hora.launch import envvars, shipping
@@ -119,7 +120,7 @@ class _Job:
         host = sc.getConf().get("spark.driver.host") or "127.0.0.1"
         self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=start_timeout))
-        self.store.set(PYRUN_FN_KEY, shipping.dumps((fn, args, kwargs)))
+        self.store.set(PYRUN_FN_KEY, shipping.dumps((fn, args, kwargs)))  # type: ignore[arg-type]  # bytes work
         extra = dict(env)
         if nics:
             extra.setdefault("GLOO_SOCKET_IFNAME", sorted(nics)[0])
@@ -163,8 +164,20 @@ class _Job:
                 seen = ended
                 failed = self._first_failure()
                 if failed is not None:
+                    self._await_root_cause()
                     return failed
         return self._first_failure()
+
+    def _await_root_cause(self) -> None:
+        """While every failure so far only reports a peer's (hora's "rank N is gone"), give the rank that failed
+        first its moment to say so (its task writes how it ended), up to FOLLOW_ON_GRACE_S."""
+        deadline = time.monotonic() + FOLLOW_ON_GRACE_S
+        while time.monotonic() < deadline and not self.finished.is_set():
+            exits, raised = {e["rank"]: e for e in self._exits()}, self._error_types()
+            root = root_cause(exits, raised)
+            if root is None or exits.get(root, {}).get("signal") is not None or not is_follow_on(raised.get(root)):
+                return
+            time.sleep(_POLL_S)
 
     def _exits(self) -> list[dict[str, Any]]:
         keys = [task.EXIT_KEY.format(rank=r) for r in range(self.num_proc)]
@@ -212,10 +225,6 @@ class _Job:
         return self.outcome[0] if len(self.outcome) == 1 and isinstance(self.outcome[0], BaseException) else None
 
 
-# What a rank raises because a peer failed first: never the root cause while another rank failed otherwise.
-FOLLOW_ON_ERRORS = frozenset({"CollectiveError", "WorldMemberLostError", "HorovodInternalError"})
-
-
 def root_cause(exits: Mapping[int, Mapping[str, Any]], raised: Mapping[int, str]) -> int | None:
     """The rank whose failure ended the job: a rank killed by a signal or one that raised an error of its own
     (not a peer's follow-on ``CollectiveError``) before one that failed because of it; earliest first.
@@ -232,7 +241,7 @@ def root_cause(exits: Mapping[int, Mapping[str, Any]], raised: Mapping[int, str]
 
     def order(rank: int) -> tuple[bool, float, int]:
         record = exits.get(rank, {})
-        follow_on = record.get("signal") is None and raised.get(rank) in FOLLOW_ON_ERRORS
+        follow_on = record.get("signal") is None and is_follow_on(raised.get(rank))
         return follow_on, float(record.get("time", float("inf"))), rank
 
     return min(failed, key=order)

@@ -6,7 +6,8 @@ Each task of the barrier stage is rank ``partitionId()``. It learns every task's
 variables (the function and its result travel through the driver's store, as with ``hora.run``), waits for it and
 writes how it ended to the store. A rank process dies with its task (a cancelled job leaves nothing running).
 
-A task of a retried stage attempt (a second task for a rank) starts nothing: a job whose rank failed is over, never run twice.
+A task of a retried stage attempt (a second task for a rank) starts nothing: a job whose rank failed is over,
+never run twice.
 """
 
 from __future__ import annotations
