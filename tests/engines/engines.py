@@ -141,6 +141,7 @@ class Keeper:
                 os.killpg(self.pid, signal.SIGKILL)  # whatever of the engine is left: it is all in this session
             except (ProcessLookupError, PermissionError):
                 pass
+        self.stdout.close()
         self.log.close()
 
 
