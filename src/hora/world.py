@@ -155,6 +155,16 @@ def updates_count(store: Any, job_id: str) -> int:
     return int(store.add(proto.elastic_key(job_id, proto.UPDATES), 0))
 
 
+def discoveries(store: Any, job_id: str, seen: int | None) -> tuple[int, list[proto.Update]]:
+    """The changes of hosts the driver found after the first ``seen`` (None: none, only the count):
+    (how many in all, the new ones)."""
+    count = int(store.add(proto.elastic_key(job_id, proto.DISCOVERED), 0))
+    if seen is None or count <= seen:
+        return count, []
+    return count, [proto.Update.from_json(store.get(proto.elastic_key(job_id, proto.DISCOVERY, n=n)))
+                   for n in range(seen + 1, count + 1)]
+
+
 def host_updates(store: Any, job_id: str, seen: int) -> tuple[int, bool]:
     """The driver's host changes after the first ``seen``: (how many in all, True when all of the new ones
     only removed hosts)."""

@@ -26,7 +26,7 @@ from torch import nn
 
 import hora as hvd
 from hora import runtime
-from hora.elastic import state as elastic_state
+from hora.elastic import notifications
 from tests.distributed.harness import run_ranks
 
 SAMPLES = 24
@@ -214,7 +214,7 @@ def _signal_and_wait(at_step: int) -> Callable[[Any], None]:
             store.set(_key("at"), "1")
             while not store.check([_key("go")]):
                 time.sleep(0.01)
-            while elastic_state._watch.announced < 1:
+            while notifications.watch.announced < 1:
                 time.sleep(0.01)
     return hook
 

@@ -100,3 +100,56 @@ def test_the_epoch_order_and_state_dict_are_horovod_028s_so_checkpoints_load_acr
         assert out["state"] == {"epoch": 1, "processed_num": 4}
         assert out["resumed"] == order[4:][rank::2]  # the 6 left, 3 per rank
 
+
+
+class _Counter:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+class _CounterHandler(hvd.elastic.state.StateHandler):
+    """A handler of one's own, written as for Horovod: the value is ``self.value``, save/restore/sync."""
+
+    def __init__(self, counter: _Counter) -> None:
+        super().__init__(counter)
+        self.saved = counter.value
+
+    def save(self) -> None:
+        self.saved = self.value.value
+
+    def restore(self) -> None:
+        self.value.value = self.saved
+
+    def sync(self) -> None:
+        self.value.value = self.saved = hvd.broadcast_object(self.saved, 0, name="test.counter")
+
+
+def _custom_handler(rank: int, size: int) -> list[int]:
+    from hora.elastic import state as elastic_state
+
+    registry = elastic_state.get_handler_registry()
+    elastic_state.set_handler_registry([*registry, (_Counter, _CounterHandler)])
+    try:
+        state = hvd.elastic.TorchState(counter=_Counter(10 + rank), epoch=rank)
+        seen = []
+        state.sync()  # rank 0's counter everywhere
+        seen.append(state.counter.value)
+        state.counter.value = 20
+        state.commit()
+        state.counter.value = 30
+        state.restore()
+        seen.append(state.counter.value)
+        state.counter = _Counter(40)  # a new object for the attribute: the handler tracks it (set_value)
+        state.counter.value = 41
+        state.restore()
+        seen.append(state.counter.value)
+        return seen
+    finally:
+        elastic_state.set_handler_registry(registry)
+
+
+def test_torch_state_takes_handlers_of_ones_own_from_the_registry_as_horovod_028() -> None:
+    """Horovod 0.28.1's TorchState finds each value's handler in a registry of (type, StateHandler subclass)
+    that ``set_handler_registry`` extends; assigning a new object calls the handler's ``set_value`` (which
+    saves it)."""
+    assert run_ranks(_custom_handler, 2) == [[10, 20, 40], [10, 20, 40]]

@@ -13,8 +13,9 @@ worker got as far as ``hvd.init()`` (OUTDIR/slow.<wid> holding a number of secon
 first), OUTDIR/init.<wid>.json holds the rank and size ``hvd.init()`` gave it, OUTDIR/built.<wid> says that it
 calls ``train(state)`` (where a worker started while the job runs joins the job's world). OUTDIR/kill.<wid>
 makes that worker SIGKILL itself at its next step; OUTDIR/pace (seconds) slows every step down; while
-OUTDIR/hold exists, rank 0 waits before each commit
-(its peers wait for it in their next collective), so a test can change the hosts before training goes on.
+OUTDIR/hold exists, rank 0 waits before each commit (its peers wait for it in their next collective), so a test
+can change the hosts before training goes on; meanwhile it touches OUTDIR/notified.<wid> once
+``state._host_messages`` (Horovod's notices of host changes) holds one.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def main(out: Path) -> None:
                 state.batch = offset + idx
                 if state.batch % COMMIT_EVERY == 0:
                     while hvd.rank() == 0 and (out / "hold").exists():
+                        if not state._host_messages.empty():  # Horovod's notice of a host change, on rank 0
+                            (out / f"notified.{wid}").touch()
                         time.sleep(0.05)
                     state.commit()
                 if (out / f"kill.{wid}").exists():

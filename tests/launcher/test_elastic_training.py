@@ -180,6 +180,7 @@ def test_the_only_host_replaced_by_a_slow_newcomer_hands_it_the_state_as_in_horo
     code, log = j.finish()
     _check(j, code, log, survivors=1, sizes=None)
     assert json.loads((j.out / "init.127.0.0.2:0.json").read_text()) == {"rank": 1, "size": 2}
+    assert (j.out / "notified.127.0.0.1:0").exists()  # rank 0 got Horovod's notice (state._host_messages)
     assert j.results()[0]["wid"] == "127.0.0.2:0"  # B trained to the end, from A's state (checked above)
     assert "hosts 127.0.0.1 removed: their workers hold the training state and wait for new workers" in log, log
     assert "world 2: 2 workers on 127.0.0.1, 127.0.0.2; joined: 127.0.0.2:0" in log, log

@@ -96,3 +96,15 @@ def test_sampler_state_dict_is_horovod_028s_two_counts_and_loads_hora_s_older_fo
     assert older.processed_num == 3 and list(iter(older)) == [3, 4, 5]
     older.set_epoch(1)
     assert older.processed_num == 0 and list(iter(older)) == list(range(6))
+
+
+def test_discoveries_are_read_after_the_count_already_seen() -> None:
+    """The driver's ``discovered`` records (what rank 0 passes to Horovod's ``state.on_hosts_updated``)."""
+    store = dist.HashStore()
+    assert world.discoveries(store, JOB, None) == (0, [])
+    for n, (added, removed) in enumerate([(["b"], []), ([], ["a"])], start=1):
+        store.set(f"{BASE}discovered/{n}", json.dumps({"added": added, "removed": removed}))
+        store.add(f"{BASE}discovered", 1)
+    assert world.discoveries(store, JOB, None) == (2, [])  # the count only: what came before is old news
+    count, changes = world.discoveries(store, JOB, 1)
+    assert count == 2 and [(c.added, c.removed) for c in changes] == [((), ("a",))]

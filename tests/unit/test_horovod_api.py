@@ -173,6 +173,48 @@ def test_horovods_submodules_import_under_the_stand_in(horovod_stand_in: None) -
     assert TorchState is hvd.elastic.TorchState and ElasticSampler is hvd.elastic.ElasticSampler
 
 
+def test_horovods_elastic_modules_import_under_the_stand_in(horovod_stand_in: None) -> None:
+    """Horovod 0.28.1 scripts import the elastic pieces from their modules: horovod.torch.elastic.state (the
+    handlers and their registry), .sampler, horovod.common.elastic (State, ObjectState, run_fn,
+    notification_manager) and horovod.runner.elastic.worker (HostUpdateResult)."""
+    from horovod.common.elastic import ObjectState, State, notification_manager, run_fn
+    from horovod.runner.elastic.worker import HostUpdateResult, WorkerNotificationManager
+    from horovod.torch.elastic.sampler import ElasticSampler
+    from horovod.torch.elastic.state import (
+        ModelStateHandler,
+        OptimizerStateHandler,
+        SamplerStateHandler,
+        StateHandler,
+        TorchState,
+        get_handler_registry,
+        set_handler_registry,
+    )
+
+    assert ElasticSampler is hvd.elastic.ElasticSampler and TorchState is hvd.elastic.TorchState
+    assert State is hvd.elastic.State and ObjectState is hvd.elastic.ObjectState
+    assert [h for _, h in get_handler_registry()] == [ModelStateHandler, OptimizerStateHandler, SamplerStateHandler]
+    assert all(issubclass(h, StateHandler) for _, h in get_handler_registry()) and callable(set_handler_registry)
+    assert isinstance(notification_manager, WorkerNotificationManager)
+    assert [int(HostUpdateResult[n]) for n in ("no_update", "removed", "added", "mixed")] == [0, 1, 2, 3]
+    assert callable(run_fn(lambda state: None, lambda: None))
+
+
+def test_states_take_horovods_host_notifications_and_forget_them_at_a_reset() -> None:
+    """Horovod 0.28.1's State queues ``on_hosts_updated(timestamp, result)`` in ``_host_messages`` (its
+    integration script polls it on rank 0), and ``on_reset()`` forgets them before the reset callbacks."""
+    from hora.elastic.notifications import HostUpdateResult
+
+    state = hvd.elastic.ObjectState(bcast_object=lambda x: x, get_rank=lambda: 0, epoch=0)
+    calls: list[bool] = []
+    state.register_reset_callbacks([lambda: calls.append(state._host_messages.empty())])
+    assert state._host_messages.empty()
+    state.on_hosts_updated(17, HostUpdateResult.added)
+    assert state._host_messages.get_nowait() == (17, HostUpdateResult.added)
+    state.on_hosts_updated(18, HostUpdateResult.removed)
+    state.on_reset()
+    assert calls == [True]
+
+
 def test_average_argument_warns_as_deprecated_as_in_horovod() -> None:
     from hora.reduce_ops import resolve_op
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from hora import newcomer, runtime, world
+from hora.elastic.notifications import notification_manager
 from hora.elastic.state import State
 from hora.errors import CollectiveError, CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt
 
@@ -50,30 +51,39 @@ def run(func: F) -> F:
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         rt = runtime.state("hvd.elastic.run")
         elastic = rt.env.elastic or rt.alone  # alone: a new worker of an elastic job, built in a world of its own
-        skip_sync = False
-        while True:
-            try:
-                newcomer.join("hvd.elastic.run")  # a new worker still alone joins the job's world now
-                if newcomer.moved():  # ... elsewhere than hvd.init() said: the callbacks see where it is
-                    state.on_reset()
-                if not skip_sync:
-                    state.sync()
-                return func(state, *args, **kwargs)
-            except CollectiveMismatchError:
-                raise  # a programming error: the next world would meet it again
-            except HorovodInternalError as e:
-                if not elastic:
-                    raise
-                log.warning("hora elastic: %s; restoring the last commit and resetting", _first_line(e))
-                state.restore()
-                skip_sync, failed = False, True
-            except HostsUpdatedInterrupt as e:
-                skip_sync, failed = e.skip_sync, False
-            _reset(failed)
-            skip_sync = skip_sync and not world.grew()  # a new worker is in the new world: it needs the state
-            state.on_reset()
+        notification_manager.register_listener(state)  # rank 0: the launcher's news in state._host_messages
+        try:
+            return _run(state, elastic, func, args, kwargs)
+        finally:
+            notification_manager.remove_listener(state)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _run(state: State, elastic: bool, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """The retry loop (see the module docstring)."""
+    skip_sync = False
+    while True:
+        try:
+            newcomer.join("hvd.elastic.run")  # a new worker still alone joins the job's world now
+            if newcomer.moved():  # ... elsewhere than hvd.init() said: the callbacks see where it is
+                state.on_reset()
+            if not skip_sync:
+                state.sync()
+            return func(state, *args, **kwargs)
+        except CollectiveMismatchError:
+            raise  # a programming error: the next world would meet it again
+        except HorovodInternalError as e:
+            if not elastic:
+                raise
+            log.warning("hora elastic: %s; restoring the last commit and resetting", _first_line(e))
+            state.restore()
+            skip_sync, failed = False, True
+        except HostsUpdatedInterrupt as e:
+            skip_sync, failed = e.skip_sync, False
+        _reset(failed)
+        skip_sync = skip_sync and not world.grew()  # a new worker is in the new world: it needs the state
+        state.on_reset()
 
 
 def _reset(failed: bool) -> None:

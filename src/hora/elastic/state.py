@@ -14,89 +14,18 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
-import time
-import weakref
+import queue
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from hora import functions, runtime, world
+from hora import functions, runtime
+from hora.elastic.notifications import HostUpdateResult, watch
 from hora.elastic.sampler import ElasticSampler
-from hora.errors import HostsUpdatedInterrupt, NotInitializedError
+from hora.errors import HostsUpdatedInterrupt
 
 log = logging.getLogger(__name__)
-
-
-_POLL_S = 0.1  # how often rank 0 reads the launcher's host-update counter (one small store read)
-
-
-class _UpdateWatch:
-    """Host updates, with nothing on the step path: no store read and no collective per check.
-
-    Rank 0 of each world runs a thread (started at its first check in that world) that reads the
-    launcher's ``updates`` counter every ``_POLL_S`` and announces a new count through the negotiator
-    (``Negotiator.announce``). Every check is a negotiator checkpoint (``Negotiator.checkpoint``: a lock and
-    a counter); the engine hands the announcement out at the same checkpoint on every rank, agreed in two
-    negotiation rounds (:mod:`hora.engine.notices` has the proof), so every rank raises at the same check.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._watched: weakref.ref[runtime.Runtime] | None = None  # the world this process's thread watches
-        self.announced = 0  # the last count of host updates this process announced (rank 0 of a world)
-
-    def check(self) -> tuple[int, int, bool] | None:
-        """(count acted on before, count announced now, only removals since) when this check is where every
-        rank learns of host updates; None otherwise (and always outside an elastic job)."""
-        rt = runtime.state("check_host_updates()")
-        if not rt.env.elastic:
-            return None
-        if rt.topo.rank == 0 and (self._watched is None or self._watched() is not rt):
-            self._start(rt)
-        notices = rt.negotiator.checkpoint()
-        if not notices:
-            return None
-        return min(n[0] for n in notices), max(n[1] for n in notices), all(n[2] for n in notices)
-
-    def _start(self, rt: runtime.Runtime) -> None:
-        with self._lock:
-            if self._watched is not None and self._watched() is rt:
-                return
-            self._watched = weakref.ref(rt)
-        raw = rt.store.underlying_store  # type: ignore[attr-defined]
-        joined = world.joined()  # the count the world already reflects is no news
-        seen = joined.updates if joined is not None else world.updates_count(raw, rt.env.job_id)
-        threading.Thread(target=self._watch, args=(rt, raw, seen), name="hora-elastic-updates",
-                         daemon=True).start()
-
-    def _watch(self, rt: runtime.Runtime, raw: Any, seen: int) -> None:
-        """Rank 0's thread: announce each new count of host updates until this world ends."""
-        while True:
-            time.sleep(_POLL_S)
-            if not _current(rt):
-                return
-            try:
-                now, removed_only = world.host_updates(raw, rt.env.job_id, seen)
-            except Exception as e:  # the launcher and its store are gone: the job is ending anyway
-                log.debug("hora elastic: stopped watching host updates: %s", e)
-                return
-            if now > seen:
-                log.info("hora elastic: host update %d announced by the launcher", now)
-                rt.negotiator.announce((seen, now, removed_only))
-                seen = self.announced = now
-
-
-def _current(rt: runtime.Runtime) -> bool:
-    """``rt`` is still this process's live runtime (its world has not ended)."""
-    try:
-        return runtime.state() is rt
-    except NotInitializedError:
-        return False
-
-
-_watch = _UpdateWatch()
 
 
 class State:
@@ -112,6 +41,8 @@ class State:
         self._bcast_object = bcast_object or functions.broadcast_object
         self._rank = get_rank or runtime.rank
         self._reset_callbacks: list[Callable[[], Any]] = []
+        self._host_messages: queue.Queue[tuple[int, HostUpdateResult]] = queue.Queue()  # rank 0: what was found
+        self._last_updated_timestamp = 0
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], Any]]) -> None:
         """Call each of ``callbacks`` (no arguments) after every reset, e.g. to scale the learning rate to the
@@ -119,10 +50,18 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
-        """Called by ``hvd.elastic.run`` after a reset: ``reset()``, then the registered callbacks."""
+        """Called by ``hvd.elastic.run`` after a reset: forget the host messages, ``reset()``, then the registered
+        callbacks."""
+        self._host_messages = queue.Queue()
         self.reset()
         for callback in self._reset_callbacks:
             callback()
+
+    def on_hosts_updated(self, timestamp: int, update_res: HostUpdateResult) -> None:
+        """Horovod's notification of a host change (the launcher found hosts added or removed): queued in
+        ``_host_messages`` on rank 0 while ``hvd.elastic.run`` runs this state. The interrupt itself comes from
+        ``check_host_updates()``."""
+        self._host_messages.put((timestamp, update_res))
 
     def commit(self) -> None:
         """Save the state in memory (a failure rolls back to here), then check for host changes.
@@ -139,7 +78,9 @@ class State:
         calls before it), as a collective; it sends nothing itself: rank 0 watches the launcher's updates in
         the background and the negotiator's rounds agree on the check where every rank raises. Outside an
         elastic job it does nothing."""
-        news = _watch.check()
+        while not self._host_messages.empty():  # taken in, as Horovod's check does (the news come below)
+            self._last_updated_timestamp = max(self._last_updated_timestamp, self._host_messages.get()[0])
+        news = watch.check()
         if news is not None:
             _, now, removed_only = news
             log.info("hora elastic: host update %d announced; resetting (skip_sync=%s)", now, removed_only)
@@ -190,12 +131,17 @@ class ObjectState(State):
             object.__setattr__(self, name, value)
 
 
-class _Handler:
-    """Save/restore/sync of one torch object held by a TorchState."""
+class StateHandler:
+    """How a ``TorchState`` saves, restores and syncs one kind of object (Horovod's ``StateHandler``). For an
+    object of your own, subclass it and add ``(its type, your handler class)`` to the registry
+    (:func:`set_handler_registry`); ``TorchState`` uses the first entry whose type the value is an instance of.
+
+    Args:
+        value: the object (``handler.value``).
+    """
 
     def __init__(self, value: Any) -> None:
         self.value = value
-        self.save()
 
     def save(self) -> None:
         raise NotImplementedError
@@ -206,8 +152,13 @@ class _Handler:
     def sync(self) -> None:
         raise NotImplementedError
 
+    def set_value(self, value: Any) -> None:
+        """A new object for the same attribute (``state.model = other``): track it, and save it."""
+        self.value = value
+        self.save()
+
     def reset(self) -> None:
-        """The world changed."""
+        """The world changed (hora calls it after every reset, before the reset callbacks)."""
 
 
 def _copy_into(saved: Any, live: Any) -> Any:
@@ -231,7 +182,13 @@ def _copy_into(saved: Any, live: Any) -> Any:
     return copy.deepcopy(live)
 
 
-class _ModelHandler(_Handler):
+class ModelStateHandler(StateHandler):
+    """A ``torch.nn.Module``: its ``state_dict()`` saved in memory, parameters and buffers broadcast by sync."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.save()
+
     def save(self) -> None:
         self._saved = _copy_into(getattr(self, "_saved", None), self.value.state_dict())
 
@@ -242,7 +199,13 @@ class _ModelHandler(_Handler):
         functions.broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class _OptimizerHandler(_Handler):
+class OptimizerStateHandler(StateHandler):
+    """A ``torch.optim.Optimizer``: its ``state_dict()`` saved in memory, broadcast by sync."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer)
+        self.save()
+
     def save(self) -> None:
         self._saved = _copy_into(getattr(self, "_saved", None), self.value.state_dict())
 
@@ -255,8 +218,15 @@ class _OptimizerHandler(_Handler):
         functions.broadcast_optimizer_state(self.value, root_rank=0)
 
 
-class _SamplerHandler(_Handler):
+class SamplerStateHandler(StateHandler):
+    """An ``ElasticSampler``: its epoch and count saved, rank 0's given to every rank by sync, the rest of the
+    epoch dealt over the new world at every reset."""
+
     value: ElasticSampler
+
+    def __init__(self, sampler: ElasticSampler) -> None:
+        super().__init__(sampler)
+        self.save()
 
     def save(self) -> None:
         self._saved = self.value.state_dict()  # {"epoch", "processed_num"}: plain values, a copy already
@@ -273,11 +243,27 @@ class _SamplerHandler(_Handler):
         self.value.reset()  # deal the rest of the epoch over the new world, also when the reset skips sync()
 
 
-_HANDLERS: tuple[tuple[type, type[_Handler]], ...] = (
-    (ElasticSampler, _SamplerHandler),
-    (torch.nn.Module, _ModelHandler),
-    (torch.optim.Optimizer, _OptimizerHandler),
-)
+_handler_registry: list[tuple[type, type[StateHandler]]] = [
+    (torch.nn.Module, ModelStateHandler),
+    (torch.optim.Optimizer, OptimizerStateHandler),
+    (ElasticSampler, SamplerStateHandler),
+]
+
+
+def get_handler_registry() -> list[tuple[type, type[StateHandler]]]:
+    """The ``(type, handler class)`` pairs ``TorchState`` picks a value's handler from, in order."""
+    return _handler_registry
+
+
+def set_handler_registry(registry: list[tuple[type, type[StateHandler]]]) -> None:
+    """Replace the registry (e.g. ``set_handler_registry(get_handler_registry() + [(MyType, MyHandler)])``)."""
+    global _handler_registry
+    _handler_registry = registry
+
+
+def _handler_for(value: Any) -> StateHandler | None:
+    kind = next((h for t, h in _handler_registry if isinstance(value, t)), None)
+    return None if kind is None else kind(value)
 
 
 class TorchState(ObjectState):
@@ -297,19 +283,19 @@ class TorchState(ObjectState):
             ``model`` and ``optimizer``.
     """
 
-    _handlers: dict[str, _Handler]
+    _handlers: dict[str, StateHandler]
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  **kwargs: Any) -> None:
         kwargs.update(model=model, optimizer=optimizer)
-        handlers: dict[str, _Handler] = {}
+        handlers: dict[str, StateHandler] = {}
         plain: dict[str, Any] = {}
         for name, value in kwargs.items():
-            kind = next((h for t, h in _HANDLERS if isinstance(value, t)), None)
-            if kind is None:
+            handler = _handler_for(value)
+            if handler is None:
                 plain[name] = value
             else:
-                handlers[name] = kind(value)
+                handlers[name] = handler
         object.__setattr__(self, "_handlers", handlers)
         for name, handler in handlers.items():
             object.__setattr__(self, name, handler.value)
@@ -338,5 +324,5 @@ class TorchState(ObjectState):
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers", {})
         if name in handlers:  # a new object for a handled attribute: track it from now on
-            handlers[name] = type(handlers[name])(value)
+            handlers[name].set_value(value)
         object.__setattr__(self, name, value)

@@ -17,6 +17,10 @@ below live in the driver's rendezvous store under ``hora/<job>/elastic/`` (:func
     a host change: the driver stores ``update/<n>`` (an :class:`Update` as JSON), then ``add``\\ s 1 to the
     ``updates`` counter (so ``n`` counts from 1). A worker compares the counter with what it saw at its last
     ``commit()``/``check_host_updates()`` and raises ``HostsUpdatedInterrupt(skip_sync=<only removals>)``.
+``discovered`` / ``discovered/<n>``
+    a change of the hosts the discovery script prints, as soon as the driver saw it, in the same form (an
+    :class:`Update`, then the counter): rank 0 passes it to Horovod's ``state.on_hosts_updated``
+    (``state._host_messages``). The interrupt still waits for ``updates``.
 
 Ranks of a new world (:func:`assign_world`): the workers of the previous world first, in their old rank
 order (so rank 0 always holds state to sync from), then the new ones. The process groups of world ``N`` use
@@ -56,6 +60,8 @@ WORLD = "world/{gen}"
 READY = "ready/{worker_id}"
 UPDATES = "updates"
 UPDATE = "update/{n}"
+DISCOVERED = "discovered"
+DISCOVERY = "discovered/{n}"
 
 
 def elastic_key(job_id: str, key: str, **fields: object) -> str:

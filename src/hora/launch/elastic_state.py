@@ -92,6 +92,7 @@ class ElasticState:
         self.world: ep.World | None = None
         self.member_numbers: set[int] = set()  # the worker processes of the newest world
         self.updates = 0  # the value of the store's ``updates`` counter
+        self._discovered = 0  # the value of the store's ``discovered`` counter
         self.stalls = StallWatch(None, "", {})  # the newest world's board (see _watch_stalls)
         self.console = output.Console(prefix_timestamp=cfg.prefix_timestamp, output_dir=cfg.output_filename)
         self.failure: _Failure | None = None

@@ -49,6 +49,12 @@ class ElasticWorlds(ElasticState):
             except Exception as exc:  # our own store: fails only while shutting down
                 log.debug("cannot read %s: %s", key, exc)
 
+    def _post_discovery(self, change: ep.Update) -> None:
+        """Tell rank 0 at once what discovery found (Horovod's ``state._host_messages``)."""
+        self._discovered += 1
+        self.store.set(self._key(ep.DISCOVERY, n=self._discovered), change.to_json())
+        self.store.add(self._key(ep.DISCOVERED), 1)
+
     def _post_update(self, update: ep.Update) -> None:
         n = self.updates + 1
         self.store.set(self._key(ep.UPDATE, n=n), update.to_json())
@@ -102,6 +108,8 @@ class ElasticWorlds(ElasticState):
             note(f"hosts added: {', '.join(added)}")
         if removed:
             note(f"hosts removed: {', '.join(removed)}")
+        if added or removed:
+            self._post_discovery(ep.Update(added=tuple(added), removed=tuple(removed)))
         gone = set(removed)
         leaving_members = []
         for w in self.workers.values():

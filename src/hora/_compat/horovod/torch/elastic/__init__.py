@@ -1,4 +1,4 @@
-"""``horovod.torch.elastic`` under ``hora run``: :mod:`hora.elastic`."""
+"""``horovod.torch.elastic`` under ``hora run``: :mod:`hora.elastic` (``.state`` and ``.sampler`` too)."""
 
 from __future__ import annotations
 
