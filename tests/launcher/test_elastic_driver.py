@@ -128,6 +128,9 @@ def test_discovery_grows_and_shrinks_the_world(elastic: Callable[..., Elastic], 
 
 def test_a_failed_worker_blacklists_its_host_for_new_workers_only_and_it_comes_back_after_the_cooldown(
         elastic: Callable[..., Elastic]) -> None:
+    """The blacklist decides where new workers start, not who is stopped (issue 27 item 2; Horovod 0.28.1 stops
+    every worker of a blacklisted host): the failed worker's host-mate trains on, and once the cooldown ends its
+    empty slot gets a new process."""
     job = elastic("-H", "127.0.0.1:2,127.0.0.2:2", "--min-np", "2", "--blacklist-cooldown-range", "2", "2",
                   "--reset-limit", "3")
     assert len(job.wait_world(1, 4)) == 4
@@ -145,25 +148,6 @@ def test_a_failed_worker_blacklists_its_host_for_new_workers_only_and_it_comes_b
     assert "RuntimeError: 127.0.0.2:1: injected failure" in log  # the failed worker's traceback is shown
     assert "host 127.0.0.2 blacklisted for 2s (no new worker starts there)" in log
     assert "worker 127.0.0.1:0 (process [0], rank 0) on host 127.0.0.1 failed: signal SIGKILL (9)" in log
-    _no_orphans(job)
-
-
-def test_on_one_machine_a_failed_workers_host_mate_goes_on_and_the_slot_comes_back_after_the_cooldown(
-        elastic: Callable[..., Elastic]) -> None:
-    """Issue 27 item 2: with every slot on one host, a SIGKILLed worker's host-mate holds the only copy of the
-    state; blacklisting the host must not stop it (hora failed: "no worker of world 1 is left to carry the
-    training state"). After the cooldown a new worker takes the slot, started as rank 1 of 2."""
-    job = elastic("-H", "localhost:2", "--min-np", "1", "--blacklist-cooldown-range", "1", "1")
-    job.wait_world(1, 2)
-    job.inject("kill", "localhost:1")
-    assert job.wait_world(2, 1) == {"localhost:0": (0, 1)}
-    assert job.wait_world(3, 2) == {"localhost:0": (0, 2), "localhost:1": (1, 2)}
-    first = {s["pid"] for s in job.steps() if s["wid"] == "localhost:1" and s["gen"] == 1}
-    again = [s for s in job.steps() if s["wid"] == "localhost:1" and s["gen"] == 3]
-    assert again[0]["pid"] not in first and again[0]["start_rank"] == 1  # a new process, started for rank 1
-    code, log = job.finish()
-    assert code == 0, log
-    assert "host localhost blacklisted for 1s (no new worker starts there)" in log, log
     _no_orphans(job)
 
 
