@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from hora.errors import ConfigError
-from hora.launch.elastic_hosts import DiscoveryError, HostManager, parse_discovery_output, run_discovery
+from hora.launch.elastic_hosts import (
+    Absences,
+    Discovery,
+    DiscoveryError,
+    HostManager,
+    parse_discovery_output,
+    run_discovery,
+)
 from hora.launch.hosts import HostSpec, parse_hosts
 
 
@@ -32,6 +41,63 @@ def test_run_discovery_reports_a_failing_script(tmp_path: Path) -> None:
         run_discovery(str(script), None)
     with pytest.raises(DiscoveryError, match="did not finish within 0.2s"):
         run_discovery("sleep 5", None, timeout=0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _wait_gone(pid: int) -> bool:
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not _alive(pid)
+
+
+def test_a_discovery_script_that_times_out_is_killed_with_every_process_it_started(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child"
+    # the shell starts a slow call (an API client) and waits for it; the call must not outlive the timeout
+    script = f"sleep 300 & echo $! > {pid_file}; wait"
+    with pytest.raises(DiscoveryError, match=r"did not finish within 0.5s \(it was killed, with every process it "
+                                             r"started\)"):
+        run_discovery(script, None, timeout=0.5)
+    assert _wait_gone(int(pid_file.read_text()))
+
+
+def test_a_discovery_run_in_progress_is_killed_when_the_job_ends(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child"
+    discovery = Discovery(f"sleep 300 & echo $! > {pid_file}; wait", None, timeout=300)
+    failed: list[str] = []
+
+    def run() -> None:
+        try:
+            discovery.run()
+        except DiscoveryError as exc:
+            failed.append(str(exc))
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    discovery.stop()
+    runner.join(10)
+    assert not runner.is_alive() and failed and "exit code -9" in failed[0]
+    assert _wait_gone(int(pid_file.read_text()))
+
+
+def test_a_host_is_removed_once_two_answers_in_a_row_leave_it_out() -> None:
+    seen = Absences()
+    assert seen.look({"a"}, ["a", "b"]) == []  # one short answer
+    assert seen.look({"a", "b"}, ["a", "b"]) == []  # listed again: forgotten
+    assert seen.look({"a"}, ["a", "b"]) == []
+    assert seen.look(set(), ["a", "b"]) == ["b"]  # b: second answer in a row; a: first
+    assert seen.look(set(), ["a"]) == ["a"]
 
 
 def test_added_and_removed_hosts() -> None:

@@ -47,7 +47,7 @@ from hora.errors import SetupError
 from hora.launch import elastic_protocol as ep
 from hora.launch import envvars, output, procs, protocol
 from hora.launch.agent_handle import PING_INTERVAL, AgentHandle, split_returncode, start_pumps
-from hora.launch.elastic_hosts import DISCOVERY_INTERVAL, DiscoveryError, run_discovery
+from hora.launch.elastic_hosts import DISCOVERY_INTERVAL, Discovery, DiscoveryError
 from hora.launch.elastic_state import Worker, note
 from hora.launch.elastic_worlds import ElasticWorlds
 from hora.launch.failures import RankState
@@ -92,6 +92,8 @@ class ElasticDriver(ElasticWorlds):
                 self._loop()
             finally:
                 self._stopping.set()
+                if self.discovery is not None:
+                    self.discovery.stop()
                 self._shutdown_agents()
                 self.console.close()
             return self._exit_status()
@@ -105,8 +107,9 @@ class ElasticDriver(ElasticWorlds):
         if self.ecfg.discovery_script is None:
             self.hostman.update(self.cfg.hosts)
             return list(self.cfg.hosts)
+        self.discovery = Discovery(self.ecfg.discovery_script, self.ecfg.slots_per_host, self.cfg.cwd)
         try:
-            found = run_discovery(self.ecfg.discovery_script, self.ecfg.slots_per_host, self.cfg.cwd)
+            found = self.discovery.run()
         except DiscoveryError as exc:
             raise SetupError(f"{exc}; fix the script (it prints one 'host' or 'host:slots' line per host)") from None
         self.hostman.update(found)
@@ -115,12 +118,11 @@ class ElasticDriver(ElasticWorlds):
 
     def _discover_loop(self) -> None:
         """Run the discovery script about once a second; each result (or failure) becomes an event."""
-        script = self.ecfg.discovery_script
-        assert script is not None
+        assert self.discovery is not None
         while not self._stopping.is_set():
             began = time.monotonic()
             try:
-                self.events.put(("hosts", -1, run_discovery(script, self.ecfg.slots_per_host, self.cfg.cwd)))
+                self.events.put(("hosts", -1, self.discovery.run()))
             except DiscoveryError as exc:
                 self.events.put(("discovery_error", -1, str(exc)))
             self._stopping.wait(max(0.0, DISCOVERY_INTERVAL - (time.monotonic() - began)))

@@ -22,16 +22,20 @@ from __future__ import annotations
 
 import logging
 import random
+import signal
 import subprocess
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hora.errors import ConfigError
+from hora.launch import procs
 from hora.launch.hosts import HostSpec, _parse_entry, parse_hosts  # noqa: F401 - parse_hosts for the doctest
 
 log = logging.getLogger(__name__)
 
 DISCOVERY_INTERVAL = 1.0  # seconds between two runs of the discovery script
+REMOVAL_ANSWERS = 2  # a host is removed once this many discovery answers in a row leave it out
 DISCOVERY_TIMEOUT = 30.0  # a discovery run that takes longer is killed (and counts as a failed run)
 DEFAULT_ELASTIC_TIMEOUT = 600.0  # horovodrun's default --elastic-timeout
 
@@ -100,25 +104,103 @@ class DiscoveryError(Exception):
 
 def run_discovery(script: str, default_slots: int | None, cwd: str | None = None,
                   timeout: float = DISCOVERY_TIMEOUT) -> tuple[HostSpec, ...]:
-    """Run the discovery script once (through the shell, as horovodrun does) and parse what it printed.
+    """Run the discovery script once (see :class:`Discovery`) and parse what it printed.
 
     Raises:
         DiscoveryError: it failed, timed out or printed something that is not a host list.
     """
-    try:
-        done = subprocess.run(script, shell=True, capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                              stdin=subprocess.DEVNULL, check=False)
-    except subprocess.TimeoutExpired:
-        raise DiscoveryError(f"--host-discovery-script {script}: did not finish within {timeout:g}s") from None
-    except OSError as exc:
-        raise DiscoveryError(f"--host-discovery-script {script}: cannot run it ({exc.strerror or exc})") from None
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
-        raise DiscoveryError(f"--host-discovery-script {script}: exit code {done.returncode}: {last}")
-    try:
-        return parse_discovery_output(done.stdout, default_slots, script)
-    except ConfigError as exc:
-        raise DiscoveryError(str(exc)) from None
+    return Discovery(script, default_slots, cwd, timeout).run()
+
+
+@dataclass
+class Discovery:
+    """The discovery script of a job, run through the shell (as horovodrun does) in a process group of its own:
+    one that outlives its timeout is killed as a group (the shell and whatever it started: a ``curl``, an
+    ``aws`` call), and so is one still running when the job ends (:meth:`stop`)."""
+
+    script: str
+    default_slots: int | None
+    cwd: str | None = None
+    timeout: float = DISCOVERY_TIMEOUT
+    _running: subprocess.Popen[str] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self) -> tuple[HostSpec, ...]:
+        """Run the script once and parse what it printed.
+
+        Raises:
+            DiscoveryError: it failed, timed out or printed something that is not a host list.
+        """
+        try:
+            proc = subprocess.Popen(self.script, shell=True, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        except OSError as exc:
+            raise DiscoveryError(f"--host-discovery-script {self.script}: cannot run it ({exc.strerror or exc})") \
+                from None
+        with self._lock:
+            self._running = proc
+        try:
+            out, err = proc.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            self._kill(proc)
+            raise DiscoveryError(f"--host-discovery-script {self.script}: did not finish within {self.timeout:g}s "
+                                 "(it was killed, with every process it started)") from None
+        finally:
+            with self._lock:
+                self._running = None
+        if proc.returncode != 0:
+            last = (err.strip().splitlines() or ["(nothing on stderr)"])[-1]
+            raise DiscoveryError(f"--host-discovery-script {self.script}: exit code {proc.returncode}: {last}")
+        try:
+            return parse_discovery_output(out, self.default_slots, self.script)
+        except ConfigError as exc:
+            raise DiscoveryError(str(exc)) from None
+
+    def stop(self) -> None:
+        """Kill a run in progress, with every process it started (the job is ending); :meth:`run` reaps it."""
+        with self._lock:
+            if self._running is not None and self._running.returncode is None:
+                procs.signal_groups([self._running.pid], signal.SIGKILL)
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen[str]) -> None:
+        # the shell leads the group and is not reaped yet, so its group id cannot belong to anyone else
+        procs.signal_groups([proc.pid], signal.SIGKILL)
+        try:
+            proc.communicate(timeout=5.0)
+        except (subprocess.TimeoutExpired, ValueError):  # a process of another session holds its pipes
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            proc.wait()
+
+
+@dataclass
+class Absences:
+    """Hosts the discovery script stopped listing, until their removal is confirmed: left out of
+    :data:`REMOVAL_ANSWERS` answers in a row (a cloud API's one short answer stops no worker).
+
+    Example:
+        >>> seen = Absences()
+        >>> seen.look({"a"}, ["a", "b"]), seen.look({"a", "b"}, ["a", "b"]), seen.look({"a"}, ["a", "b"])
+        ([], [], [])
+        >>> seen.look({"a"}, ["a", "b"])
+        ['b']
+    """
+
+    missing: dict[str, int] = field(default_factory=dict)  # host -> answers in a row without it
+
+    def look(self, listed: set[str], known: Sequence[str]) -> list[str]:
+        """Take one answer (the hosts it lists) about the ``known`` hosts; return those whose removal it confirms."""
+        for host in [h for h in self.missing if h in listed or h not in known]:
+            del self.missing[host]
+        confirmed = []
+        for host in known:
+            if host not in listed:
+                self.missing[host] = self.missing.get(host, 0) + 1
+                if self.missing[host] >= REMOVAL_ANSWERS:
+                    confirmed.append(host)
+        return confirmed
 
 
 @dataclass

@@ -16,7 +16,7 @@ from hora.launch import elastic_protocol as ep
 from hora.launch import output, procs, protocol
 from hora.launch.agent_handle import AgentHandle, default_transport, force_kill, stop_agents
 from hora.launch.config import RunConfig
-from hora.launch.elastic_hosts import ElasticConfig, HostManager
+from hora.launch.elastic_hosts import Absences, Discovery, ElasticConfig, HostManager
 from hora.launch.failures import RankState
 from hora.launch.stalls import StallWatch
 from hora.launch.transport import Transport
@@ -48,6 +48,12 @@ class Worker:
     @property
     def alive(self) -> bool:
         return not self.state.done
+
+
+# The exit status of a job the launcher ended at one of its limits (--reset-limit, --elastic-timeout), rather
+# than the status of some worker the job may have survived long before: sysexits' EX_TEMPFAIL (the job may go on
+# when retried, e.g. with more hosts).
+LIMIT_EXIT = 75
 
 
 @dataclass
@@ -104,6 +110,10 @@ class ElasticState:
         self._reset_since: float | None = None
         self._lost_member = False  # a member of the newest world died or left: a reset is due
         self._handing_over = False  # the members left are on removed hosts and wait for newcomers (said once)
+        self.discovery: Discovery | None = None  # the --host-discovery-script, when the job has one
+        self.absences = Absences()  # hosts discovery left out, until their removal is confirmed
+        self._unlisted_since: float | None = None  # discovery lists no host of the newest world's workers
+        self._published_ts = 0.0  # wall-clock time the newest world was published
         self._short_since: float | None = None  # since when fewer than --min-np slots are available
         self._start_deadline = 0.0
         self._stopping = threading.Event()
@@ -200,10 +210,13 @@ class ElasticState:
         except Exception as exc:
             log.debug("board: cannot post the end of rank %s: %s", rank, exc)
 
-    def _fail(self, summary: str, worker: Worker | None = None) -> None:
+    def _fail(self, summary: str, worker: Worker | None = None, code: int | None = None) -> None:
+        """End the job: ``summary`` is its last line, ``worker`` the failure whose report explains it, ``code`` the
+        exit status (default: that worker's, else 1)."""
         if self.failure is not None or self._stop_deadline is not None:
             return
-        code = procs.exit_status(worker.state.code, worker.state.sig) if worker is not None else 1
+        if code is None:
+            code = procs.exit_status(worker.state.code, worker.state.sig) if worker is not None else 1
         self.failure = _Failure(summary, worker, code or 1)
         if worker is not None:
             how = worker.state.how or procs.describe_exit(worker.state.code, worker.state.sig)

@@ -9,7 +9,7 @@ import time
 
 from hora import network
 from hora.launch import elastic_protocol as ep
-from hora.launch.elastic_state import ElasticState, Worker, note
+from hora.launch.elastic_state import LIMIT_EXIT, ElasticState, Worker, note
 from hora.launch.hosts import HostSpec
 from hora.launch.stalls import StallWatch
 
@@ -95,12 +95,43 @@ class ElasticWorlds(ElasticState):
             blacklisted = [n for n in self.hostman.hosts if self.hostman.is_blacklisted(n, now)]
             extra = f"; blacklisted: {', '.join(blacklisted)}" if blacklisted else ""
             self._fail(f"fewer than {need} slots ({flag}) for --elastic-timeout {self.ecfg.elastic_timeout:g}s: "
-                       f"{have} available (hosts: {', '.join(self.hostman.hosts) or 'none'}{extra})", self._last)
+                       f"{have} available (hosts: {', '.join(self.hostman.hosts) or 'none'}{extra})", self._last,
+                       LIMIT_EXIT)
             return True
         return False
 
     # --- hosts -----------------------------------------------------------------------------------------
+    def _confirmed(self, found: tuple[HostSpec, ...], now: float) -> tuple[HostSpec, ...]:
+        """A discovery answer, with the hosts it left out kept until their removal is confirmed: left out of
+        :data:`~hora.launch.elastic_hosts.REMOVAL_ANSWERS` answers in a row, and, for the hosts of every worker of
+        the newest world (they hold the only copy of the training state), not before other hosts can take the
+        state over: until then they go on training, up to --elastic-timeout."""
+        listed = {h.name for h in found}
+        confirmed = set(self.absences.look(listed, list(self.hostman.hosts)))
+        kept = [HostSpec(n, s) for n, s in self.hostman.hosts.items() if n not in listed and n not in confirmed]
+        carriers = sorted({w.host for w in self._members()}) if not self.finishing else []
+        others = [h for h in found if h.name not in carriers and not self.hostman.is_blacklisted(h.name, now)]
+        if carriers and set(carriers) <= confirmed and not others:
+            if self._unlisted_since is None:
+                self._unlisted_since = now
+                note(f"discovery lists none of the hosts of world {self.world.gen if self.world else 0}'s workers "
+                     f"({', '.join(carriers)}), which hold the training state: they go on until discovery lists "
+                     "their hosts again or other hosts can take the state over (up to --elastic-timeout "
+                     f"{self.ecfg.elastic_timeout:g}s)")
+            elif now - self._unlisted_since > self.ecfg.elastic_timeout:
+                self._fail(f"discovery has listed none of the hosts of the workers that hold the training state "
+                           f"({', '.join(carriers)}) and no other host for --elastic-timeout "
+                           f"{self.ecfg.elastic_timeout:g}s; check the --host-discovery-script", code=LIMIT_EXIT)
+            kept += [HostSpec(n, self.hostman.hosts[n]) for n in carriers]
+        elif self._unlisted_since is not None:
+            self._unlisted_since = None
+            back = [n for n in carriers if n in listed]
+            if back:
+                note(f"discovery lists {', '.join(back)} again: their workers go on")
+        return tuple(found) + tuple(kept)
+
     def _on_hosts(self, found: tuple[HostSpec, ...]) -> None:
+        found = self._confirmed(found, time.monotonic())
         old_slots = dict(self.hostman.hosts)
         added, removed = self.hostman.update(found)
         shrunk = [h.name for h in found if h.name in old_slots and h.slots < old_slots[h.name]]
@@ -172,13 +203,22 @@ class ElasticWorlds(ElasticState):
             return  # more workers may come; _check_hopeless applies the elastic timeout
         if carriers:
             chosen = carriers + chosen
-        if self.ecfg.reset_limit is not None and self.world.gen > self.ecfg.reset_limit:
-            self._fail(f"more than --reset-limit {self.ecfg.reset_limit} resets: the job reset "
-                       f"{self.world.gen} times", self._last_failed())
+        if self.ecfg.reset_limit is not None and self.stats.resets >= self.ecfg.reset_limit:
+            self._reset_limit_reached()
             return
         self._publish(chosen)
         if carriers:  # they leave at the world's first commit, once the newcomers hold the state
             self._post_update(ep.Update(removed=tuple(dict.fromkeys(w.host for w in carriers))))
+
+    def _reset_limit_reached(self) -> None:
+        """Another reset is due and the job has had --reset-limit of them: it ends, with the limit's exit status
+        and, when a failure made the reset due, that failure's report."""
+        done, limit = self.stats.resets, self.ecfg.reset_limit
+        last = self._last_failed()
+        trigger = last if last is not None and last.state.exit_ts >= self._published_ts else None
+        why = f"worker {trigger.wid} failed" if trigger is not None else "the hosts changed"
+        self._fail(f"--reset-limit {limit} reached: the job has reset {done} time{'s' if done != 1 else ''} and "
+                   f"{why}, which needs another reset; it stops here (exit code {LIMIT_EXIT})", trigger, LIMIT_EXIT)
 
     def _carriers(self) -> list[Worker]:
         """The live workers of the newest world on hosts that discovery removed (they leave gracefully)."""
@@ -230,6 +270,7 @@ class ElasticWorlds(ElasticState):
         self.stalls = StallWatch(self.store, ep.world_job_id(self.job_id, gen),
                                  {p.rank: p.hostname for p in world.workers.values()})
         self._reset_since, self._lost_member, self._handing_over = None, False, False
+        self._published_ts = time.time()
         if previous is not None:
             self.stats.resets += 1
         for w in chosen:
