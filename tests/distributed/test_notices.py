@@ -62,3 +62,19 @@ def test_every_rank_gets_each_notice_at_the_same_checkpoint() -> None:
     assert sorted(values) == sorted([*ANNOUNCE, (1, -1)]), "a notice was lost or repeated"
     for n, vs in got:  # never before the announcing rank reached the checkpoint after its announcement
         assert all(n > i for _, i in vs), (n, vs)
+
+
+def _announce_an_object(rank: int, size: int) -> str:
+    negotiator = runtime.state().negotiator
+    try:
+        negotiator.announce(threading.Lock())  # no frame can carry it: refused on the caller's thread
+    except ValueError as e:
+        message = str(e)
+    negotiator.announce(("plain", rank))  # the engine goes on
+    hvd.allreduce(torch.ones(1), name="after")
+    return message
+
+
+def test_announcing_something_no_frame_can_carry_is_refused_at_once() -> None:
+    for message in run_ranks(_announce_an_object, 2, timeout=60):
+        assert message.startswith("cannot encode a lock: the wire carries only None, bool"), message

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from hora.diagnostics import inflight
+from hora.engine import wire
 from hora.engine.context import EngineContext
 from hora.engine.control import make_control_plane
 from hora.engine.death_watch import death_watch
@@ -149,7 +150,12 @@ class Negotiator:
 
     def announce(self, value: Any) -> None:
         """Give ``value`` to every rank at the same checkpoint (:meth:`checkpoint`, :mod:`hora.engine.notices`):
-        it goes out in this rank's next round. Any thread; does nothing once negotiation is over."""
+        it goes out in this rank's next round. Any thread; does nothing once negotiation is over.
+
+        Raises:
+            FrameError: ``value`` is not made of plain values (:mod:`hora.engine.wire`), so no frame can carry it.
+        """
+        wire.encode(value)  # refused here, on the caller's thread, not later in a round every rank waits on
         with self._lock:
             if self._phase in (Phase.BROKEN, Phase.STOPPED):
                 return
