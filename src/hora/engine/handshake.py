@@ -74,7 +74,8 @@ class Identity:
     def proof(self, side: bytes, hello_c: bytes, hello_l: bytes) -> bytes:
         if self.secret is None:
             return b""
-        return self.secret.mac(b"hora-handshake", side, self.world.encode(), self.purpose.encode(), hello_c, hello_l)
+        key = self.secret.derive("control-handshake")  # a key of its own: its MACs never pass for the store's
+        return key.mac(side, self.world.encode(), self.purpose.encode(), hello_c, hello_l)
 
 
 @dataclass(frozen=True)
