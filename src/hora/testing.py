@@ -46,6 +46,7 @@ import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 
 import hora
+from hora.code_fingerprint import code_fingerprint, installed_version
 from hora.jobsecret import ENV_SECRET, JobSecret
 
 # After one rank fails, the others get this long to report (their own error or a follow-on one).
@@ -143,6 +144,11 @@ def run_ranks(
 def _start(fn: Callable[..., Any], nprocs: int, args: tuple, job_env: Mapping[str, str | None], init: bool,
            threads: int | None, stacks: str) -> tuple[list, list[Connection]]:
     ctx = multiprocessing.get_context("fork")
+    # what every rank's init() would compute the same way (hora's code fingerprint and version, ~50 ms of reads
+    # and allocations) is computed once here: a forked child that allocates much may collect garbage it
+    # inherited, whose finalizers can wait forever on a lock some thread of this process held at fork time
+    code_fingerprint()
+    installed_version()
     procs, conns = [], []
     for rank in range(nprocs):
         recv, send = ctx.Pipe(duplex=False)
