@@ -54,7 +54,8 @@ def run_driver(script: str, tmp: Path, timeout: float,
     path = tmp / "driver.py"
     path.write_text(TRAINING.replace('if __name__ == "__main__":', "if False:") + "\n" + script)
     return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout,
-                          cwd=tmp, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                          cwd=tmp, env={**os.environ, "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0",
+                                        **(env or {})})
 
 
 def gone(pids: list[int], within: float) -> list[int]:
@@ -152,12 +153,15 @@ def _alive(pid: int) -> bool:
 RAY_KEEPER = r'''
 import os, shutil, sys, tempfile
 print("PID", os.getpid(), flush=True)
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no reports to the network (there is none in CI)
 from ray.cluster_utils import Cluster
 tmp = tempfile.mkdtemp(prefix="hora-ray-")  # short: Ray's socket paths must fit in 107 bytes
+store = 256 * 1024 * 1024  # each node's object store (Ray's default is 30% of the machine's memory)
 cluster = Cluster(initialize_head=True, connect=False,
-                  head_node_args={"num_cpus": 2, "include_dashboard": False, "temp_dir": tmp})
+                  head_node_args={"num_cpus": 2, "include_dashboard": False, "temp_dir": tmp,
+                                  "object_store_memory": store})
 try:
-    cluster.add_node(num_cpus=2)  # a second raylet: a second host
+    cluster.add_node(num_cpus=2, object_store_memory=store)  # a second raylet: a second host
     cluster.wait_for_nodes()
     print("READY", cluster.address, flush=True)
     sys.stdin.read()  # until the session ends

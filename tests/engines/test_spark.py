@@ -67,6 +67,8 @@ def work(fault, pid_dir):
     with open(f"{{pid_dir}}/pid{{hvd.rank()}}", "w") as f:
         f.write(f"{{os.getpid()}} {{os.getppid()}}")
     if hvd.rank() == 1 and fault == "raise":
+        with open(f"{{pid_dir}}/raised", "w") as f:
+            f.write(str(time.time()))
         raise ValueError("bad batch on rank 1")
     while True:  # rank 1 is killed from outside meanwhile
         hvd.allreduce(torch.ones(4))
@@ -79,20 +81,22 @@ def kill_rank_1():
         time.sleep(0.1)
     time.sleep(1.0)
     os.kill(int(open("{tmp}/pid1").read().split()[0]), signal.SIGKILL)
-    killed.append(time.monotonic())
+    killed.append(time.time())
 
 if "{fault}" == "kill":
     threading.Thread(target=kill_rank_1, daemon=True).start()
-began = time.monotonic()
 try:
     {call}
     error = None
 except BaseException as e:
     error = e
-ended = time.monotonic()
+ended = time.time()
+while sc.statusTracker().getActiveStageIds() and time.time() < ended + 20:  # Spark stops the other tasks
+    time.sleep(0.2)
 with open("{tmp}/report.json", "w") as f:
     json.dump({{"type": type(error).__name__, "message": str(error), "cause": str(error.__cause__),
-               "seconds": ended - (killed[0] if killed else began)}}, f)
+               "seconds": ended - (killed[0] if killed else float(open("{tmp}/raised").read())),
+               "active_stages": list(sc.statusTracker().getActiveStageIds())}}, f)
 """
 
 
@@ -114,6 +118,7 @@ def test_a_failed_rank_ends_hora_spark_run(spark_driver: SparkDriver, tmp_path: 
         assert report["type"] == "JobFailedError"
         assert report["message"].startswith("hora.spark.run: rank 1 on host "), report["message"]
         assert report["message"].endswith("failed: signal SIGKILL (9)") and "\n" not in report["message"]
+    assert report["active_stages"] == [], "Spark tasks of the job are still running"
     ranks = [int((tmp_path / f"pid{r}").read_text().split()[0]) for r in range(2)]
     assert gone(ranks, within=20) == [], "a rank process is still running"
 
@@ -127,4 +132,5 @@ def test_a_killed_torch_distributor_process_ends_the_job(spark_driver: SparkDriv
     # Spark's report: the barrier stage failed at task 1 (rank 1); the ranks' own lines are in the executor logs
     assert report["type"] == "Py4JJavaError", report
     assert "barrier" in report["message"] and "TorchDistributor failed during training" in report["message"]
+    assert report["active_stages"] == [], "Spark tasks of the job are still running"
     assert gone(_pids(tmp_path), within=20) == [], "a rank process or its torchrun is still running"

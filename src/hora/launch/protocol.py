@@ -39,6 +39,7 @@ def board_key(job_id: str, key: str, **fields: object) -> str:
 # hora.run: store keys for the shipped function and each rank's outcome.
 PYRUN_FN_KEY = "hora.run/fn"
 PYRUN_RESULT_KEY = "hora.run/result/{rank}"
+PYRUN_ERRORS_KEY = "hora.run/errors"  # a counter: how many ranks stored an error (watchers poll it, not every key)
 # elastic hora.run: a returning rank's value by its world and rank there; a failing worker's error by its id
 PYRUN_ELASTIC_RESULT_KEY = "hora.run/result/g{gen}/{rank}"
 PYRUN_ELASTIC_ERROR_KEY = "hora.run/error/{worker_id}"

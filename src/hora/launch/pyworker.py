@@ -22,6 +22,7 @@ from hora.launch import elastic_protocol as ep
 from hora.launch import shipping
 from hora.launch.protocol import PYRUN_ELASTIC_ERROR_KEY as ELASTIC_ERROR_KEY
 from hora.launch.protocol import PYRUN_ELASTIC_RESULT_KEY as ELASTIC_RESULT_KEY
+from hora.launch.protocol import PYRUN_ERRORS_KEY as ERRORS_KEY
 from hora.launch.protocol import PYRUN_FN_KEY as FN_KEY
 from hora.launch.protocol import PYRUN_RESULT_KEY as RESULT_KEY
 
@@ -84,6 +85,7 @@ def main() -> int:
 def _failed(store: Any, key: str, exc: BaseException) -> int:
     record = _error_record(exc)
     store.set(key, record)
+    store.add(ERRORS_KEY, 1)
     sys.stderr.write(pickle.loads(record)[4])
     # As after an uncaught exception (the interpreter sets these): hora's exit hook leaves at once, so the peers
     # learn now that this rank is gone, not after waiting for them to reach shutdown.

@@ -37,7 +37,7 @@ from hora.errors import ConfigError, JobFailedError
 from hora.jobsecret import JobSecret
 from hora.launch import envvars, shipping
 from hora.launch.procs import describe_exit
-from hora.launch.protocol import PYRUN_FN_KEY, PYRUN_RESULT_KEY
+from hora.launch.protocol import PYRUN_ERRORS_KEY, PYRUN_FN_KEY, PYRUN_RESULT_KEY
 from hora.launch.pyrun import collect_results
 from hora.spark import task
 
@@ -139,7 +139,7 @@ class _Job:
         except BaseException:  # Ctrl-C in the driver: stop every task first
             self._stop()
             raise
-        if failed is not None:
+        if failed:
             self._stop()
         stage.join()
         self.store.set(task.STOP_KEY, "1")
@@ -155,18 +155,21 @@ class _Job:
         finally:
             self.finished.set()
 
-    def _watch(self) -> dict[str, Any] | None:
-        """Wait for the stage to end or a rank to fail; return the first failed rank's exit record."""
+    def _watch(self) -> bool:
+        """Wait for the stage to end or a rank to fail (its process ended badly, or it raised and is still on
+        its way out); True if one failed."""
         seen = 0
         while not self.finished.wait(_POLL_S):
-            ended = self.store.add(task.EXITS_KEY, 0)
-            if ended != seen:
-                seen = ended
-                failed = self._first_failure()
-                if failed is not None:
+            news = self.store.add(task.EXITS_KEY, 0) + self.store.add(PYRUN_ERRORS_KEY, 0)
+            if news != seen:
+                seen = news
+                if self._root() is not None:
                     self._await_root_cause()
-                    return failed
-        return self._first_failure()
+                    return True
+        return self._root() is not None
+
+    def _root(self) -> int | None:
+        return root_cause({e["rank"]: e for e in self._exits()}, self._error_types())
 
     def _await_root_cause(self) -> None:
         """While every failure so far only reports a peer's (hora's "rank N is gone"), give the rank that failed
@@ -183,24 +186,20 @@ class _Job:
         keys = [task.EXIT_KEY.format(rank=r) for r in range(self.num_proc)]
         return [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
 
-    def _first_failure(self) -> dict[str, Any] | None:
-        failed = [e for e in self._exits() if e.get("code") != 0]
-        return min(failed, key=lambda e: (e["time"], e["signal"] is None)) if failed else None
-
     def _stop(self) -> None:
         self.store.set(task.STOP_KEY, "1")
         self.sc.cancelJobGroup(self.group)
 
-    def _result(self, failed: dict[str, Any] | None) -> list[Any]:
+    def _result(self, failed: bool) -> list[Any]:
         hosts = {r: self.store.get(k).decode() for r in range(self.num_proc)
                  if self.store.check([k := task.HOST_KEY.format(rank=r)])}
         exits = {e["rank"]: e for e in self._exits()}
-        root = root_cause(exits, self._error_types()) if failed is not None else None
+        root = root_cause(exits, self._error_types()) if failed else None
         if root is not None and exits.get(root, {}).get("signal") is not None:  # killed: it raised nothing
             how = describe_exit(None, exits[root]["signal"])
             raise JobFailedError(rank_failed("hora.spark.run", root, f"host {hosts.get(root, '?')}", how), 1)
         values = collect_results(self.store, self.num_proc, lambda r: f"host {hosts.get(r, '?')}", root,
-                                 complete=failed is None and not self._stage_error())
+                                 complete=not failed and not self._stage_error())
         if values is not None:
             return values
         if root is not None:
