@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import time
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -110,3 +111,46 @@ def test_more_ranks_than_slots_across_hosts(hosts: netns.Cluster, tmp_path: Path
     errors = [line for line in job.stderr.splitlines() if line.startswith("hora run: error:")]
     assert len(errors) == 1 and "-np 8" in errors[0] and "4" in errors[0], job.describe()
     _assert_nothing_started(hosts, job)
+
+
+# Holds N connections to HOST:22 that never log in (what several jobs starting at once look like to sshd, whose
+# MaxStartups is 100 here), prints "held", and lets them go when its stdin closes.
+HOLD_STARTUPS = """
+import socket, sys
+held = [socket.create_connection((sys.argv[1], 22), timeout=10) for _ in range(int(sys.argv[2]))]
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_ssh_connections_dropped_by_a_busy_sshd_are_retried_then_name_max_startups(
+        hosts: netns.Cluster, tmp_path: Path) -> None:
+    flags = ["-np", "2", "-H", "10.78.0.2:1,10.78.0.3:1", *jobs.hora_ssh_flags(hosts)]
+    hold = hosts.host(2).popen([jobs.PYTHON, "-c", HOLD_STARTUPS, "10.78.0.3", "100"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE)
+    try:
+        assert hold.stdout is not None and hold.stdout.readline() == "held\n"
+        busy = tmp_path / "busy"
+        busy.mkdir()
+        code, job = jobs.run_job(hosts, flags, jobs.worker("report"), busy, timeout=90)  # busy all along
+        assert code == 2, job.describe()
+        assert re.search(r"^hora run: host 10\.78\.0\.3: sshd dropped the connection before the handshake \(kex_"
+                         r"exchange_identification: .*\); trying again, up to 4 more times$", job.stderr, re.MULTILINE)
+        problems = _problems(job)
+        dropped = "host 10.78.0.3: sshd dropped the ssh connection before the handshake 5 times (kex_exchange_"
+        assert len(problems) == 1 and problems[0].startswith(dropped), job.describe()
+        assert "than its MaxStartups allows (default 10:30:100)" in problems[0] and "try: ssh " in problems[0]
+        assert "<stdout>" not in job.stdout + job.stderr, job.describe()  # nothing started
+
+        job = jobs.start_job(hosts, flags, jobs.worker("report"), tmp_path)  # busy for a moment
+        deadline = time.monotonic() + 60
+        while "trying again" not in job.stderr and job.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "trying again" in job.stderr, job.describe()
+    finally:
+        assert hold.stdin is not None
+        hold.stdin.close()
+        hold.wait(timeout=30)
+    assert job.wait(120) == 0, job.describe()
+    assert sorted(r["rank"] for r in jobs.worker_reports(job.stdout)) == [0, 1], job.describe()
+    assert jobs.leftovers(hosts, within=15) == {}

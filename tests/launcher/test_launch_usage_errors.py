@@ -6,6 +6,7 @@ through a real ``python -m hora`` process to show the command itself behaves the
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HORA, PYTHON
 from hora.launch.cli import main
 
 P = sys.executable
@@ -160,3 +162,37 @@ def test_hora_help_describes_every_command(capsys: pytest.CaptureFixture[str]) -
         assert name in DESCRIPTIONS, f"hora {name} has no description for hora --help"
         assert f"  {name} " in out and DESCRIPTIONS[name] in out
     assert "hora run -np 4 python train.py" in out and "--help" in out
+
+
+# Runs in a network namespace of its own whose ephemeral port range (2 ports) is taken: the store cannot listen.
+NO_FREE_PORT = """
+import json, socket, subprocess, sys
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+with open("/proc/sys/net/ipv4/ip_local_port_range", "w") as fh:
+    fh.write("40000 40001")
+held = []
+for port in (40000, 40001):
+    for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        s = socket.socket(family)
+        if family == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        s.bind((addr, port))
+        s.listen()
+        held.append(s)
+done = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=120)
+print(json.dumps([done.returncode, done.stderr]))
+"""
+
+
+def test_a_store_that_cannot_listen_is_one_line_naming_the_address(tmp_path: Path) -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs root, unshare and ip for a network namespace of its own")
+    done = subprocess.run(["unshare", "--net", PYTHON, "-c", NO_FREE_PORT, *HORA, "run", "-np", "1", PYTHON, "-V"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    code, err = json.loads(done.stdout)
+    assert code == 2, err
+    assert err == ("hora run: error: cannot start the rendezvous store for the workers to reach at 127.0.0.1 (on a "
+                   "port the system picks): address already in use; no free port: every port of "
+                   "net.ipv4.ip_local_port_range is taken on this machine; close what holds them, or widen the "
+                   "range\n"), err

@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import datetime
 import logging
 import queue
 import signal
@@ -27,7 +26,7 @@ from typing import Any
 from hora import env as hora_env
 from hora import network
 from hora.errors import SetupError
-from hora.launch import envvars, output, preflight, procs, protocol, timeline_hook
+from hora.launch import envvars, output, preflight, procs, protocol, store, timeline_hook
 from hora.launch.agent_handle import (
     PING_INTERVAL,
     AgentHandle,
@@ -81,11 +80,7 @@ class Driver:
     def _start_store(self, used: set[str]) -> tuple[str, int]:
         remote = [h.name for h in self.cfg.hosts if not h.is_local and h.name in used]
         addr = network.store_address(remote, self.cfg.network_interfaces)
-        # the launch side's only torch import, here so that usage errors and --help answer without loading torch
-        from torch.distributed import TCPStore
-
-        self.store = TCPStore(addr, 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=max(self.cfg.start_timeout, 60)))
+        self.store = store.listen(addr, max(self.cfg.start_timeout, 60))
         self.stalls = StallWatch(self.store, self.job_id, {r: s.slot.hostname for r, s in self.ranks.items()})
         if self.store_ready is not None:
             self.store_ready(self.store)

@@ -3,12 +3,12 @@ may use, and when and which world to publish (the contract of :mod:`hora.launch.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 
 from hora import network
 from hora.launch import elastic_protocol as ep
+from hora.launch import store
 from hora.launch.elastic_state import LIMIT_EXIT, ElasticState, Worker, note
 from hora.launch.hosts import HostSpec
 from hora.launch.stalls import StallWatch
@@ -24,12 +24,9 @@ class ElasticWorlds(ElasticState):
 
     # --- the rendezvous store --------------------------------------------------------------------------
     def _start_store(self, hosts: list[HostSpec]) -> None:
-        from torch.distributed import TCPStore  # the only torch import of the launch side
-
         remote = [h.name for h in hosts if not h.is_local]
         self.addr = network.store_address(remote, self.cfg.network_interfaces)
-        self.store = TCPStore(self.addr, 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=max(self.cfg.start_timeout, 60)))
+        self.store = store.listen(self.addr, max(self.cfg.start_timeout, 60))
         self.port = int(self.store.port)
         if self.store_ready is not None:
             self.store_ready(self.store)

@@ -3,7 +3,9 @@
 Checked: the host answers over ssh (BatchMode, no password prompt), it has the launcher's Python, the
 same Python, torch and hora versions, and the same hora code (:mod:`hora.code_fingerprint`: two installs
 that share a version string can differ). Each problem is one line naming the host and the fix (for a
-connection failure, the exact ssh command to reproduce it); then the launcher exits with code 2.
+connection failure, the exact ssh command to reproduce it); then the launcher exits with code 2. A connection
+that sshd drops before its handshake (too many logins at once: its ``MaxStartups``) is tried again a few times
+with backoff before it counts as a problem.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import json
 import logging
 import os
 import platform
+import random
+import re
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
@@ -46,6 +51,11 @@ PROBE = inspect.getsource(code_fingerprint) + (
     "'code':(lambda r: fingerprint_of(r) if r else None)(package_root('hora'))}))"
 )
 VERSION_KEYS = ("python", "torch", "hora")
+# sshd closes a connection before its handshake when too many wait to log in (MaxStartups): try again, after
+# SSH_RETRY_BACKOFF s, doubling (with jitter, so jobs that collided do not collide again)
+_DROPPED = re.compile(r"(kex|ssh)_exchange_identification")
+SSH_RETRIES = 4
+SSH_RETRY_BACKOFF = 0.5
 
 
 def _version(name: str) -> str | None:
@@ -133,18 +143,42 @@ def run_on_host(host: str, transport: Transport, argv: list[str], timeout: float
     return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
+def _probe_with_retries(host: str, transport: Transport, argv: list[str],
+                        timeout: float) -> tuple[int | None, str, str, int]:
+    """:func:`run_on_host`, tried again (with backoff, within ``timeout``) while sshd drops the connection before
+    its handshake; returns (exit code, stdout, stderr, tries)."""
+    deadline = time.monotonic() + timeout
+    tries = 0
+    while True:
+        tries += 1
+        code, out, err = run_on_host(host, transport, argv, max(deadline - time.monotonic(), 0.1))
+        delay = SSH_RETRY_BACKOFF * 2 ** (tries - 1) * (1 + 0.5 * random.random())
+        if code != SSH_FAILED or not _DROPPED.search(err) or tries > SSH_RETRIES \
+                or time.monotonic() + delay >= deadline:
+            return code, out, err, tries
+        if tries == 1:
+            output.note(f"host {host}: sshd dropped the connection before the handshake "
+                        f"({err.strip().splitlines()[-1]}); trying again, up to {SSH_RETRIES} more times")
+        time.sleep(delay)
+
+
 def probe_host(host: str, transport: Transport, python: str, timeout: float) -> tuple[dict[str, Any] | None, str]:
     """Run the probe on ``host``; return (its answer, "") or (None, the problem as one line)."""
     argv = [python, "-c", PROBE]
     reproduce = describe(transport.command(host, [python, "-V"]))
     try:
-        code, out, err = run_on_host(host, transport, argv, timeout)
+        code, out, err, tries = _probe_with_retries(host, transport, argv, timeout)
     except OSError as exc:
         return None, f"host {host}: cannot run {argv[0] if isinstance(transport, LocalTransport) else 'ssh'} " \
                      f"({exc.strerror or exc}); install openssh-client on this machine"
     if code is None:
         return None, f"host {host}: no answer within --start-timeout {timeout:g}s; try: {reproduce}"
     last_err = err.strip().splitlines()[-1:] or [""]
+    if code == SSH_FAILED and _DROPPED.search(err):
+        return None, (f"host {host}: sshd dropped the ssh connection before the handshake {tries} times "
+                      f"({last_err[0]}): it does that when more connections wait to log in than its MaxStartups "
+                      "allows (default 10:30:100), e.g. several jobs starting at once; raise MaxStartups in "
+                      f"/etc/ssh/sshd_config on {host}, or start fewer jobs at once; try: {reproduce}")
     if code == SSH_FAILED:
         return None, f"host {host}: cannot connect over ssh ({last_err[0] or 'exit 255'}); try: {reproduce}"
     if code == 127:
