@@ -1,6 +1,6 @@
 # The two set-up commands the README promises (`make help` lists the others):
 #   make train   a real 2-rank training run on localhost (creates .venv on first use)
-#   make test    the whole test suite (CI runs exactly this, via .ci/run)
+#   make test    the whole test suite (CI runs it after `make lint`, via .ci/run)
 PYTHON ?= python3
 VENV   ?= .venv
 # Which torch build the set-up installs: cpu (default; ~1.5 GB from PyTorch's CPU wheel index, or a CPU wheel
@@ -24,12 +24,14 @@ else
 $(error TORCH=$(TORCH): choose TORCH=cpu or TORCH=cuda)
 endif
 
-.PHONY: help train test lint bench bench-quick torch system-deps clean image image-cuda
+.PHONY: help train test test-fast test-gpu lint bench bench-quick torch system-deps clean image image-cuda
 
 help:  ## list the targets
 	@echo "make train         a real 2-rank training run on localhost (NP=4 for 4 ranks; sets up .venv on first use)"
 	@echo "make test          the whole test suite, as CI runs it (PYTEST_ARGS='-x -k name' to narrow it)"
-	@echo "make lint          ruff and mypy"
+	@echo "make test-fast     unit and single-host distributed tests, a few minutes: the edit loop"
+	@echo "make test-gpu      the GPU suite (tests marked gpu; on a machine with CUDA GPUs and TORCH=cuda)"
+	@echo "make lint          ruff, mypy and the layer checks (CI runs it before make test)"
 	@echo "make bench-quick   every benchmark on its smallest settings, ~30 s; reports go to out/bench-quick/"
 	@echo "make bench         the full benchmarks (many minutes); reports go to benchmarks/results/"
 	@echo "make image         build the CPU container image localhost/hora:cpu (from Docker Hub's Debian, or from"
@@ -67,25 +69,52 @@ train: $(STAMP)
 # Multi-host tests build hosts from network namespaces with their own sshd: they need root, iproute2 and
 # openssh-server. The deployment tests (tests/deploy) need podman, runc, mmdebstrap and iptables (containers) and
 # slurm-wlm and munge (a Slurm cluster); the Spark tests (tests/engines) need Java 17. Installed here when missing
-# (root with apt only); a failed install is reported and the tests that need the missing tools skip and say why
-# (under CI the engine tests fail instead).
+# (root with apt only). Locally a tool still missing afterwards is named and the tests needing it skip and say why;
+# under CI (the CI variable set) it fails the run, naming the tool, since a skipped multi-host suite would make a
+# green run a lie.
 SYSTEM_DEPS := openssh-server iproute2 podman runc buildah mmdebstrap iptables netavark aardvark-dns uidmap \
                slurm-wlm munge podman-compose catatonit openjdk-17-jre-headless
 SYSTEM_TOOLS := /usr/sbin/sshd /usr/sbin/ip /usr/bin/podman /usr/sbin/runc /usr/bin/mmdebstrap /usr/sbin/iptables \
                 /usr/sbin/slurmctld /usr/sbin/slurmd /usr/sbin/munged /usr/bin/podman-compose /usr/bin/catatonit \
                 /usr/bin/java
+APT_GET ?= apt-get
+SYSTEM_DEPS_LOG ?= /tmp/hora-system-deps.log
 system-deps:
 	@missing=""; for t in $(SYSTEM_TOOLS); do [ -x "$$t" ] || missing="$$missing $$t"; done; \
-	if [ -n "$$missing" ] && [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null; then \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = "0" ] && command -v $(APT_GET) >/dev/null; then \
 		echo "installing system packages for the multi-host and deployment tests (missing:$$missing)"; \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-			$(SYSTEM_DEPS) >/tmp/hora-system-deps.log 2>&1; } \
-		|| echo "warning: apt-get install failed (see /tmp/hora-system-deps.log); tests needing those tools skip"; \
-		systemctl disable --now slurmctld slurmd munge >/dev/null 2>&1 || true; \
+		if { $(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -qq \
+				--no-install-recommends $(SYSTEM_DEPS); } >$(SYSTEM_DEPS_LOG) 2>&1; then \
+			systemctl disable --now slurmctld slurmd munge >/dev/null 2>&1 || true; \
+		else \
+			echo "apt-get install failed; its output:"; tail -n 20 $(SYSTEM_DEPS_LOG); \
+		fi; \
+		missing=""; for t in $(SYSTEM_TOOLS); do [ -x "$$t" ] || missing="$$missing $$t"; done; \
+	fi; \
+	if [ -n "$$missing" ]; then \
+		case "$${CI:-}" in \
+		""|0|false|False|FALSE|no) \
+			echo "warning: missing$$missing; the tests needing them skip (as root with apt, make system-deps installs them)";; \
+		*) \
+			echo "error: CI is set and these tools are missing:$$missing. The multi-host and deployment tests need" \
+			     "them; run make system-deps as root on a Debian/Ubuntu machine (packages: $(SYSTEM_DEPS))" >&2; \
+			exit 1;; \
+		esac; \
 	fi
 
+# -v: each test's name is printed as it starts, and a failure's cause right under it (tests/plugins/progress.py)
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -v $(PYTEST_ARGS)
+
+# The edit loop: pure logic and the fork-harness tests on one machine; no root, no containers, no namespaces.
+FAST_TESTS := tests/unit tests/distributed tests/bench tests/docs
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -v $(FAST_TESTS) $(PYTEST_ARGS)
+
+# Tests marked gpu (tests/gpu): CUDA tensors, NCCL, AMP, SyncBatchNorm. On a machine without a CUDA device they
+# skip with one line; .venv needs the CUDA build of torch there (make clean; make test-gpu TORCH=cuda).
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -v -m gpu tests/gpu $(PYTEST_ARGS)
 
 # The container images, by docker/build_image.py (the deployment tests build theirs with it too): the base is
 # Docker Hub's debian:bookworm-slim where it can be pulled, else a Debian made from Debian packages with
@@ -105,9 +134,12 @@ image:
 image-cuda:
 	$(PYTHON) docker/build_image.py --flavor cuda $(IMAGE_ARGS)
 
+# The layer checks: no import cycle inside src/hora, and the data path's imports go downwards only.
+LAYER_TESTS := tests/unit/test_import_cycles.py tests/unit/test_layers.py
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(LAYER_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/allreduce_bench.py

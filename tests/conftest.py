@@ -3,6 +3,9 @@
 The pytest process itself must never join a process group: distributed tests fork their ranks with
 ``tests.distributed.harness.run_ranks``. The autouse guard below fails any test that leaves the parent with
 an initialised default group, so the rule cannot erode silently.
+
+The suite's own plugins (``tests/plugins``): under CI a skip fails unless the test is marked ``gpu``; a test
+that leaves a process running fails; a failure is named in the log as it happens.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+pytest_plugins = ("tests.plugins.skips", "tests.plugins.leaks", "tests.plugins.progress")
 
 
 @pytest.fixture(autouse=True)

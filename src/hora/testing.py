@@ -56,6 +56,7 @@ _store_server: subprocess.Popen[str] | None = None
 _store_port = 0
 
 _STORE_SERVER = (
+    "# hora.testing: session store (lives as long as the process that started it)\n"
     "import sys, torch.distributed as d\n"
     "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
     "print(s.port, flush=True)\n"

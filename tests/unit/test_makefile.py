@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -45,3 +46,52 @@ def test_make_help_lists_every_target() -> None:
     for target in set(phony.group(1).split()) - {"help", "torch", "system-deps"}:
         assert f"make {target} " in proc.stdout, target
     assert "TORCH=cpu|cuda" in proc.stdout
+
+
+def _system_deps(tmp: Path, ci: str | None) -> subprocess.CompletedProcess[str]:
+    """`make system-deps` with one tool that cannot be there and an apt-get that fails (``false``)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "MAKEFLAGS", "MAKELEVEL")}
+    if ci is not None:
+        env["CI"] = ci
+    return subprocess.run(["make", "--no-print-directory", "system-deps", "SYSTEM_TOOLS=/nonexistent/hora-tool",
+                           "APT_GET=false", f"SYSTEM_DEPS_LOG={tmp / 'apt.log'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_system_deps_under_ci_fails_naming_the_missing_tool(tmp_path: Path) -> None:
+    out = _system_deps(tmp_path, "true")
+    assert out.returncode != 0
+    assert "error: CI is set and these tools are missing: /nonexistent/hora-tool" in out.stderr
+
+
+def test_system_deps_locally_warns_and_goes_on(tmp_path: Path) -> None:
+    for ci in (None, "false"):
+        out = _system_deps(tmp_path, ci)
+        assert out.returncode == 0, out.stderr
+        assert "warning: missing /nonexistent/hora-tool; the tests needing them skip" in out.stdout
+
+
+def _ci_run(tmp: Path, lint_exit: int, test_exit: int) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """.ci/run with a stand-in `make` on PATH that records its targets and exits as told."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp / "make.log"
+    log.write_text("")
+    fake = bin_dir / "make"
+    fake.write_text(f'#!/bin/sh\necho "$1 CI=$CI" >> {log}\n'
+                    f'[ "$1" = lint ] && exit {lint_exit}\n[ "$1" = test ] && exit {test_exit}\nexit 0\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    out = subprocess.run(["bash", str(ROOT / ".ci/run")], env=env, capture_output=True, text=True, timeout=60)
+    return out, log.read_text().splitlines()
+
+
+def test_ci_runs_lint_and_tests_under_ci_and_fails_on_either(tmp_path: Path) -> None:
+    out, calls = _ci_run(tmp_path, 0, 0)
+    assert out.returncode == 0 and calls == ["lint CI=true", "test CI=true"]
+    out, calls = _ci_run(tmp_path, 1, 0)
+    assert out.returncode != 0 and calls == ["lint CI=true", "test CI=true"]  # the tests still ran
+    assert "make lint exit 1, make test exit 0" in out.stdout
+    out, calls = _ci_run(tmp_path, 0, 2)
+    assert out.returncode != 0 and "make lint exit 0, make test exit 2" in out.stdout
