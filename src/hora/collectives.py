@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hora import callsite, newcomer, runtime
+from hora import callsite, newcomer, runtime, streams
 from hora.calltypes import REDUCTIONS, Call, Kind
 from hora.compression import Compression
 from hora.dataplane import dtype_name
@@ -175,9 +175,6 @@ def _local_op(call: Call, neg: Any) -> LocalOp:
         phase = "copy_in" if call.compression is Compression.none else "compress"
         tl.span(call.name, phase, t0, time.perf_counter(), kind=call.kind.wire, bytes=call.wire.nbytes)
     handle = Handle(call.name, call.kind.wire, lambda: kind.finish(call), neg.done, neg.drive)
-    event = None
-    if call.wire.is_cuda:
-        event = torch.cuda.Event()
-        event.record()
+    event = streams.producer_event(call.wire) if call.wire.is_cuda else None
     fusable = call.wire if call.kind is Kind.ALLREDUCE else None
     return LocalOp(_request(call), handle, lambda launch: kind.launch(call, launch), wire=fusable, event=event)

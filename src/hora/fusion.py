@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hora import hierarchical
+from hora import hierarchical, streams
 from hora.calltypes import Kind
 from hora.dataplane import to_dtype, wire_op
 from hora.engine.plan import Entry, Request
@@ -83,6 +83,11 @@ class FusionBuffers:
         req = entries[0].first
         sizes = [int(torch.Size(e.first.shape).numel()) for e in entries]
         flat = self._get(to_dtype(req.dtype), req.device, sum(sizes))
+        if flat.is_cuda:  # the copies below run on the launch stream; the wires were made on the callers'
+            stream = torch.cuda.current_stream(flat.device)
+            for wire in wires:
+                if wire is not None:
+                    streams.used_on(wire, stream)
         offset = 0
         for wire, n in zip(wires, sizes):
             if wire is None:

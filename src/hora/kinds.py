@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hora import dataplane, hierarchical
+from hora import dataplane, hierarchical, streams
 from hora.adasum import adasum_tree
 from hora.calltypes import Call, Kind, Launch, Steps
 from hora.compression import WIRE_BUFFERS, cast_scaled, lease_wire, pipeline_ranges
@@ -184,6 +184,7 @@ class Reducescatter:
 
     @staticmethod
     def finish(call: Call) -> torch.Tensor:
+        streams.consumed_here(call.out)
         return _finish_reduction(call, call.out)
 
 
@@ -209,6 +210,7 @@ class Adasum:
 
     @staticmethod
     def finish(call: Call) -> torch.Tensor:
+        streams.consumed_here(call.out)
         result = adasum_tree(call.out.view(call.members, -1)).view(call.tensor.shape)  # (W, n) -> the tensor's shape
         if result.dtype != call.tensor.dtype:
             result = result.to(call.tensor.dtype)
@@ -247,6 +249,7 @@ class Allgather:
 
     @staticmethod
     def finish(call: Call) -> torch.Tensor:
+        streams.consumed_here(call.out)
         return _from_wire(call, dataplane.unpad_rows(call.out, call.rows))  # type: ignore[arg-type]
 
 
@@ -295,6 +298,7 @@ class Alltoall:
 
     @staticmethod
     def finish(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        streams.consumed_here(call.out)
         return _from_wire(call, call.out), torch.tensor(call.rows, dtype=torch.int32)
 
 

@@ -4,6 +4,9 @@ order the round agreed, by whichever thread ran the round.
 Tiny allreduces whose data came with the round are reduced locally; small allreduces ready together are
 fused into one reused buffer; everything else is one c10d call (``LocalOp.launch``). A rank that has joined
 takes part with zeros. Failures to start an op are reported on its handle; negotiation goes on.
+
+With a CUDA device, every launch runs on hora's device and launch stream, after the event each op recorded on
+the stream that produced its tensor (:mod:`hora.streams`), whichever thread runs the round.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hora import calltypes, fusion, kinds
+from hora import calltypes, fusion, kinds, streams
 from hora.diagnostics import inflight
 from hora.diagnostics import timeline as timeline_mod
 from hora.engine.plan import Entry, Request
@@ -31,7 +34,7 @@ class LocalOp:
     handle: Handle
     launch: Callable[[calltypes.Launch], Any]  # issues the c10d call on the round's thread; returns a Work or None
     wire: torch.Tensor | None = None  # the buffer an allreduce sends: fusion may copy it into a fused buffer
-    event: Any = None  # CUDA event recorded at submit on the user's stream
+    event: Any = None  # CUDA event recorded at submit on the stream that produced the tensor
     submitted_at: float = 0.0
 
 
@@ -40,8 +43,9 @@ class Dispatcher:
     or None when this rank has joined and only contributes zeros."""
 
     def __init__(self, rank: int, process_sets: Mapping[int, Any], take: Callable[[str], LocalOp | None],
-                 fusion_threshold: int) -> None:
+                 fusion_threshold: int, device: torch.device | None = None) -> None:
         self.rank = rank
+        self._launch_stream = streams.LaunchStream(device) if device is not None else None
         self._process_sets = process_sets  # the runtime's live registry (dynamic sets come and go)
         self._take = take
         self._fused = fusion.FusionBuffers(fusion_threshold)
@@ -49,6 +53,13 @@ class Dispatcher:
 
     def run(self, ready: Sequence[Entry], joined: frozenset[int]) -> None:
         """Issue ``ready`` in order: inline reductions first, then fused batches and single ops."""
+        if self._launch_stream is None or not ready:
+            self._run(ready, joined)
+            return
+        with self._launch_stream.active():
+            self._run(ready, joined)
+
+    def _run(self, ready: Sequence[Entry], joined: frozenset[int]) -> None:
         if self._joined_works:
             self._joined_works = [w for w in self._joined_works if not w.is_completed()]
         for entry in ready:
@@ -118,9 +129,12 @@ class Dispatcher:
             return
         finally:
             inflight.finished(entries)
+        # done on the launch stream: a CUDA batch's waiters order their streams after its copies back
+        work = self._launch_stream.done() if self._launch_stream is not None and entries[0].first.device == "cuda" \
+            else None
         for op in ops_:
             if op is not None:
-                op.handle.launched(None)
+                op.handle.launched(work)
                 self._trace(op, t_launch, None, fused=len(entries))
 
     @staticmethod
@@ -159,5 +173,6 @@ class Dispatcher:
 
     @staticmethod
     def _wait_cuda(op: LocalOp) -> None:
+        """The current stream (the launch stream) waits for the stream that produced the op's tensor."""
         if op.event is not None:
             torch.cuda.current_stream().wait_event(op.event)

@@ -48,7 +48,7 @@ class Rounds:
         self.table = Table(ctx.size)
         self.stall = StallInspector(self.table, stall_mod.StallPolicy.from_knobs(ctx.knobs), ctx.rank, ctx.hostnames)
         self.cache = ResponseCache(ctx.rank, enabled=not ctx.knobs.disable_cache)
-        self.dispatch = Dispatcher(ctx.rank, ctx.process_sets, pending.take, ctx.knobs.fusion_threshold)
+        self.dispatch = Dispatcher(ctx.rank, ctx.process_sets, pending.take, ctx.knobs.fusion_threshold, ctx.device)
         self.number = 0  # the next round's number (the same on every rank)
         self.stall_failed = False  # a stalled collective was failed: the silent peers will not join a shutdown
         self._warned = -1  # the round whose silent peers were reported
