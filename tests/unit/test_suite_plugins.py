@@ -89,3 +89,15 @@ def test_a_test_that_leaves_a_process_running_fails_naming_it(tmp_path: Path) ->
     assert "test_waits" not in out.stdout.split("short test summary")[-1]
     leftover = subprocess.run(["pgrep", "-f", "time.sleep(600)  # left behind"], capture_output=True, text=True)
     assert leftover.stdout == ""  # and it was killed
+
+
+def test_the_gpu_suite_skips_with_one_line_where_there_is_no_gpu_even_under_ci() -> None:
+    env = {**os.environ, "CI": "true", "CUDA_VISIBLE_DEVICES": "", "COLUMNS": "250"}
+    env.pop("HORA_GPU_SUITE_ON_CPU", None)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu", "tests/gpu"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
+    skipped = [line for line in out.stdout.splitlines() if line.startswith("skipped: ")]
+    assert len(skipped) == 1 and skipped[0].startswith("skipped: tests/gpu (")
+    assert "no CUDA device here (torch.cuda.device_count() == 0)" in skipped[0]
+    assert " passed" not in out.stdout and " failed" not in out.stdout
