@@ -57,8 +57,9 @@ class Job:
     def __init__(self, argv: list[str], out: Path) -> None:
         self.out = out
         self.log = out / "launcher.log"
-        self.proc = subprocess.Popen(argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=HERE.parent)
+        with self.log.open("w") as fh:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                         cwd=HERE.parent)
         self._offset = 0
         self.steps: list[dict[str, Any]] = []
 

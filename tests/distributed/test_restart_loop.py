@@ -17,7 +17,7 @@ from torch.distributed import distributed_c10d
 
 import hora as hvd
 from hora import runtime
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import rank_store, run_ranks
 
 CYCLES = 20
 
@@ -47,6 +47,7 @@ def _leftovers() -> dict[str, object]:
 
 def _in_flight_and_interrupted(rank: int, size: int) -> list[dict[str, object]]:
     seen = []
+    side = rank_store()  # orders the Ctrl-C cycles' steps by events, not by sleeps
     for cycle in range(CYCLES):
         hvd.init()
         both = [hvd.allreduce_async(torch.full((4,), float(rank + cycle)), name=f"both.{cycle}.{i}", op=hvd.Sum)
@@ -54,13 +55,14 @@ def _in_flight_and_interrupted(rank: int, size: int) -> list[dict[str, object]]:
         lonely = hvd.allreduce_async(torch.ones(2), name=f"only-on-{rank}.{cycle}")  # the peer never submits it
         for h in both:
             assert hvd.synchronize(h).tolist() == [float(1 + 2 * cycle)] * 4
-        if cycle % 4 == 3:  # Ctrl-C while a synchronous op's round waits for the peer (it submits 2 s later)
+        if cycle % 4 == 3:  # Ctrl-C while a synchronous op waits for the peer, which submits it only afterwards
             if rank == 0:
-                threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGINT)).start()
-                with pytest.raises(KeyboardInterrupt):
+                with pytest.raises(KeyboardInterrupt):  # the timer inside: it may fire before the call, on a slow day
+                    threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGINT)).start()
                     hvd.allreduce(torch.ones(1), name=f"slow.{cycle}")
+                side.set(f"interrupted.{cycle}", "yes")
             else:
-                time.sleep(2.0)  # well after rank 0's Ctrl-C (0.15 s), however slow a loaded machine runs its timer
+                side.get(f"interrupted.{cycle}")  # blocks until rank 0 took its Ctrl-C, however loaded the machine
                 try:
                     hvd.allreduce(torch.ones(1), name=f"slow.{cycle}")
                 except hvd.HorovodInternalError:  # rank 0's round was cut short: negotiation is over

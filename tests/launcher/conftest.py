@@ -77,8 +77,9 @@ def background(tmp_path: Path):  # type: ignore[no-untyped-def]
 
     def start(args: list[str]) -> Background:
         out, err = tmp_path / "launcher.out", tmp_path / "launcher.err"
-        proc = subprocess.Popen([*HORA, "run", *args], cwd=tmp_path, stdout=out.open("w"), stderr=err.open("w"),
-                                text=True, start_new_session=True)
+        with out.open("w") as fout, err.open("w") as ferr:  # the child keeps its own descriptors
+            proc = subprocess.Popen([*HORA, "run", *args], cwd=tmp_path, stdout=fout, stderr=ferr, text=True,
+                                    start_new_session=True)
         started.append(Background(proc, out, err))
         return started[-1]
 

@@ -86,8 +86,9 @@ def elastic(tmp_path: Path) -> Iterator[Callable[..., Elastic]]:
         out.mkdir(exist_ok=True)
         log = tmp_path / "launcher.log"
         argv = [*HORA, "run", *flags, *(command or [PYTHON, WORKER, str(out)])]
-        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        with log.open("w") as fh:  # the child keeps its own descriptor; ours is closed at once
+            proc = subprocess.Popen(argv, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
         job = Elastic(proc, out, log)
         started.append(job)
         return job

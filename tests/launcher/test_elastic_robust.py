@@ -48,8 +48,9 @@ def test_a_frozen_member_is_stopped_at_the_stall_shutdown_time_and_the_others_go
     log = tmp_path / "launcher.log"
     argv = [*HORA, "run", "-H", "127.0.0.1:2,127.0.0.2:1", "--min-np", "2", "--stall-check-warning-time-seconds",
             "1", "--stall-check-shutdown-time-seconds", "3", PYTHON, WORKER, str(out), "--sleep", "0.05"]
-    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    with log.open("w") as fh:  # the child keeps its own descriptor; ours is closed at once
+        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
     try:
         steps = _wait(proc, log, "3 workers stepping",
                       lambda steps: len({s["pid"] for s in steps if s["size"] == 3}) == 3)

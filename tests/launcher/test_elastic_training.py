@@ -34,9 +34,9 @@ class Job:
         self.out = tmp_path / "out"
         self.out.mkdir(exist_ok=True)  # a test may put the workers' knobs in it first
         self.log = tmp_path / "launcher.log"
-        self.proc = subprocess.Popen([*HORA, "run", *flags, PYTHON, WORKER, str(self.out)], cwd=tmp_path,
-                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        with self.log.open("w") as fh:  # the child keeps its own descriptor; ours is closed at once
+            self.proc = subprocess.Popen([*HORA, "run", *flags, PYTHON, WORKER, str(self.out)], cwd=tmp_path,
+                                         stdout=fh, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def steps(self) -> list[dict[str, Any]]:
         path = self.out / "steps.jsonl"
