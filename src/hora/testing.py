@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import itertools
 import multiprocessing
@@ -68,6 +69,7 @@ def _store() -> int:
     """The port of the session's store process (started on first use; it ends with this process)."""
     global _store_server, _store_port
     if _store_server is None or _store_server.poll() is not None:
+        _stop_store()  # a store that died: reap it and close its pipes before starting another
         _store_server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, text=True)
         assert _store_server.stdout is not None
@@ -76,6 +78,26 @@ def _store() -> int:
             raise RuntimeError(f"the test store process did not start (it said {line!r})")
         _store_port = int(line)
     return _store_port
+
+
+def _stop_store() -> None:
+    """End the store process (its stdin closing is its signal) and close its pipes: at exit nothing is left
+    running, and no pipe is left for the garbage collector to warn about."""
+    global _store_server
+    server, _store_server = _store_server, None
+    if server is None:
+        return
+    for pipe in (server.stdin, server.stdout):
+        if pipe is not None:
+            pipe.close()
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+atexit.register(_stop_store)
 
 
 @dataclass
