@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import itertools
 import multiprocessing
 import os
@@ -209,6 +210,10 @@ def _where_hung(procs: list, unfinished: Mapping[int, str], stacks: str) -> dict
 def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: Mapping[str, str | None],
            init: bool, threads: int | None, conn: Connection, stack_file: str) -> None:
     os.setpgrp()  # the deadline kills this rank's whole process group
+    # Everything inherited from the parent (a pytest process: torch, the test modules) is never garbage here:
+    # frozen, a full collection (hora.shutdown() runs one) skips it instead of touching every object, which
+    # copied the whole inherited heap page by page (1.3 s per rank and test, measured on 2 cores)
+    gc.freeze()
     code = 0
     dump = open(stack_file, "w")  # noqa: SIM115 - must stay open for faulthandler until os._exit
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)  # the parent asks where a hung rank is
