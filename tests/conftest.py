@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-pytest_plugins = ("tests.plugins.skips", "tests.plugins.leaks", "tests.plugins.progress", "tests.plugins.parallel")
+pytest_plugins = ("tests.plugins.skips", "tests.plugins.leaks", "tests.plugins.progress")
 
 
 @pytest.fixture(autouse=True)
