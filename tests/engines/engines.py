@@ -189,9 +189,14 @@ os.dup2(2, 1)  # everything else printed (ours, the JVM's) goes to the log, not 
 sys.stdout = sys.stderr
 print("PID", os.getpid(), file=proto)
 os.environ["PYSPARK_PYTHON"] = sys.executable
+import secrets
+secret = os.path.abspath("hora.secret")  # the job's secret as docs/engines.md says to give it to TorchDistributor
+with open(os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+    f.write(secrets.token_hex(32))
 from pyspark.sql import SparkSession
 spark = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("hora-tests")
-         .config("spark.ui.enabled", "false").config("spark.executor.memory", "512m").getOrCreate())
+         .config("spark.ui.enabled", "false").config("spark.executor.memory", "512m")
+         .config("spark.executorEnv.HORA_SECRET_FILE", secret).getOrCreate())
 spark.sparkContext.setLogLevel("ERROR")
 spark.sparkContext.parallelize(range(2), 2).count()  # both executors up
 print("READY", file=proto)

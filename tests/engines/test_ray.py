@@ -4,6 +4,7 @@ hora.ray.RayExecutor (Horovod's horovod.ray API); a rank that raises or is kille
 from __future__ import annotations
 
 import json
+import secrets
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,11 @@ def _same_params(results: list[dict]) -> None:
 def test_torch_trainer_runs_a_hora_script_unchanged(ray_cluster: RayCluster, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
+    secret = tmp_path / "hora.secret"  # the job's secret as docs/engines.md says to give it under Ray Train
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
     done = run_driver(f"""
-import json, ray
+import json, os, ray
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
@@ -32,10 +36,11 @@ def loop():
     result = train()
     ctx = ray.train.get_context()
     result["ray"] = [ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank(), ctx.get_local_world_size()]
+    result["secret_file"] = os.environ.get("HORA_SECRET_FILE")
     with open(f"{out}/rank{{result['rank']}}.json", "w") as f:
         json.dump(result, f)
 
-ray.init(address="{ray_cluster.address}")
+ray.init(address="{ray_cluster.address}", runtime_env={{"env_vars": {{"HORA_SECRET_FILE": "{secret}"}}}})
 TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=2),
              run_config=RunConfig(storage_path="{tmp_path}/ray-results")).fit()
 """, tmp_path, timeout=240)
@@ -43,6 +48,7 @@ TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=2),
     results = rank_files(out, 2)
     for rank, r in enumerate(results):
         assert r["ray"][:2] == [rank, 2] and [r["rank"], r["size"]] == r["ray"][:2]
+        assert r["secret_file"] == str(secret)
     # hora counts local ranks by machine: both workers run on this one, whichever Ray node took them
     assert [(r["local_rank"], r["local_size"]) for r in results] == [(0, 2), (1, 2)]
     if all(r["ray"][3] == 2 for r in results):  # Ray put both on one node: its local ranks are hora's

@@ -34,6 +34,7 @@ from pyspark.ml.torch.distributor import TorchDistributor
 TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run({target}, {str(tmp_path)!r})
 """)
     results = rank_files(tmp_path, 2)
+    assert all(r["secret_file"] == str(spark_driver.tmp / "hora.secret") for r in results)  # spark.executorEnv
     assert [(r["rank"], r["size"]) for r in results] == [(0, 2), (1, 2)]
     assert [r["local_rank"] for r in results] == [0, 1] and results[0]["local_size"] == 2  # one machine
     _same_params(results)

@@ -55,7 +55,7 @@ def train(out_dir: str | None = None) -> dict[str, Any]:
     _steps(model, opt, x[hvd.rank()::hvd.size()], y[hvd.rank()::hvd.size()])
     result = {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
               "local_size": hvd.local_size(), "cross_size": hvd.cross_size(), "pid": os.getpid(),
-              "params": _flat(model)}
+              "secret_file": os.environ.get("HORA_SECRET_FILE"), "params": _flat(model)}
     if out_dir:
         with open(os.path.join(out_dir, f"rank{result['rank']}.json"), "w") as f:
             json.dump(result, f)
