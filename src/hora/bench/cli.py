@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import hora as hvd
+from hora import runtime
 from hora.bench import model, planner, sweep
 from hora.bench.report import parse_size, parse_sizes, write_json, write_plot
 from hora.errors import ConfigError, HoraError
@@ -44,7 +45,9 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hora bench", description="Measure a cluster with hora (run it under hora run).")
+    p = _Parser(prog="hora bench", description="Measure a cluster with hora. allreduce and model run on every rank: "
+                "start them under hora run (hora run -np 4 -H a:2,b:2 hora bench allreduce); alone they run as "
+                "one rank. plan needs no ranks.")
     sub = p.add_subparsers(dest="what", required=True, parser_class=_Parser)
     common = _Parser(add_help=False)
     common.add_argument("--json", metavar="PATH", help="write the full record (every sample) as JSON")
@@ -53,18 +56,33 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--compression", choices=sorted(sweep.COMPRESSIONS), default="none",
                         help="hora's gradient compression (default none)")
 
-    a = sub.add_parser("allreduce", parents=[common], help="allreduce sweep: algbw/busbw, hora against raw")
+    a = sub.add_parser("allreduce", parents=[common], help="allreduce sweep: algbw/busbw, hora against raw",
+                       description="Time hora's allreduce against raw torch.distributed for each message size, "
+                       "alternating the two, and print algbw/busbw and hora's speed relative to raw. Run it under "
+                       "hora run, e.g. hora run -np 4 -H a:2,b:2 hora bench allreduce (alone it is one rank and "
+                       "measures no communication). The defaults (1KB..256MB: 10 sizes, 5 cycles of 0.2 s "
+                       "samples) take about a minute.")
     a.add_argument("--sizes", default="1KB..256MB",
-                   help="a range lo..hi (every 4th power of two between, both ends) or a list: 1MB,16MB")
+                   help="a range lo..hi (every 4th power of two between, both ends) or a list: 1MB,16MB "
+                        "(default 1KB..256MB: 1KB, 4KB, 16KB, ... 64MB, 256MB)")
     a.add_argument("--dtype", choices=sorted(sweep.DTYPES), default="float32")
-    a.add_argument("--sample-seconds", type=float, default=0.2, help="length of one timed sample")
+    a.add_argument("--sample-seconds", type=float, default=0.2, help="length of one timed sample (default 0.2)")
     a.add_argument("--no-links", action="store_true", help="skip the per-link-type (intra/inter host) sweep")
 
-    m = sub.add_parser("model", parents=[common], help="synthetic training throughput and scaling efficiency")
-    m.add_argument("--model", default="resnet50",
-                   help="mlp, resnet18, resnet50 (built in) or a torchvision.models name (default resnet50)")
-    m.add_argument("--batch-size", type=int, default=32, help="per rank (default 32)")
-    m.add_argument("--image-size", type=int, default=224, help="synthetic image side (default 224)")
+    gpu, cpu_ = model.defaults_for("cuda"), model.defaults_for("cpu")
+    m = sub.add_parser("model", parents=[common], help="synthetic training throughput and scaling efficiency",
+                       description="Train a model on random data on 1, 2, 4 ... ranks and print throughput and "
+                       "scaling efficiency against one rank. Run it under hora run, e.g. hora run -np 4 hora bench "
+                       f"model. Each rank trains on its GPU where it has one, else on the CPU. The defaults, sized "
+                       f"to finish in about two minutes: {gpu[0]} at {gpu[1]} px, batch {gpu[2]} per rank on GPUs; "
+                       f"{cpu_[0]} at {cpu_[1]} px, batch {cpu_[2]} on CPUs.")
+    m.add_argument("--model", default=None,
+                   help=f"mlp, wide-mlp, resnet18, resnet50 (built in) or a torchvision.models name (default "
+                        f"{gpu[0]} on GPUs, {cpu_[0]} on CPUs)")
+    m.add_argument("--batch-size", type=int, default=None,
+                   help=f"per rank (default {gpu[2]} on GPUs, {cpu_[2]} on CPUs)")
+    m.add_argument("--image-size", type=int, default=None,
+                   help=f"synthetic image side (default {gpu[1]} on GPUs, {cpu_[1]} on CPUs)")
     m.add_argument("--np-list", type=_ints, help="rank counts to compare, e.g. 1,2,4 (default 1,2,4..size)")
     m.add_argument("--steps", type=int, default=5, help="timed steps per sample (default 5)")
 
@@ -94,10 +112,23 @@ def _measure(ns: argparse.Namespace) -> tuple[dict[str, Any], Callable[[dict[str
         cfg = sweep.SweepConfig(sizes=sizes, dtype=ns.dtype, compression=ns.compression,
                                 repeats=ns.repeats, sample_s=ns.sample_seconds, links=not ns.no_links)
         return sweep.run(cfg), sweep.markdown, sweep.plot
-    cfg_m = model.ModelConfig(model=ns.model, batch_size=ns.batch_size, image_size=ns.image_size,
-                              compression=ns.compression, np_list=ns.np_list or (), steps=ns.steps,
-                              repeats=ns.repeats)
+    cfg_m = _model_config(ns, "cuda" if runtime.state().device is not None else "cpu")
     return model.run(cfg_m), model.markdown, model.plot
+
+
+def _model_config(ns: argparse.Namespace, device: str) -> model.ModelConfig:
+    """The model benchmark's settings: the flags given, the device's defaults for the rest (said on rank 0)."""
+    name, image_size, batch = model.defaults_for(device)
+    cfg = model.ModelConfig(model=ns.model or name, image_size=ns.image_size or image_size,
+                            batch_size=ns.batch_size or batch, compression=ns.compression, np_list=ns.np_list or (),
+                            steps=ns.steps, repeats=ns.repeats, device=device)
+    defaulted = [flag for flag, given in (("--model", ns.model), ("--image-size", ns.image_size),
+                                          ("--batch-size", ns.batch_size)) if given is None]
+    if defaulted and hvd.rank() == 0:
+        output.line(f"hora bench model: on {device}: {cfg.model}, {cfg.image_size} px images, batch "
+                    f"{cfg.batch_size} per rank (the defaults for {device} are sized to finish in about two "
+                    f"minutes; to change them: {', '.join(defaulted)})", sys.stderr)
+    return cfg
 
 
 def _plan(ns: argparse.Namespace) -> int:

@@ -73,6 +73,24 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines) + "\n"
 
 
+NOISY_SPREAD = 0.25  # samples spread wider than this around their median: the figure is not one to quote
+
+
+def noisy_mark(*spreads: float) -> str:
+    """``" *"`` for a figure whose samples (any of ``spreads``) spread wider than :data:`NOISY_SPREAD`."""
+    return " *" if any(s > NOISY_SPREAD for s in spreads) else ""
+
+
+def noise_warning(marked: int, total: int) -> str:
+    """The line under a table with ``marked`` noisy rows of ``total`` (empty when none is)."""
+    if not marked:
+        return ""
+    which = "every row" if marked == total else f"{marked} of {total} rows"
+    return (f"\nwarning: too noisy to quote: {which} (marked *) spread more than {NOISY_SPREAD:.0%} around "
+            "the median, because other work shares the machine or the samples are too few; rerun on a quiet "
+            "machine, or with more --repeats\n")
+
+
 class Progress:
     """A one-line progress bar on stderr (rank 0 only; other ranks pass ``enabled=False``).
 

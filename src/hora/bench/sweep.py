@@ -28,7 +28,7 @@ import torch.distributed as dist
 import hora as hvd
 from hora import hierarchical, runtime
 from hora.bench import cpu
-from hora.bench.report import Progress, human_bytes, markdown_table
+from hora.bench.report import Progress, human_bytes, markdown_table, noise_warning, noisy_mark
 from hora.bench.timing import alternate, ratio_summary, summarize
 from hora.compression import Compression, Compressor
 
@@ -114,10 +114,13 @@ def sweep_world(cfg: SweepConfig, progress: Progress) -> list[dict[str, Any]]:
                             after_each=tick)
         nbytes = numel * raw_t.element_size()
         raw_s, hora_s = summarize(samples["raw"])["median"], summarize(samples["hora"])["median"]
-        ratio = ratio_summary(samples["raw"], samples["hora"])  # > 1: hora faster
+        ratio = ratio_summary(samples["raw"], samples["hora"])  # per cycle; > 1: hora faster
         rows.append({"size": nbytes, "iters": iters, "ranks": n,
-                     "raw": _bandwidth(nbytes, raw_s, n), "hora": _bandwidth(nbytes, hora_s, n),
-                     "speed_vs_raw": ratio, "samples": samples})
+                     "raw": _bandwidth(nbytes, raw_s, n) | {"spread": summarize(samples["raw"])["spread"]},
+                     "hora": _bandwidth(nbytes, hora_s, n) | {"spread": summarize(samples["hora"])["spread"]},
+                     "speed_vs_raw": ratio,  # the summary of the per-cycle ratios raw / hora
+                     "speed_vs_raw_of_medians": raw_s / hora_s,  # the table's figure: the medians beside it
+                     "samples": samples})
     return rows
 
 
@@ -192,17 +195,20 @@ def run(cfg: SweepConfig) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     """The sweep as a Markdown table: one row per size."""
     headers = ["size", "raw time", "raw algbw GB/s", "raw busbw GB/s", "hora time", "hora algbw GB/s",
-               "hora busbw GB/s", "hora speed vs raw (median, spread)"]
+               "hora busbw GB/s", "hora speed vs raw (raw time / hora time)", "spread (per cycle)"]
     rows = []
+    marked = 0
     for r in result["rows"]:
-        s = r["speed_vs_raw"]
-        rows.append([human_bytes(r["size"]), _t(r["raw"]["time_s"]), f"{r['raw']['algbw_GBps']:.3f}",
+        per_cycle = r["speed_vs_raw"]["spread"]
+        mark = noisy_mark(per_cycle, r["raw"]["spread"], r["hora"]["spread"])
+        marked += bool(mark)
+        rows.append([human_bytes(r["size"]) + mark, _t(r["raw"]["time_s"]), f"{r['raw']['algbw_GBps']:.3f}",
                      f"{r['raw']['busbw_GBps']:.3f}", _t(r["hora"]["time_s"]), f"{r['hora']['algbw_GBps']:.3f}",
-                     f"{r['hora']['busbw_GBps']:.3f}", f"{s['median']:.2f}x ({s['spread']:.0%})"])
+                     f"{r['hora']['busbw_GBps']:.3f}", f"{r['speed_vs_raw_of_medians']:.2f}x", f"{per_cycle:.0%}"])
     title = (f"allreduce, {result['ranks']} ranks on {result['hosts']} host(s), {result['dtype']}, compression "
              f"{result['compression']}{', hierarchical' if result['hierarchical'] else ''}; "
              f"median of {result['repeats']} alternated samples\n\n")
-    text = title + markdown_table(headers, rows)
+    text = title + markdown_table(headers, rows) + noise_warning(marked, len(rows))
     for name, link_rows in result["links"].items():
         text += f"\nraw allreduce on the {name}-host link ({link_rows[0]['ranks']} ranks)\n\n"
         text += markdown_table(["size", "time", "algbw GB/s", "busbw GB/s"],
