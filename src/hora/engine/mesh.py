@@ -183,29 +183,41 @@ class Mesh:
         start = time.monotonic()
         deadline = start + self._round_timeout
         tick = start + WAIT_TICK_S
-        while unsent or len(got) < self.size:
-            for r in unsent:
-                self._poll.modify(self._peers[r].fileno(), _READ | select.POLLOUT)
-            now = time.monotonic()
-            if now >= tick:
-                tick = now + WAIT_TICK_S
-                if self.on_wait is not None:
-                    self.on_wait(sorted((set(range(self.size)) - set(got)) | set(unsent)), now - start)
-            left = min(deadline, tick) - now
-            events = self._poll.poll(max(left, 0.0) * 1000.0) if left > 0 else []
-            if not events and time.monotonic() >= deadline:
-                missing = sorted(set(range(self.size)) - set(got))
-                raise CollectiveError(f"rank {self.rank}: rank(s) {missing} did not answer a negotiation round "
-                                      f"within {self._round_timeout:.0f}s (hung process or broken network)")
-            for fd, ev in events:
-                peer = self._by_fd[fd]
-                if ev & select.POLLOUT:
-                    self._send(peer, unsent)
-                    if peer not in unsent:
-                        self._poll.modify(fd, _READ)
-                if ev & ~select.POLLOUT:
-                    self._receive(peer)
-                    self._take(peer, got)
+        done: list[int] = []  # peers this round needs nothing more from, left out of the poll until it ends
+        try:
+            while unsent or len(got) < self.size:
+                for r in unsent:
+                    self._poll.modify(self._peers[r].fileno(), _READ | select.POLLOUT)
+                now = time.monotonic()
+                if now >= tick:
+                    tick = now + WAIT_TICK_S
+                    if self.on_wait is not None:
+                        self.on_wait(sorted((set(range(self.size)) - set(got)) | set(unsent)), now - start)
+                left = min(deadline, tick) - now
+                events = self._poll.poll(max(left, 0.0) * 1000.0) if left > 0 else []
+                if not events and time.monotonic() >= deadline:
+                    missing = sorted(set(range(self.size)) - set(got))
+                    raise CollectiveError(f"rank {self.rank}: rank(s) {missing} did not answer a negotiation round "
+                                          f"within {self._round_timeout:.0f}s (hung process or broken network)")
+                for fd, ev in events:
+                    peer = self._by_fd[fd]
+                    if ev & select.POLLOUT:
+                        self._send(peer, unsent)
+                        if peer not in unsent:
+                            self._poll.modify(fd, _READ)
+                    if ev & ~select.POLLOUT:
+                        if peer in got and peer not in unsent:
+                            # Its frame of this round is in and ours is out: what it does now is the next
+                            # round's business. After the last round (the shutdown) a peer that has it all exits
+                            # while others still wait for a slower rank: its closing is no failure of this round.
+                            self._poll.unregister(fd)
+                            done.append(fd)
+                            continue
+                        self._receive(peer)
+                        self._take(peer, got)
+        finally:
+            for fd in done:
+                self._poll.register(fd, _READ)
         return [got[r] for r in range(self.size)]
 
     def _send(self, peer: int, unsent: dict[int, memoryview]) -> None:
