@@ -28,6 +28,7 @@ from hora.errors import (  # noqa: F401
     HostsUpdatedInterrupt,
     InvalidCallError,
     JobFailedError,
+    PeerLostError,
     PeerRejectedCallError,
     LaunchError,
     ModelMismatchError,

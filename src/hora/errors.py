@@ -39,6 +39,22 @@ class CollectiveError(HoraError, RuntimeError):
     """A collective failed (a peer died, a link broke). Recoverable in elastic mode."""
 
 
+class PeerLostError(CollectiveError):
+    """This rank's collectives cannot go on because another rank is gone: its process ended or its link broke.
+
+    A consequence, not a cause: the rank that went is the cause, and ``hora run``'s report names it (its exit
+    code, its traceback); the message says which rank it was (``peer``). Elastic training recovers from it, as
+    from any ``HorovodInternalError``.
+    """
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+    def __reduce__(self) -> tuple[type[PeerLostError], tuple[str, int | None]]:
+        return type(self), (str(self), self.peer)
+
+
 class CollectiveMismatchError(CollectiveError, ValueError):
     """Ranks submitted the same collective name with different metadata.
 
@@ -157,6 +173,7 @@ __all__ = [
     "LaunchError",
     "ModelMismatchError",
     "NotInitializedError",
+    "PeerLostError",
     "PeerRejectedCallError",
     "SetupError",
     "UnsupportedCallError",

@@ -152,6 +152,26 @@ def test_a_failed_worker_blacklists_its_host_for_new_workers_only_and_it_comes_b
     _no_orphans(job)
 
 
+def test_a_recovery_is_one_line_saying_what_happened_and_that_the_job_goes_on(
+        elastic: Callable[..., Elastic]) -> None:
+    """Issue 27 item 4: the survivors printed 'hora: error: rank 0: rank 3 on host ... is gone' and a warning
+    each while the job recovered and succeeded. The launcher's line names the cause and says the job goes on;
+    the survivors' view of it (a consequence) stays below warning level."""
+    job = elastic("-H", "127.0.0.1:2,127.0.0.2:2", "--min-np", "2", "--blacklist-cooldown-range", "1", "1")
+    job.wait_world(1, 4)
+    job.inject("kill", "127.0.0.2:1")
+    job.wait_world(2, 3)
+    code, log = job.finish()
+    assert code == 0, log
+    about = [line for line in log.splitlines() if "127.0.0.2:1" in line or "is gone" in line or "error" in line
+             or "warning" in line or "restoring the last commit" in line]
+    assert about == ["hora run: elastic: worker 127.0.0.2:1 (process [3], rank 3) on host 127.0.0.2 failed: signal "
+                     "SIGKILL (9); the others go back to the last commit and go on; host 127.0.0.2 blacklisted for "
+                     "1s (no new worker starts there)",
+                     "hora run: elastic: world 2: 3 workers on 127.0.0.1, 127.0.0.2; left: 127.0.0.2:1"], log
+    _no_orphans(job)
+
+
 def test_more_resets_than_the_limit_fail_the_job(elastic: Callable[..., Elastic]) -> None:
     job = elastic("-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1", "--min-np", "1", "--reset-limit", "1")
     job.wait_world(1, 3)

@@ -156,7 +156,7 @@ hvd.allreduce(torch.ones(2), name="loss")
     # it (it used to be a round timeout of 120 s, blaming rank 0)
     assert re.search(r"hora run: rank 1 on host localhost failed first: exited \(exit code 0\) while its peers waited "
                      r"for it in a collective; a process it started \(fork, multiprocessing\) kept its connections "
-                     r"open, hiding the exit \(rank 0 on host localhost waited for it and raised CollectiveError\)",
+                     r"open, hiding the exit \(rank 0 on host localhost waited for it and raised PeerLostError\)",
                      err), err
     _nothing_left(tmp_path)
 

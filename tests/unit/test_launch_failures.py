@@ -45,3 +45,25 @@ def test_a_rank_still_in_teardown_after_raising_is_named_as_culprit() -> None:
     root = _root(follow_on)
     assert root.choose({0: 10.1, 1: 10.0}) is follow_on
     assert root.culprit({0: 10.1, 1: 10.0}) == 1
+
+
+def test_a_rank_that_raised_peer_lost_is_a_consequence_even_when_its_output_was_timed_first() -> None:
+    """On a busy host the agents may read a follow-on's traceback before the cause's: a PeerLostError says
+    which it is. Only when every failure is one (a peer finished early) is one of them the cause."""
+    follow_on, raiser = _state(0, exit_ts=10.2), _state(1, exit_ts=10.5)
+    root = _root(follow_on, raiser)
+    assert root.choose({0: 10.0, 1: 10.1}, follow_ons={0}) is raiser
+    assert root.culprit({0: 10.0, 1: 10.1}, follow_ons={0}) is None
+    only = _root(_state(2, exit_ts=10.0), _state(3, exit_ts=10.1))
+    assert only.choose({2: 9.9, 3: 9.8}, follow_ons={2, 3}).slot.rank == 3
+
+
+def test_follow_on_reads_the_error_line_of_a_ranks_last_traceback() -> None:
+    from hora.launch import output
+
+    gone = ["Traceback (most recent call last):", '  File "t.py", line 4, in <module>', "    hvd.allreduce(t)",
+            "hora.PeerLostError: rank 0: rank 1 on host h1 is gone (its process exited or its link broke), ...",
+            "(hora's own frames are not shown: HORA_FULL_TRACEBACKS=1, or hora run --verbose, shows them)"]
+    assert output.follow_on(["some output", *gone])
+    assert not output.follow_on([*gone[:3], "ValueError: bad batch mentions PeerLostError"])
+    assert not output.follow_on(["no traceback at all"])

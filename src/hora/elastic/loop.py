@@ -28,7 +28,13 @@ from typing import Any, TypeVar
 from hora import newcomer, runtime, world
 from hora.elastic.notifications import notification_manager
 from hora.elastic.state import State
-from hora.errors import CollectiveError, CollectiveMismatchError, HorovodInternalError, HostsUpdatedInterrupt
+from hora.errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    PeerLostError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +82,9 @@ def _run(state: State, elastic: bool, func: Callable[..., Any], args: Any, kwarg
         except HorovodInternalError as e:
             if not elastic:
                 raise
-            log.warning("hora elastic: %s; restoring the last commit and resetting", _first_line(e))
+            # a lost peer is hora run's to report (one line, with the cause); anything else is news
+            log.log(logging.INFO if isinstance(e, PeerLostError) else logging.WARNING,
+                    "hora elastic: %s; restoring the last commit and resetting", _first_line(e))
             state.restore()
             skip_sync, failed = False, True
         except HostsUpdatedInterrupt as e:

@@ -46,7 +46,7 @@ from hora.engine.phases import ACTIVE, NEXT, Phase
 from hora.engine.plan import SHUTDOWN, Request, Table
 from hora.engine.rounds import Rounds, record_lost
 from hora.engine.timers import TimerThread
-from hora.errors import CollectiveError
+from hora.errors import CollectiveError, PeerLostError
 from hora.handles import Handle
 from hora.names import SHUTDOWN_NAME
 
@@ -381,7 +381,9 @@ class Negotiator:
         with self._lock:
             if self._move(Phase.BROKEN):
                 self.error = error
-                log.error("%s", f"{error}")  # the text: a kept log record must not keep the error's frames
+                # the text: a kept log record must not keep the error's frames. A lost peer is not this rank's
+                # error to print: the peer is the cause (hora run names it) and every collective raises it here
+                log.log(logging.INFO if isinstance(error, PeerLostError) else logging.ERROR, "%s", f"{error}")
         self._notices.fail(error)
         for op in self._pending.take_all():
             op.handle.fail(error)

@@ -30,7 +30,7 @@ from hora.engine.pending import Pending
 from hora.engine.plan import JOIN, SHUTDOWN, UNNAMED, Decision, Request, Table
 from hora.engine.response_cache import ResponseCache
 from hora.engine.wire import FrameError
-from hora.errors import CollectiveError, CollectiveTimeoutError
+from hora.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
 from hora.names import JOIN_NAME, SHUTDOWN_NAME
 
 log = logging.getLogger(__name__)
@@ -205,10 +205,10 @@ class Rounds:
             if store.check(["lost"]):
                 peer = int(store.get("lost"))
                 log.debug("rank %d: round failed after rank %d was lost: %s", self.rank, peer, error)
-                return CollectiveError(
+                return PeerLostError(
                     f"rank {self.rank}: rank {peer} on host {self.ctx.hostname(peer)} is gone (its process "
                     "exited or its link broke), so collectives cannot continue: see that rank's log for the root "
-                    "cause")
+                    "cause", peer)
         except Exception:  # the store may be gone with the launcher
             pass
         return CollectiveError(f"rank {self.rank}: negotiation with peers failed: {error}. A peer process probably "

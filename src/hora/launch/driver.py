@@ -247,11 +247,12 @@ class Driver:
         self.root.offer(state)  # decided after a short settle window: see failures.py
 
     def _report_root(self) -> None:
-        state = self.first_failure = self.root.choose(self.console.traceback_ts)
+        follow_ons = {r for r, tail in self.console.tails.items() if output.follow_on(list(tail))}
+        state = self.first_failure = self.root.choose(self.console.traceback_ts, follow_ons)
         rank, host = state.slot.rank, state.slot.hostname
         how = state.how or procs.describe_exit(state.code, state.sig)
         self.summary = f"rank {rank} on host {host}: {how}"
-        culprit = self.root.culprit(self.console.traceback_ts)
+        culprit = self.root.culprit(self.console.traceback_ts, follow_ons)
         found = None
         if not (state.sig or state.how):
             for line in self.stalls.poll(now_or_never=True)[1]:  # posts still settling: a partition is named now
@@ -286,13 +287,14 @@ class Driver:
         tb = output.traceback_of(list(self.console.tails[rank])) or []
         self.console.take_held(rank)
         same = [r for r in self.console.held_ranks() if output.same_error(self.console.held(r), tb)]
+        followed = [r for r in self.console.held_ranks() if r not in same and output.follow_on(self.console.held(r))]
         for r in self.console.held_ranks():
-            if r in same:
+            if r in same or r in followed:
                 self.console.take_held(r)
             else:
                 self.console.release(r)
         output.print_lines(output.failure_report(rank, host, how, list(self.console.tails[rank]), others, finished,
-                                                 same))
+                                                 same, followed))
         self._stop_all()
 
     def _on_agent_gone(self, agent: AgentHandle, code: int) -> None:

@@ -323,7 +323,11 @@ class ElasticDriver(ElasticWorlds):
         # may hold the only copy of the training state)
         delay = self.hostman.blacklist(w.host, time.monotonic(), how)
         back = "for good" if delay == float("inf") else f"for {delay:.0f}s"
-        note(f"{who} on host {w.host} failed: {how}; host {w.host} blacklisted {back} (no new worker starts there)")
+        # the one line about it: the workers' own "a peer is gone" is a consequence, logged below warning level
+        goes_on = ("the others go back to the last commit and go on" if member and self._members()
+                   else "the job goes on" if not member else "")
+        note(f"{who} on host {w.host} failed: {how}; {goes_on + '; ' if goes_on else ''}host {w.host} blacklisted "
+             f"{back} (no new worker starts there)")
         if member:
             self._lost_member = True
         self._last = w

@@ -9,7 +9,7 @@ exited first. That rank's report is printed, ahead of the others' output.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from hora.launch.hosts import SlotInfo
@@ -61,24 +61,29 @@ class RootCause:
         """True when it is time to decide: the window is over, or nothing else can fail."""
         return self.chosen is None and self.deadline is not None and (all_done or time.monotonic() >= self.deadline)
 
-    def choose(self, traceback_ts: Mapping[int, float]) -> RankState:
+    def choose(self, traceback_ts: Mapping[int, float], follow_ons: Collection[int] = ()) -> RankState:
         """The root cause among the failures seen.
 
         A rank killed by a signal or lost with its host comes first (follow-on failures raise exceptions,
-        they are not killed); then the rank whose traceback started first, else which exited first.
+        they are not killed); then a rank that did not fail because another was gone (``follow_ons``: they
+        raised ``PeerLostError``; the agents' timestamps of two ranks' output can come in either order on a
+        busy host); then the rank whose traceback started first, else which exited first.
         """
-        def when(state: RankState) -> tuple[int, float, float]:
+        def when(state: RankState) -> tuple[int, int, float, float]:
             violent = 0 if state.sig or state.how else 1
-            return (violent, traceback_ts.get(state.slot.rank, state.exit_ts or float("inf")), state.exit_ts)
+            follow_on = 1 if state.slot.rank in follow_ons else 0
+            return (violent, follow_on, traceback_ts.get(state.slot.rank, state.exit_ts or float("inf")),
+                    state.exit_ts)
 
         self.chosen = min(self.candidates, key=when)
         return self.chosen
 
-    def culprit(self, traceback_ts: Mapping[int, float]) -> int | None:
+    def culprit(self, traceback_ts: Mapping[int, float], follow_ons: Collection[int] = ()) -> int | None:
         """A rank (perhaps still alive, stuck in teardown) whose traceback began before the chosen rank
-        exited with an error code: the exception that set the failures off. None when there is none, or
-        when the chosen rank was killed or lost (that is the cause)."""
+        exited with an error code: the exception that set the failures off (never a ``follow_ons`` rank).
+        None when there is none, or when the chosen rank was killed or lost (that is the cause)."""
         chosen = self.chosen
+        traceback_ts = {r: ts for r, ts in traceback_ts.items() if r not in follow_ons}
         if chosen is None or chosen.sig or chosen.how or not traceback_ts:
             return None
         first = min(traceback_ts, key=lambda rank: traceback_ts[rank])

@@ -19,7 +19,9 @@ HOLD_S = 10.0  # a running rank's traceback is shown after this long if no failu
 REPORT_LINES = 20  # shown when the rank printed no traceback
 # torch prefixes an uncaught exception's lines with "[rankN]:" once a process group exists
 _TRACEBACK_START = re.compile(r"^(\[rank\d+\]:\s?)?Traceback \(most recent call last\):")
-_COLLECTIVE_ERROR = re.compile(r"\b(CollectiveError|CollectiveTimeoutError|HorovodInternalError)\b")
+_COLLECTIVE_ERROR = re.compile(r"\b(CollectiveError|CollectiveTimeoutError|HorovodInternalError|PeerLostError)\b")
+# a rank that raised this failed because another rank was gone: a consequence, never the root cause
+_FOLLOW_ON = re.compile(r"^(\w+\.)*PeerLostError:")
 # torch's c10d logs this when a peer's address has no name (e.g. after a host was lost); it is noise, not a
 # cause, so it never takes the place of the rank's real last words in a failure report
 _TAIL_NOISE = re.compile(r"hostname of the client socket cannot be retrieved")
@@ -327,11 +329,12 @@ def traceback_of(tail: list[str]) -> list[str] | None:
 
 
 def failure_report(rank: int, host: str, how: str, tail: list[str], others: int,
-                   finished: Sequence[int] = (), same: Sequence[int] = ()) -> list[str]:
+                   finished: Sequence[int] = (), same: Sequence[int] = (), followed: Sequence[int] = ()) -> list[str]:
     """The root-cause report: what failed first, where, and its traceback or last stderr lines.
 
     ``same`` lists the other ranks that raised the same error (their tracebacks were held back from the
-    console): one line names them, so the root cause's traceback is shown once.
+    console): one line names them, so the root cause's traceback is shown once. ``followed`` lists the ranks
+    whose collectives then failed because a rank was gone (a ``PeerLostError``, held back too): one line.
     ``finished`` lists the ranks that had already exited with status 0: when the failure is a collective
     that lost its peers, they most likely ran fewer steps (uneven data without ``hvd.join()``).
     """
@@ -352,6 +355,11 @@ def failure_report(rank: int, host: str, how: str, tail: list[str], others: int,
     if same:
         ranks = ", ".join(str(r) for r in sorted(same))
         lines.append(f"hora run: rank{'s' if len(same) > 1 else ''} {ranks} failed with the same error")
+    if followed:
+        ranks = ", ".join(str(r) for r in sorted(followed))
+        many = len(followed) > 1
+        lines.append(f"hora run: then rank{'s' if many else ''} {ranks} stopped: {'their' if many else 'its'} "
+                     f"collectives could not go on without rank {rank} (PeerLostError)")
     if how.startswith(OOM_KILLED):
         lines.append("hora run: hint: the rank needed more memory than its limit allows: use less per rank (a smaller "
                      "batch, fewer DataLoader workers), run fewer ranks per host, or raise the limit (a pod's "
@@ -367,6 +375,13 @@ def _error_line(tb: list[str]) -> str:
         if text and not text[0].isspace():
             return re.sub(r"^\[rank\d+\]:\s?", "", text)
     return tb[-1] if tb else ""
+
+
+def follow_on(lines: list[str]) -> bool:
+    """``lines`` (a rank's output) end in a traceback of a ``PeerLostError``: the rank failed because another
+    rank was gone."""
+    tb = traceback_of(lines)
+    return tb is not None and bool(_FOLLOW_ON.search(_error_line(tb)))
 
 
 def same_error(lines: list[str], tb: list[str]) -> bool:
