@@ -48,6 +48,9 @@ def _leftovers() -> dict[str, object]:
 def _in_flight_and_interrupted(rank: int, size: int) -> list[dict[str, object]]:
     seen = []
     side = rank_store()  # orders the Ctrl-C cycles' steps by events, not by sleeps
+    # Ctrl-C raises KeyboardInterrupt, as at a terminal, also when the run was started in the background by a
+    # non-interactive shell (`make test &`, some CI runners), whose children inherit SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for cycle in range(CYCLES):
         hvd.init()
         both = [hvd.allreduce_async(torch.full((4,), float(rank + cycle)), name=f"both.{cycle}.{i}", op=hvd.Sum)
