@@ -34,6 +34,7 @@ from hora.errors import (  # noqa: F401
     ModelMismatchError,
     NotInitializedError,
     SetupError,
+    StoreAuthError,
     UnsupportedCallError,
     UnsupportedDtypeError,
 )

@@ -1,4 +1,5 @@
-"""The pieces ``init()`` (:mod:`hora.runtime`) builds a world from that need no runtime: the CUDA device of
+"""The pieces ``init()`` (:mod:`hora.runtime`) builds a world from that need no runtime: the job's secret (and
+what a job without one gets: a warning, or a refusal with ``HORA_REQUIRE_SECRET=1``), the CUDA device of
 the local rank, the topology (from the launcher's elastic world record, else gathered over the control
 group), the Gloo control group's deadline, and the errors of a world that did not stand up (a rank late to
 ``init()``, a member of an elastic world gone before its groups were built).
@@ -7,18 +8,54 @@ group), the Gloo control group's deadline, and the errors of a world that did no
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from hora import env as hora_env
 from hora import world
 from hora.diagnostics.board import Board
 from hora.env import Knobs, WorkerEnv
-from hora.errors import CollectiveError, WorldMemberLostError
+from hora.errors import CollectiveError, ConfigError, WorldMemberLostError
+from hora.jobsecret import ENV_SECRET_FILE, JobSecret
 from hora.topology import Topology, derive_topology
 
+log = logging.getLogger(__name__)
+
 _GLOO_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's own default for a Gloo group
+_HOW_TO_SECRET = (f"give every process of the job the same secret file: `hora secret /shared/dir/job.secret` once, "
+                  f"then {ENV_SECRET_FILE}=/shared/dir/job.secret for torchrun, srun or mpirun (Kubernetes: mount a "
+                  "Secret, see deploy/k8s); see docs/security.md")
+_warned_unauthenticated = False
+
+
+def job_secret(env: WorkerEnv, knobs: Knobs) -> JobSecret | None:
+    """The job's secret (``HORA_SECRET`` from hora's launcher, or ``HORA_SECRET_FILE``). A job of several
+    processes without one runs unauthenticated (:func:`warn_unauthenticated`), or is refused here with
+    ``HORA_REQUIRE_SECRET=1``.
+
+    Raises:
+        ConfigError: no secret and ``HORA_REQUIRE_SECRET=1``; or the secret given is unusable.
+    """
+    secret = hora_env.job_secret()
+    if secret is None and env.size > 1 and knobs.require_secret:
+        raise ConfigError(f"rank {env.rank}: HORA_REQUIRE_SECRET=1 and this job has no job secret "
+                          f"({ENV_SECRET_FILE} is not set); {_HOW_TO_SECRET}")
+    return secret
+
+
+def warn_unauthenticated(env: WorkerEnv, secret: JobSecret | None) -> None:
+    """Rank 0 of a job of several processes without a secret says so, once per process: its store and control
+    plane are open to any process on the network."""
+    global _warned_unauthenticated
+    if secret is not None or env.size == 1 or env.rank != 0 or _warned_unauthenticated:
+        return
+    _warned_unauthenticated = True
+    log.warning("this job has no job secret, so its rendezvous store and control plane are unauthenticated: any "
+                "process that reaches them on the network can change what the ranks read; %s "
+                "(HORA_REQUIRE_SECRET=1 refuses to start without one)", _HOW_TO_SECRET)
 
 
 def late_error(board: Board, env: WorkerEnv, knobs: Knobs, late: list[int]) -> CollectiveError:

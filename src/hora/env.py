@@ -311,6 +311,10 @@ KNOBS: tuple[Knob, ...] = (
          "DistributedOptimizer.step() with a built-in per-parameter optimizer (SGD, Adam, AdamW, ...): update "
          "each bucket's parameters as soon as its gradients are reduced, while later buckets are still on the "
          "wire (the same result bit for bit); 0 waits for every bucket, then steps once."),
+    Knob("HORA_REQUIRE_SECRET", None, bool, False,
+         "Refuse to start a job of several processes that has no job secret (HORA_SECRET_FILE under torchrun, "
+         "srun, mpirun or Kubernetes; hora run and hora.run always make one) instead of warning once that its "
+         "store and control plane are unauthenticated (docs/security.md)."),
     Knob("HORA_FULL_TRACEBACKS", None, bool, False,
          "Print hora's own frames in the traceback of an uncaught hora error (hora run --verbose sets it); "
          "by default only your script's frames and the error in its terms are shown."),
@@ -346,6 +350,7 @@ class Knobs:
     step_overlap: bool = _DEFAULTS["step_overlap"]
     hierarchical_allreduce: bool = _DEFAULTS["hierarchical_allreduce"]
     full_tracebacks: bool = _DEFAULTS["full_tracebacks"]
+    require_secret: bool = _DEFAULTS["require_secret"]
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Knobs:

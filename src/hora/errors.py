@@ -117,6 +117,16 @@ class WorldMemberLostError(CollectiveError):
     world after it."""
 
 
+class StoreAuthError(HoraError):
+    """A value hora read from the rendezvous store failed authentication: a process without this job's secret
+    wrote it (a stranger on the network, or a rank started with another secret). Raised before the value is
+    parsed; the message names the key and the store's address. See docs/security.md."""
+
+    def __init__(self, message: str, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key  # the store key whose value was refused
+
+
 class HostsUpdatedInterrupt(HoraError):
     """The set of hosts changed; elastic training resets to pick up the new world, keeping its current state.
 
@@ -176,6 +186,7 @@ __all__ = [
     "PeerLostError",
     "PeerRejectedCallError",
     "SetupError",
+    "StoreAuthError",
     "UnsupportedCallError",
     "UnsupportedDtypeError",
     "WorldMemberLostError",

@@ -6,7 +6,8 @@ travels: on an agent's stdin, then in the environment of each rank's own process
 command line. Everything hora reads from the store or the control plane is checked against a MAC made with it
 before it is parsed.
 
-Only the standard library is used here: the launcher's agent imports this module.
+Only the standard library is used here: the launcher's agent imports this module. ``hora secret FILE``
+(:func:`main`) writes a fresh secret to a file only its owner can read, for the external launchers.
 
 Example:
     >>> secret = JobSecret.generate()
@@ -17,10 +18,13 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import hmac
 import os
 import struct
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 SECRET_BYTES = 32  # 256 bits from os.urandom
@@ -78,6 +82,23 @@ class JobSecret:
             raise SecretError(f"cannot read the job secret file {path!r} ({ENV_SECRET_FILE}): {e.strerror}") from None
         return cls.from_text(text, f"the file {path!r} ({ENV_SECRET_FILE})")
 
+    def write_file(self, path: str, *, replace: bool = False) -> None:
+        """Write the secret as hex to ``path``, readable by its owner only (mode 0600).
+
+        Raises:
+            SecretError: ``path`` exists (and ``replace`` is False) or cannot be written.
+        """
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if replace else os.O_EXCL)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            raise SecretError(f"{path} exists: give another file, or --force to replace its secret") from None
+        except OSError as e:
+            raise SecretError(f"cannot write the job secret file {path!r}: {e.strerror}") from None
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(fd, 0o600)  # a replaced file keeps no wider mode it had
+            f.write(self.hex() + "\n")
+
     def hex(self) -> str:
         """The secret as hex text, to hand to a process (stdin, its own environment); never to print."""
         return self.key.hex()
@@ -97,3 +118,31 @@ class JobSecret:
     def verify(self, tag: bytes, *parts: bytes) -> bool:
         """Whether ``tag`` is this secret's MAC over ``parts`` (constant-time comparison)."""
         return hmac.compare_digest(tag, self.mac(*parts))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``hora secret FILE``: write a new job secret to FILE (mode 0600), or to stdout with ``-`` (to pipe into
+    ``kubectl create secret``); the exit code (2 for a usage error or a file that exists)."""
+    parser = argparse.ArgumentParser(
+        prog="hora secret", description=(
+            "Make a new job secret (256 bits from os.urandom) for a job started without hora run: give every "
+            "process of the job the file with HORA_SECRET_FILE=FILE (torchrun, srun, mpirun), or put it in a "
+            "Kubernetes Secret. hora run and hora.run make their own. See docs/security.md."),
+        epilog="examples:\n  hora secret ~/jobs/train.secret\n"
+               "  hora secret - | kubectl create secret generic hora-job-secret --from-file=secret=/dev/stdin",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("file", metavar="FILE", help="where to write it (created with mode 0600); - for stdout")
+    parser.add_argument("--force", action="store_true", help="replace the secret in FILE if it exists")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    secret = JobSecret.generate()
+    if args.file == "-":
+        sys.stdout.write(secret.hex() + "\n")
+        return 0
+    try:
+        secret.write_file(args.file, replace=args.force)
+    except SecretError as e:
+        sys.stderr.write(f"hora secret: error: {e}\n")
+        return 2
+    sys.stderr.write(f"hora secret: wrote a new job secret to {args.file} (mode 0600); give every process of the job "
+                     f"{ENV_SECRET_FILE}={args.file}\n")
+    return 0

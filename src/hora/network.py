@@ -1,7 +1,8 @@
 """Addresses and interfaces, in one place for the launcher, the workers and ``hora check``.
 
 Which address of the launcher the hosts reach (the rendezvous store's), which interface a host uses towards
-the store, which address a worker advertises to its peers, each interface's IPv4 address.
+the store, which address a worker advertises to its peers, each interface's IPv4 address, and listening on
+that one address rather than on every interface (:func:`listen_on`).
 
 Standard library only (the agent imports this without hora's core). Linux interface addresses come from
 ``ioctl``; elsewhere the functions return what they can and callers fall back to the defaults.
@@ -9,6 +10,7 @@ Standard library only (the agent imports this without hora's core). Linux interf
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import ipaddress
 import logging
@@ -65,6 +67,29 @@ def advertised_address(peer: str) -> str:
     Without a route, the address this host's name resolves to.
     """
     return route_source(peer, socket.AF_INET) or socket.gethostbyname(socket.gethostname())
+
+
+def listen_on(address: str, port: int = 0, backlog: int = 128) -> socket.socket:
+    """A TCP socket listening on ``address`` (a name or an IP address of this host) only, so a listener the job
+    uses is not offered on every interface of the host (docs/security.md). Where ``address`` is not an address
+    of this host (a Kubernetes service's, a NAT's), every interface, as before, with one INFO line.
+
+    Raises:
+        OSError: the port is taken (or the address cannot be bound for another reason).
+    """
+    try:
+        infos = socket.getaddrinfo(address.strip("[]"), port, type=socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first: the address hora's launcher hands out
+    for family, _, _, _, sockaddr in infos[:1]:
+        try:
+            return socket.create_server(sockaddr, family=family, backlog=backlog)
+        except OSError as e:
+            if e.errno != errno.EADDRNOTAVAIL:
+                raise
+    log.info("%s is not an address of this host: listening on every interface (port %d)", address, port)
+    return socket.create_server(("", port), backlog=backlog)
 
 
 def interface_of(address: str) -> str | None:

@@ -2,11 +2,14 @@
 
 One client per store address per process (a TCPStore server must outlive ``shutdown()`` / ``init()``); a
 host name that does not resolve fails in seconds, naming it; :func:`connector` makes further connections
-(the Gloo plane's bell waits on its own).
+(the Gloo plane's bell waits on its own). Whoever hosts the store (``hora run``'s driver, rank 0 under other
+launchers) serves it on the job's address only (:func:`serve`); hora's own keys are read and written through
+:func:`job_store`, which authenticates every value (:mod:`hora.signedstore`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
 import threading
@@ -15,8 +18,11 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
+from hora import network
 from hora.env import WorkerEnv
 from hora.errors import ConfigError
+from hora.jobsecret import JobSecret
+from hora.signedstore import SignedStore
 
 _RESOLVE_TIMEOUT = 10.0  # seconds; a rendezvous host name that takes longer to resolve is treated as unresolvable
 _stores: dict[tuple[str, int], dist.Store] = {}  # a TCPStore server must outlive shutdown()/init()
@@ -30,14 +36,35 @@ def store(env: WorkerEnv, timeout: datetime.timedelta) -> dist.Store:
         _check_resolvable(env)
         server = env.store_is_server and env.rank == 0
         try:
-            _stores[key] = dist.TCPStore(env.store_addr, env.store_port, world_size=None, is_master=server,
-                                         timeout=timeout, wait_for_workers=False)
+            _stores[key] = (serve(env.store_addr, env.store_port, timeout) if server else
+                            dist.TCPStore(env.store_addr, env.store_port, world_size=None, is_master=False,
+                                          timeout=timeout, wait_for_workers=False))
         except Exception as e:  # c10d raises several types for the same failure
             raise ConfigError(
                 f"rank {env.rank}: cannot reach the rendezvous store at {env.store_addr}:{env.store_port} "
                 f"({e}); check that the address is reachable from this host and the port is open"
             ) from e
     return _stores[key]
+
+
+def job_store(env: WorkerEnv, timeout: datetime.timedelta, secret: JobSecret | None) -> SignedStore:
+    """The job's store as hora uses it: every value authenticated with ``secret`` (unprefixed)."""
+    return SignedStore(store(env, timeout), secret, env.job_id, f"{env.store_addr}:{env.store_port}")
+
+
+def serve(addr: str, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A TCPStore server listening on ``addr`` only (torch's own binds every interface of the host), on
+    ``port`` (0: any free port, read it from ``.port``). Where ``addr`` is not this host's, every interface."""
+    listener = network.listen_on(addr, port)
+    bound = listener.getsockname()[1]
+    fd = listener.detach()  # the store owns it from here and closes it when it is destroyed
+    try:
+        return dist.TCPStore(addr, bound, world_size=None, is_master=True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=fd)
+    except BaseException:
+        with contextlib.suppress(OSError):  # unless the store took it before it failed
+            socket.close(fd)
+        raise
 
 
 def _check_resolvable(env: WorkerEnv) -> None:

@@ -35,10 +35,11 @@ from hora.diagnostics import timeline, user_errors
 from hora.diagnostics.board import Board
 from hora.engine.context import EngineContext
 from hora.engine.negotiator import Negotiator
-from hora.env import Knobs, WorkerEnv, job_secret
+from hora.env import Knobs, WorkerEnv
 from hora.errors import ConfigError, NotInitializedError, WorldMemberLostError
 from hora.jobsecret import JobSecret
 from hora.process_sets import ProcessSet, ProcessSetTable, global_process_set
+from hora.signedstore import SignedStore
 from hora.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ class Runtime:
 
     env: WorkerEnv
     knobs: Knobs
-    store: dist.Store  # prefixed for this init generation
+    store: SignedStore  # hora's keys of this init generation (every value authenticated)
+    job_store: SignedStore  # the job's keys (the board, the elastic worlds), unprefixed
     topo: Topology
     backend: str
     owns_default_group: bool
@@ -102,11 +104,11 @@ def _init(process_sets: Sequence[ProcessSet] | str | None, join: bool) -> None:
             return
         env = WorkerEnv.from_environ()
         knobs = Knobs.from_environ()
-        secret = job_secret()  # a malformed one fails here, before anything is built
         logging.getLogger("hora").setLevel(knobs.log_level.upper())
+        secret = bootstrap.job_secret(env, knobs)  # a malformed one (or none, HORA_REQUIRE_SECRET=1) fails here
         alone, planned = False, None
         if env.elastic:  # the launcher's newest world decides rank and size; its number names the store prefix
-            store = rendezvous.store(env, datetime.timedelta(seconds=knobs.start_timeout))
+            store = rendezvous.job_store(env, datetime.timedelta(seconds=knobs.start_timeout), secret)
             running = world.newest(store, env.job_id) if _generation == 0 and not join else 0
             if running:  # a new worker of a running job: build alone, join at its first collective or run
                 log.info("hora elastic: worker %s starts while the job runs world %d: rank %d of %d in the world it "
@@ -126,7 +128,8 @@ def _init(process_sets: Sequence[ProcessSet] | str | None, join: bool) -> None:
             sets = []
         ProcessSetTable.check(sets, env.size)
         _generation = generation
-        rt = _build_elastic(env, knobs, sets) if env.elastic else _build(env, knobs, _generation, alone=alone)
+        rt = (_build_elastic(env, knobs, sets, secret) if env.elastic
+              else _build(env, knobs, _generation, secret, alone=alone))
         rt.joining = planned if alone else None
         env = rt.env
         try:  # a failed init leaves nothing behind: is_initialized() stays False and init() can be retried
@@ -142,20 +145,21 @@ def _init(process_sets: Sequence[ProcessSet] | str | None, join: bool) -> None:
             raise
         _state = rt
         user_errors.install(knobs.full_tracebacks, under_launcher=bool(env.job_id))
+        bootstrap.warn_unauthenticated(env, secret)
         log.info("hora initialised: rank %d of %d on %s (%s)", env.rank, env.size, env.hostname, rt.backend)
 
 
-def _build_elastic(env: WorkerEnv, knobs: Knobs, sets: list[Any]) -> Runtime:
+def _build_elastic(env: WorkerEnv, knobs: Knobs, sets: list[Any], secret: JobSecret | None) -> Runtime:
     """Build the launcher's world that ``env`` joined. A member of it that ends before the world's process
     groups stand (the launcher posts it on the world's board) makes the others post ready again and join the
     world after it, here, at once (not after --start-timeout)."""
     global _generation
     while True:
         try:
-            return _build(env, knobs, _generation)
+            return _build(env, knobs, _generation, secret)
         except WorldMemberLostError as e:
             log.warning("hora elastic: %s; joining the next world", e)
-        store = rendezvous.store(env, datetime.timedelta(seconds=knobs.start_timeout))
+        store = rendezvous.job_store(env, datetime.timedelta(seconds=knobs.start_timeout), secret)
         env, elastic_world = world.join(store, env, _generation, knobs.elastic_timeout)
         ProcessSetTable.check(sets, env.size)
         _generation = elastic_world.gen
@@ -163,7 +167,7 @@ def _build_elastic(env: WorkerEnv, knobs: Knobs, sets: list[Any]) -> Runtime:
 
 def _engine_context(rt: Runtime, secret: JobSecret | None) -> EngineContext:
     """What the negotiation engine gets from this runtime (it never sees the Runtime itself)."""
-    board = Board(getattr(rt.store, "underlying_store", None), rt.env.board_id, rt.topo.rank)
+    board = Board(rt.job_store, rt.env.board_id, rt.topo.rank)
     return EngineContext(rank=rt.topo.rank, size=rt.topo.size, hostnames=rt.topo.hostnames, knobs=rt.knobs,
                          store=rt.store, store_addr=rt.env.store_addr, board=board, process_sets=rt.process_sets,
                          device=rt.device, ctrl_group=rt.ctrl_group, connect_store=rt.connect_store,
@@ -180,19 +184,20 @@ def _discard(rt: Runtime) -> None:
         _teardown_groups(rt)
 
 
-def _build(env: WorkerEnv, knobs: Knobs, generation: int, alone: bool = False) -> Runtime:
+def _build(env: WorkerEnv, knobs: Knobs, generation: int, secret: JobSecret | None, alone: bool = False) -> Runtime:
     timeout = datetime.timedelta(seconds=knobs.start_timeout)
     device = bootstrap.bind_device(env)
     backend = "cpu:gloo,cuda:nccl" if device is not None else "gloo"
     owns = not dist.is_initialized()
     board: Board | None = None
     if owns:
-        raw = rendezvous.store(env, timeout)
+        job_store = rendezvous.job_store(env, timeout, secret)
+        raw = job_store.raw
         prefix = f"hora/{env.job_id}/g{generation}"
-        base = dist.PrefixStore(prefix, raw)
+        base = dist.PrefixStore(prefix, raw)  # torch's keys (its rendezvous, Gloo's and NCCL's): torch's own
         connect = rendezvous.connector(raw, prefix, timeout)
         hook = sys.excepthook
-        board = Board(raw, env.board_id, env.rank)
+        board = Board(job_store, env.board_id, env.rank)
         board.arrive(generation)
         if env.elastic:  # wait for the members here, where the launcher's word that one ended is heard
             late, ended = board.wait_arrivals(env.size, generation, knobs.start_timeout)
@@ -222,8 +227,8 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, alone: bool = False) -
                         local_size=env.local_size, hostname=env.hostname, host_key=env.host_key,
                         source=env.source, job_id=env.job_id)
         prefix = f"hora/g{generation}"
-        base = dist.PrefixStore(prefix, rendezvous.default_store())
-        connect = rendezvous.connector(rendezvous.default_store(), prefix, timeout)
+        job_store = SignedStore(rendezvous.default_store(), secret, env.job_id, f"{env.store_addr}:{env.store_port}")
+        connect = rendezvous.connector(job_store.raw, prefix, timeout)
         backend = dist.get_backend()
     try:
         ctrl = dist.new_group(backend="gloo", timeout=bootstrap.control_timeout(knobs))
@@ -242,9 +247,9 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, alone: bool = False) -
         if ended:  # a member died while the groups were built: its peers' connections to it failed
             raise bootstrap.member_lost(env, generation, ended) from e
         raise
-    return Runtime(env=env, knobs=knobs, store=base, topo=topo, backend=backend, owns_default_group=owns,
-                   ctrl_group=ctrl, device=device, process_sets=sets, connect_store=connect, alone=alone,
-                   world=prefix)
+    return Runtime(env=env, knobs=knobs, store=job_store.under(prefix), job_store=job_store, topo=topo,
+                   backend=backend, owns_default_group=owns, ctrl_group=ctrl, device=device, process_sets=sets,
+                   connect_store=connect, alone=alone, world=prefix)
 
 
 def shutdown() -> None:

@@ -14,11 +14,11 @@ and the local and cross ranks show the place the launcher planned for it in the 
 (:func:`planned`, from its start values, as Horovod starts a new worker). It posts ready only at its first
 collective or ``hvd.elastic.run`` call (:mod:`hora.newcomer`). The driver announces it once it is ready, so
 the others train on while it imports and builds, and wait for it only for the state sync itself. Host
-changes reach workers through the ``updates`` counter and the ``update/<n>`` records (:func:`host_updates`).
-Key names and the World record are shared with the driver
-(:mod:`hora.launch.elastic_protocol`, the standard library only).
+changes reach workers through the ``update/<n>`` records (:func:`host_updates`). Key names and the World
+record are shared with the driver (:mod:`hora.launch.elastic_protocol`, the standard library only).
 
-Only the runtime (``init()``) and :mod:`hora.elastic` use this module.
+Only the runtime (``init()``) and :mod:`hora.elastic` use this module. Its store is the job's
+:class:`~hora.signedstore.SignedStore`: every record is checked before it is parsed.
 
 Example:
     >>> joined() is None  # outside an elastic job
@@ -30,11 +30,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
 
 from hora.env import WorkerEnv
 from hora.errors import ElasticTimeoutError
 from hora.launch import elastic_protocol as proto
+from hora.signedstore import SignedStore
 from hora.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ _joined: proto.World | None = None  # the last world this process joined
 _before: proto.World | None = None  # the world it was in before that one
 
 
-def join(store: Any, env: WorkerEnv, last_gen: int, timeout_s: float) -> tuple[WorkerEnv, proto.World]:
+def join(store: SignedStore, env: WorkerEnv, last_gen: int, timeout_s: float) -> tuple[WorkerEnv, proto.World]:
     """Post ready and wait for the driver's next world that holds this worker.
 
     Args:
@@ -93,7 +93,7 @@ def join(store: Any, env: WorkerEnv, last_gen: int, timeout_s: float) -> tuple[W
         time.sleep(_POLL_S)
 
 
-def newest(store: Any, job: str) -> int:
+def newest(store: SignedStore, job: str) -> int:
     """The number of the newest world the driver published (0: none yet, the job is starting)."""
     key = proto.elastic_key(job, proto.GEN)
     if not store.check([key]):
@@ -150,25 +150,26 @@ def grew() -> bool:
     return _before is not None and _joined is not None and any(w not in _before.workers for w in _joined.workers)
 
 
-def updates_count(store: Any, job_id: str) -> int:
-    """How many host changes the driver has announced so far (one store round trip)."""
-    return int(store.add(proto.elastic_key(job_id, proto.UPDATES), 0))
+def discoveries(store: SignedStore, job_id: str, seen: int | None) -> tuple[int, list[proto.Update]]:
+    """The changes of hosts the driver found after the first ``seen`` (None: none, only how many there are):
+    (how many in all, the new ones), read in order until one is missing (no counter: a stranger could change
+    one)."""
+    changes = []
+    n = seen or 0
+    while store.check([proto.elastic_key(job_id, proto.DISCOVERY, n=n + 1)]):
+        n += 1
+        if seen is not None:
+            changes.append(proto.Update.from_json(store.get(proto.elastic_key(job_id, proto.DISCOVERY, n=n))))
+    return n, changes
 
 
-def discoveries(store: Any, job_id: str, seen: int | None) -> tuple[int, list[proto.Update]]:
-    """The changes of hosts the driver found after the first ``seen`` (None: none, only the count):
-    (how many in all, the new ones)."""
-    count = int(store.add(proto.elastic_key(job_id, proto.DISCOVERED), 0))
-    if seen is None or count <= seen:
-        return count, []
-    return count, [proto.Update.from_json(store.get(proto.elastic_key(job_id, proto.DISCOVERY, n=n)))
-                   for n in range(seen + 1, count + 1)]
-
-
-def host_updates(store: Any, job_id: str, seen: int) -> tuple[int, bool]:
+def host_updates(store: SignedStore, job_id: str, seen: int) -> tuple[int, bool]:
     """The driver's host changes after the first ``seen``: (how many in all, True when all of the new ones
-    only removed hosts)."""
-    count = updates_count(store, job_id)
-    updates = [proto.Update.from_json(store.get(proto.elastic_key(job_id, proto.UPDATE, n=n)))
-               for n in range(seen + 1, count + 1)]
-    return count, proto.skip_sync(updates)
+    only removed hosts). One store round trip while nothing changed: the records ``update/<n>`` are numbered
+    from 1 and read in order until one is missing (no counter: a stranger could change one)."""
+    updates = []
+    n = seen
+    while store.check([proto.elastic_key(job_id, proto.UPDATE, n=n + 1)]):
+        n += 1
+        updates.append(proto.Update.from_json(store.get(proto.elastic_key(job_id, proto.UPDATE, n=n))))
+    return n, proto.skip_sync(updates)

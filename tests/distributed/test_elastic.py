@@ -25,8 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import hora as hvd
+from hora import env as hora_env
 from hora import runtime
 from hora.elastic import notifications
+from hora.signedstore import SignedStore
 from tests.distributed.harness import run_ranks
 
 SAMPLES = 24
@@ -119,8 +121,8 @@ class _Driver:
     """The launcher's side of the contract, played by process 0."""
 
     def __init__(self) -> None:
-        self.store = dist.TCPStore("127.0.0.1", int(os.environ["HORA_STORE_PORT"]), is_master=False,
-                                   wait_for_workers=False)
+        raw = dist.TCPStore("127.0.0.1", int(os.environ["HORA_STORE_PORT"]), is_master=False, wait_for_workers=False)
+        self.store = SignedStore(raw, hora_env.job_secret(), os.environ["HORA_JOB_ID"], "127.0.0.1")
         self.base = f"hora/{os.environ['HORA_JOB_ID']}/elastic/"
         self.updates = 0
 
@@ -141,7 +143,7 @@ class _Driver:
 
     def host_update(self, added: list[str], removed: list[str]) -> None:
         self.store.set(f"{self.base}update/{self.updates + 1}", json.dumps({"added": added, "removed": removed}))
-        self.updates = int(self.store.add(f"{self.base}updates", 1))
+        self.updates += 1
 
     def wait_key(self, key: str, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -210,7 +212,7 @@ def _signal_and_wait(at_step: int) -> Callable[[Any], None]:
     comes at the next commit."""
     def hook(state: Any) -> None:
         if state.steps == at_step and hvd.rank() == 0 and runtime.world_generation() == 1:
-            store = runtime.state().store.underlying_store
+            store = runtime.state().job_store
             store.set(_key("at"), "1")
             while not store.check([_key("go")]):
                 time.sleep(0.01)
@@ -338,7 +340,7 @@ def _paced(rank: int, size: int) -> Any:
     try:
         for i in range(3000):
             if i == 15 and hvd.rank() == 0:
-                runtime.state().store.underlying_store.set(_key("at"), "1")
+                runtime.state().job_store.set(_key("at"), "1")
             if i % 10 == 0:
                 hvd.allreduce(torch.ones(1), name=f"sync.{i}")
             time.sleep(rng.random() * 0.002 * rank)

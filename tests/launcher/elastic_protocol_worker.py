@@ -4,7 +4,7 @@ Usage: elastic_protocol_worker.py OUTDIR
 
 Each step (0.05 s) it appends a JSON line {wid, pid, gen, rank, size, step, env rank} to OUTDIR/steps.jsonl.
 It resets (posts ready, waits for a newer world) when the board of its world says a rank ended (as a failed
-collective would) or when the ``updates`` counter passed the world's. It leaves (exit 0) when a world after
+collective would) or when the driver posted a host update after the world's. It leaves (exit 0) when a world after
 its own does not hold it, and returns (exit 0) once OUTDIR/stop exists. OUTDIR/raise.<wid> makes it raise,
 OUTDIR/kill.<wid> makes it SIGKILL itself (each file is consumed).
 """
@@ -21,14 +21,17 @@ from pathlib import Path
 
 from torch.distributed import TCPStore
 
+from hora import env as hora_env
 from hora.launch import elastic_protocol as ep
 from hora.launch import protocol
+from hora.signedstore import SignedStore
 
 out = Path(sys.argv[1])
 wid = os.environ[ep.WORKER_ID_ENV]
 job = os.environ["HORA_JOB_ID"]
-store = TCPStore(os.environ["HORA_STORE_ADDR"], int(os.environ["HORA_STORE_PORT"]), is_master=False,
-                 timeout=datetime.timedelta(seconds=30))
+addr, port = os.environ["HORA_STORE_ADDR"], int(os.environ["HORA_STORE_PORT"])
+store = SignedStore(TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=30)),
+                    hora_env.job_secret(), job, f"{addr}:{port}")
 
 
 def key(name: str, **fields: object) -> str:
@@ -83,7 +86,7 @@ while True:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(0.05)
     ended = int(store.add(protocol.board_key(board, protocol.ENDS), 0))
-    updates = int(store.add(key(ep.UPDATES), 0))
-    if ended or updates > world.updates:
+    updated = store.check([key(ep.UPDATE, n=world.updates + 1)])
+    if ended or updated:
         record(event="reset", gen=world.gen, rank=rank, why="ended" if ended else "updates")
         world = join(world.gen)

@@ -10,17 +10,25 @@ import torch.distributed as dist
 from hora import world
 from hora.elastic import ElasticSampler
 from hora.env import WorkerEnv
-from hora.errors import ElasticTimeoutError
+from hora.errors import ElasticTimeoutError, StoreAuthError
+from hora.jobsecret import JobSecret
+from hora.signedstore import SignedStore
 
 JOB = "j1"
 BASE = f"hora/{JOB}/elastic/"
+SECRET = JobSecret.generate()
+
+
+def _store() -> SignedStore:
+    """The job's store as the driver and the workers share it (every value authenticated)."""
+    return SignedStore(dist.HashStore(), SECRET, JOB, "127.0.0.1:29500")
 
 
 def _env(worker: str = "b:0") -> WorkerEnv:
     return WorkerEnv(rank=0, size=1, source="hora", job_id=JOB, elastic=True, worker_id=worker, hostname="b")
 
 
-def _publish(store: dist.Store, gen: int, workers: list[str], updates: int = 0) -> None:
+def _publish(store: SignedStore, gen: int, workers: list[str], updates: int = 0) -> None:
     members = {w: {"rank": r, "local_rank": 0, "local_size": 1, "cross_rank": r, "cross_size": len(workers),
                    "hostname": w.split(":")[0]} for r, w in enumerate(workers)}
     store.set(f"{BASE}world/{gen}", json.dumps({"gen": gen, "size": len(workers), "workers": members,
@@ -29,7 +37,7 @@ def _publish(store: dist.Store, gen: int, workers: list[str], updates: int = 0) 
 
 
 def test_join_takes_rank_and_size_from_the_newest_world_and_posts_ready() -> None:
-    store = dist.HashStore()
+    store = _store()
     _publish(store, 1, ["a:0", "b:0"])
     env, joined = world.join(store, _env(), 0, timeout_s=5)
     assert (env.rank, env.size, env.cross_rank, env.cross_size, joined.gen, env.world_gen) == (1, 2, 1, 2, 1, 1)
@@ -38,14 +46,14 @@ def test_join_takes_rank_and_size_from_the_newest_world_and_posts_ready() -> Non
 
 
 def test_a_new_worker_waits_for_a_world_that_holds_it() -> None:
-    store = dist.HashStore()
+    store = _store()
     _publish(store, 3, ["a:0"])  # the job is at world 3 when this worker starts: not a removal
     with pytest.raises(ElasticTimeoutError, match="--elastic-timeout"):
         world.join(store, _env(), 0, timeout_s=0.1)
 
 
 def test_a_worker_left_out_of_the_next_world_exits_0() -> None:
-    store = dist.HashStore()
+    store = _store()
     _publish(store, 2, ["a:0"])
     with pytest.raises(SystemExit) as info:
         world.join(store, _env(), 1, timeout_s=5)
@@ -53,7 +61,7 @@ def test_a_worker_left_out_of_the_next_world_exits_0() -> None:
 
 
 def test_a_worker_that_starts_while_the_job_runs_is_alone() -> None:
-    store = dist.HashStore()
+    store = _store()
     assert world.newest(store, JOB) == 0  # the job is starting: its workers join in init()
     _publish(store, 2, ["a:0"])
     assert world.newest(store, JOB) == 2
@@ -68,16 +76,27 @@ def test_a_worker_that_starts_while_the_job_runs_is_alone() -> None:
 
 
 def test_host_updates_say_whether_only_removals_happened() -> None:
-    store = dist.HashStore()
+    store = _store()
     assert world.host_updates(store, JOB, 0) == (0, True)
     for n, (added, removed) in enumerate([([], ["c"]), (["d"], [])], start=1):
         store.set(f"{BASE}update/{n}", json.dumps({"added": added, "removed": removed}))
-        store.add(f"{BASE}updates", 1)
     assert world.host_updates(store, JOB, 0) == (2, False)
     assert world.host_updates(store, JOB, 1) == (2, False)
     store.set(f"{BASE}update/3", json.dumps({"added": [], "removed": ["d"]}))
-    store.add(f"{BASE}updates", 1)
     assert world.host_updates(store, JOB, 2) == (3, True)
+
+
+def test_records_a_stranger_wrote_are_refused_naming_their_key() -> None:
+    store = _store()
+    _publish(store, 1, ["a:0", "b:0"])
+    store.raw.set(f"{BASE}world/1", store.seal("ignored", json.dumps({"gen": 1, "size": 1, "workers": {}})))
+    with pytest.raises(StoreAuthError, match=f"store key '{BASE}world/1'"):  # a MAC made for another key
+        world.join(store, _env(), 0, timeout_s=5)
+    store.raw.add(f"{BASE}updates", 5)  # a counter a stranger bumps announces nothing
+    assert world.host_updates(store, JOB, 0) == (0, True)
+    store.raw.set(f"{BASE}update/1", json.dumps({"added": ["evil"], "removed": []}))
+    with pytest.raises(StoreAuthError, match=f"store key '{BASE}update/1'"):
+        world.host_updates(store, JOB, 0)
 
 
 def test_sampler_state_dict_is_horovod_028s_two_counts_and_loads_hora_s_older_form() -> None:

@@ -8,7 +8,9 @@ waits for has already exited, and names the culprit of a failure so the launcher
 and not the one that waited.
 
 Only under ``hora run`` (other launchers have no driver reading the board): elsewhere every call does
-nothing. Store errors are swallowed: the board only adds information, it never decides a job's fate.
+nothing. Store errors are swallowed: the board only adds information, it never decides a job's fate. The store
+is the job's :class:`~hora.signedstore.SignedStore`: a post that fails its MAC check is ignored (one warning
+per key); only the arrivals, checked once every rank has arrived, fail ``init()`` naming the forged key.
 
 Example:
     >>> Board(None, "", 0).ended([1, 2])
@@ -23,15 +25,18 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from hora import signedstore
+from hora.errors import StoreAuthError
 from hora.launch import protocol
+from hora.signedstore import SignedStore
 
 log = logging.getLogger(__name__)
 
 
 class Board:
-    """Board access for one rank; ``store`` is the job's raw (unprefixed) store, None to disable."""
+    """Board access for one rank; ``store`` is the job's (unprefixed) store, None to disable."""
 
-    def __init__(self, store: Any, job_id: str, rank: int) -> None:
+    def __init__(self, store: SignedStore | None, job_id: str, rank: int) -> None:
         self._store = store if job_id else None
         self._job = job_id
         self.rank = rank
@@ -81,10 +86,13 @@ class Board:
                 if ends == 0 or self._alive_at.get(rank) == ends:
                     continue
                 key = self._key(protocol.ENDED, rank=rank)
-                if self._store.check([key]):
-                    found[rank] = self._store.get(key).decode()
-                else:
+                if not self._store.check([key]):
                     self._alive_at[rank] = ends
+                    continue
+                try:
+                    found[rank] = self._store.get(key).decode()
+                except StoreAuthError as e:  # a stranger's post: that rank is not known to have ended
+                    signedstore.ignored(e)
         except Exception as e:
             log.debug("board: cannot read ended ranks: %s", e)
         return found
@@ -118,6 +126,9 @@ class Board:
             ``(late ranks, ended ranks with how)``: ``([], {})`` once every rank arrived (or when the board is
             off); as soon as the launcher saw one of them end, the ended ones; after ``timeout_s``, the late
             ranks alone.
+
+        Raises:
+            StoreAuthError: an arrival was not posted by a process holding the job's secret.
         """
         if self._store is None:
             return [], {}
@@ -131,6 +142,9 @@ class Board:
                 if time.monotonic() > deadline:
                     return self.not_arrived(size, generation), {}
                 time.sleep(poll_s)
+            self._store.multi_get(keys)  # every arrival was posted by a rank of this job (one more round trip)
+        except StoreAuthError:
+            raise
         except Exception as e:  # the store went away with the launcher: the backend's rendezvous will say so
             log.debug("board: cannot read arrivals: %s", e)
         return [], {}

@@ -1,14 +1,16 @@
 """How host changes reach an elastic worker: rank 0's watcher thread, and Horovod's notification manager.
 
 Two kinds of news come from the launcher's store (:mod:`hora.launch.elastic_protocol`), both read by one thread
-on rank 0 of each world, every ``_POLL_S``, so nothing is read or sent on the step path:
+on rank 0 of each world, every ``_POLL_S``, so nothing is read or sent on the step path. Both are numbered
+records read in order until one is missing, each checked against the job's secret before it is parsed
+(:class:`~hora.signedstore.SignedStore`; one a stranger wrote is ignored, with one warning):
 
-* host updates (``updates``): the changes a world must reset for (hosts removed; new workers ready to join).
+* host updates (``update/<n>``): the changes a world must reset for (hosts removed; new workers ready to join).
   The thread announces a new count through the negotiator (``Negotiator.announce``); every
   ``check_host_updates()`` is a negotiator checkpoint (a lock and a counter), and the engine hands the
   announcement out at the same checkpoint on every rank, agreed in two negotiation rounds
   (:mod:`hora.engine.notices` has the proof), so every rank raises ``HostsUpdatedInterrupt`` at the same check.
-* host discoveries (``discovered``): every change of the hosts the launcher found, as soon as it found it. The
+* host discoveries (``discovered/<n>``): every change of the hosts the launcher found, as soon as it found it. The
   thread tells the states that ``hvd.elastic.run`` runs (Horovod's ``notification_manager``), whose
   ``on_hosts_updated(timestamp, HostUpdateResult)`` queues it in ``state._host_messages``, as Horovod's
   driver notifies rank 0. (hora's interrupt for an added host comes later, once its workers are ready.)
@@ -27,12 +29,13 @@ import time
 import weakref
 from typing import Any, Protocol
 
-from hora import runtime, world
-from hora.errors import NotInitializedError
+from hora import runtime, signedstore, world
+from hora.errors import NotInitializedError, StoreAuthError
+from hora.signedstore import SignedStore
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.1  # how often rank 0 reads the launcher's counters (two small store reads)
+_POLL_S = 0.1  # how often rank 0 looks for the launcher's next records (two small store reads)
 
 
 class HostUpdateResult(enum.IntFlag):
@@ -103,14 +106,14 @@ class _UpdateWatch:
             if self._watched is not None and self._watched() is rt:
                 return
             self._watched = weakref.ref(rt)
-        raw = rt.store.underlying_store  # type: ignore[attr-defined]
+        store = rt.job_store
         joined = world.joined()  # the count the world already reflects is no news
-        seen = joined.updates if joined is not None else world.updates_count(raw, rt.env.job_id)
-        found = world.discoveries(raw, rt.env.job_id, None)[0]  # what was found before this world is old news
-        threading.Thread(target=self._watch, args=(rt, raw, seen, found), name="hora-elastic-updates",
+        seen = joined.updates if joined is not None else world.host_updates(store, rt.env.job_id, 0)[0]
+        found = world.discoveries(store, rt.env.job_id, None)[0]  # what was found before this world is old news
+        threading.Thread(target=self._watch, args=(rt, store, seen, found), name="hora-elastic-updates",
                          daemon=True).start()
 
-    def _watch(self, rt: runtime.Runtime, raw: Any, seen: int, found: int) -> None:
+    def _watch(self, rt: runtime.Runtime, store: SignedStore, seen: int, found: int) -> None:
         """Rank 0's thread: announce each new count of host updates, pass each discovery on, until this world
         ends."""
         while True:
@@ -118,8 +121,11 @@ class _UpdateWatch:
             if not _current(rt):
                 return
             try:
-                found, changes = world.discoveries(raw, rt.env.job_id, found)
-                now, removed_only = world.host_updates(raw, rt.env.job_id, seen)
+                found, changes = world.discoveries(store, rt.env.job_id, found)
+                now, removed_only = world.host_updates(store, rt.env.job_id, seen)
+            except StoreAuthError as e:  # a forged record: the job goes on as if it were not there
+                signedstore.ignored(e)
+                continue
             except Exception as e:  # the launcher and its store are gone: the job is ending anyway
                 log.debug("hora elastic: stopped watching host updates: %s", e)
                 return

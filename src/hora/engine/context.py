@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hora.diagnostics.board import Board
 from hora.env import Knobs
 from hora.jobsecret import JobSecret
+from hora.signedstore import SignedStore
 
 if TYPE_CHECKING:  # a process set only needs its ranks and group here; its module is a layer above
     from hora.process_sets import ProcessSet
@@ -29,7 +30,7 @@ class EngineContext:
     size: int
     hostnames: Sequence[str]  # by rank: for messages that name a peer's host
     knobs: Knobs
-    store: dist.Store  # the rendezvous store, prefixed for this init generation
+    store: SignedStore  # hora's keys of this init generation in the rendezvous store (values authenticated)
     store_addr: str  # the rendezvous host: peers reach this rank at its address on the route to it
     board: Board  # shared with ``hora run``'s driver (does nothing under other launchers)
     process_sets: Mapping[int, ProcessSet]  # the runtime's live registry (dynamic sets come and go)

@@ -30,7 +30,7 @@ from hora.engine.pending import Pending
 from hora.engine.plan import JOIN, SHUTDOWN, UNNAMED, Decision, Request, Table
 from hora.engine.response_cache import ResponseCache
 from hora.engine.wire import FrameError
-from hora.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
+from hora.errors import CollectiveError, CollectiveTimeoutError, PeerLostError, StoreAuthError
 from hora.names import JOIN_NAME, SHUTDOWN_NAME
 
 log = logging.getLogger(__name__)
@@ -209,6 +209,8 @@ class Rounds:
                     f"rank {self.rank}: rank {peer} on host {self.ctx.hostname(peer)} is gone (its process "
                     "exited or its link broke), so collectives cannot continue: see that rank's log for the root "
                     "cause", peer)
+        except StoreAuthError as e:  # a stranger wrote the key: who was lost is not known
+            return CollectiveError(f"rank {self.rank}: negotiation with peers failed: {error}; {e}")
         except Exception:  # the store may be gone with the launcher
             pass
         return CollectiveError(f"rank {self.rank}: negotiation with peers failed: {error}. A peer process probably "

@@ -1,7 +1,9 @@
 """The per-host agent: spawns this host's workers, streams their output, reports their exits.
 
 Started by the driver (locally, or over ssh) as ``python -m hora.launch.agent`` or through
-:data:`hora.launch.transport.BOOTSTRAP`; it reads the job spec as one JSON line on stdin, then commands.
+:data:`hora.launch.transport.BOOTSTRAP`; it reads the job spec as one JSON line on stdin, then commands. The
+spec carries the job's secret, which the agent puts in each worker's environment (``HORA_SECRET``) and nowhere
+else: not in its own environment, not on a command line.
 If stdin closes or goes silent past the heartbeat timeout (the driver or the link is gone), it kills its
 workers' process groups and every process below it: no worker outlives its launcher. It is the subreaper
 of its descendants, so a process a worker started in a new session (setsid, a daemon that double-forks) is
@@ -30,6 +32,7 @@ from typing import Any, BinaryIO
 
 from hora import env as hora_env
 from hora import network
+from hora.jobsecret import ENV_SECRET
 from hora.launch import procs, protocol
 from hora.launch.oom import OomWatch
 
@@ -97,12 +100,15 @@ class Agent:
 
     def start_workers(self) -> None:
         base = self.base_env()
+        secret = self.spec.get("secret")  # the job's: in each worker's own environment, never on a command line
         command = list(self.spec["command"])
         pids: dict[str, int] = {}
         for item in self.spec["workers"]:
             rank = int(item["rank"])
             env = dict(base)
             env.update(item["env"])
+            if secret:
+                env[ENV_SECRET] = str(secret)
             try:
                 proc = subprocess.Popen(
                     command, env=env, cwd=self._cwd(), stdin=subprocess.DEVNULL,

@@ -34,6 +34,7 @@ SUBCOMMANDS: dict[str, str] = {
     "run": "hora.launch.cli:run_main",
     "check": "hora.diagnostics.check:main",
     "bench": "hora.bench.cli:main",
+    "secret": "hora.jobsecret:main",
 }
 USAGE_EXIT = 2
 # name -> what `hora --help` says about it (a subcommand without an entry is listed without one)
@@ -41,6 +42,7 @@ DESCRIPTIONS: dict[str, str] = {
     "run": "run a training script on N processes, on this machine or several (horovodrun's flags)",
     "check": "show what this machine (or every host of -H/--hostfile) supports and whether versions agree",
     "bench": "measure the hosts: allreduce bandwidth, a model's throughput and scaling (under hora run)",
+    "secret": "write a new job secret file for torchrun, srun, mpirun or Kubernetes (hora run makes its own)",
 }
 
 

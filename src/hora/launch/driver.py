@@ -1,6 +1,7 @@
 """The driver: runs one ``hora run`` job from preflight to exit code.
 
-It hosts the rendezvous ``TCPStore`` (it outlives every worker), starts one agent per host through a
+It makes the job's secret, hosts the rendezvous ``TCPStore`` (it outlives every worker; every value hora
+puts there is authenticated with the secret, :mod:`hora.signedstore`), starts one agent per host through a
 :class:`~hora.launch.transport.Transport`, prints the workers' output, and on the first failure prints the
 root cause (rank, host, exit code or signal, the rank's traceback or last stderr lines), stops everyone
 (SIGTERM, grace, SIGKILL) and returns that rank's exit status. Ctrl-C stops everything (a second one
@@ -26,6 +27,7 @@ from typing import Any
 from hora import env as hora_env
 from hora import network
 from hora.errors import SetupError
+from hora.jobsecret import JobSecret
 from hora.launch import envvars, output, preflight, procs, protocol, store, timeline_hook
 from hora.launch.agent_handle import (
     PING_INTERVAL,
@@ -42,6 +44,7 @@ from hora.launch.hosts import SlotInfo, assign_slots
 from hora.launch.output_lock import OutputLock, lock_paths
 from hora.launch.stalls import StallWatch
 from hora.launch.transport import SSH_FAILED, Transport, agent_argv
+from hora.signedstore import SignedStore
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +57,8 @@ class Driver:
     Args:
         cfg: the checked job.
         transport_for: ``(host, is_local) -> Transport``; tests pass their own.
-        store_ready: called with the store before any worker starts (``hora.run`` puts the function there).
+        store_ready: called with the job's store (a :class:`~hora.signedstore.SignedStore`) before any worker
+            starts (``hora.run`` puts the function there).
     """
 
     def __init__(self, cfg: RunConfig, *, transport_for: Callable[[str, bool], Transport] | None = None,
@@ -62,8 +66,9 @@ class Driver:
         self.cfg = cfg
         self.transport_for = transport_for or default_transport(cfg)
         self.store_ready = store_ready
-        self.store: Any = None
+        self.store: Any = None  # the job's SignedStore once it listens
         self.job_id = uuid.uuid4().hex[:12]
+        self.secret = JobSecret.generate()  # to the agents on stdin, to the ranks in their own environment only
         self.events: queue.SimpleQueue[tuple[str, int, Any]] = queue.SimpleQueue()
         self.ranks: dict[int, RankState] = {}
         self.agents: list[AgentHandle] = []
@@ -80,12 +85,14 @@ class Driver:
     def _start_store(self, used: set[str]) -> tuple[str, int]:
         remote = [h.name for h in self.cfg.hosts if not h.is_local and h.name in used]
         addr = network.store_address(remote, self.cfg.network_interfaces)
-        self.store = store.listen(addr, max(self.cfg.start_timeout, 60))
+        raw = store.listen(addr, max(self.cfg.start_timeout, 60))  # on addr only
+        port = int(raw.port)
+        self.store = SignedStore(raw, self.secret, self.job_id, f"{addr}:{port}")
         self.stalls = StallWatch(self.store, self.job_id, {r: s.slot.hostname for r, s in self.ranks.items()})
         if self.store_ready is not None:
             self.store_ready(self.store)
-        log.info("rendezvous store on %s:%d (job %s)", addr, self.store.port, self.job_id)
-        return addr, int(self.store.port)
+        log.info("rendezvous store on %s:%d (job %s)", addr, port, self.job_id)
+        return addr, port
 
     def _spec(self, host_index: int, slots: list[SlotInfo], addr: str, port: int) -> dict[str, Any]:
         base = envvars.forwarded(self._environ(), self.cfg.env)
@@ -96,6 +103,7 @@ class Driver:
                                                             job_id=self.job_id)} for s in slots]
         return {"t": "spec", "command": list(self.cfg.command), "cwd": self.cfg.cwd, "env": base,
                 "unset": list(envvars.RANK_VARIABLES), "workers": workers, "store_addr": addr,
+                "secret": self.secret.hex(),
                 "heartbeat_timeout": self.cfg.heartbeat_timeout, "host": self.cfg.hosts[host_index].name,
                 # a live bar on a terminal is redrawn 4 times a second; plain lines come at most once a second
                 "progress_interval": PROGRESS_LIVE if self.console.live else PROGRESS_PLAIN}

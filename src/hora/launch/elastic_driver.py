@@ -257,8 +257,8 @@ class ElasticDriver(ElasticWorlds):
             base.setdefault("NCCL_SOCKET_IFNAME", ",".join(self.cfg.network_interfaces))
         return {"t": "spec", "command": list(self.cfg.command), "cwd": self.cfg.cwd, "env": base,
                 "unset": [*envvars.RANK_VARIABLES, ep.ELASTIC_ENV, ep.WORKER_ID_ENV], "workers": workers,
-                "store_addr": self.addr, "heartbeat_timeout": self.cfg.heartbeat_timeout, "host": host,
-                "progress_interval": 0.25 if self.console.live else 1.0}
+                "store_addr": self.addr, "secret": self.secret.hex(), "heartbeat_timeout": self.cfg.heartbeat_timeout,
+                "host": host, "progress_interval": 0.25 if self.console.live else 1.0}
 
     # --- agents and workers ----------------------------------------------------------------------------
     def _on_message(self, agent: AgentHandle, message: dict[str, Any]) -> None:

@@ -13,14 +13,18 @@ below live in the driver's rendezvous store under ``hora/<job>/elastic/`` (:func
     reset, before it waits for a newer ``gen``. A worker that was in world ``L`` and is absent from the first
     world after ``L`` it reads was removed: it logs one line and exits 0. A new worker (``"0"``) waits until a
     world contains it (the driver stops it if none ever will).
-``updates`` / ``update/<n>``
-    a host change: the driver stores ``update/<n>`` (an :class:`Update` as JSON), then ``add``\\ s 1 to the
-    ``updates`` counter (so ``n`` counts from 1). A worker compares the counter with what it saw at its last
-    ``commit()``/``check_host_updates()`` and raises ``HostsUpdatedInterrupt(skip_sync=<only removals>)``.
-``discovered`` / ``discovered/<n>``
+``update/<n>``
+    a host change: the driver stores ``update/<n>`` (an :class:`Update` as JSON; ``n`` counts from 1). Rank 0
+    looks for the record after the last one it saw (no counter: the store's counters carry no MAC) and its
+    next ``commit()``/``check_host_updates()`` raises ``HostsUpdatedInterrupt(skip_sync=<only removals>)`` on
+    every rank.
+``discovered/<n>``
     a change of the hosts the discovery script prints, as soon as the driver saw it, in the same form (an
-    :class:`Update`, then the counter): rank 0 passes it to Horovod's ``state.on_hosts_updated``
-    (``state._host_messages``). The interrupt still waits for ``updates``.
+    :class:`Update`, ``n`` from 1, read in order the same way): rank 0 passes it to Horovod's
+    ``state.on_hosts_updated`` (``state._host_messages``). The interrupt still waits for ``update/<n>``.
+
+Every value is written and read through :class:`hora.signedstore.SignedStore`: a record that fails its MAC
+check is never parsed.
 
 Ranks of a new world (:func:`assign_world`): the workers of the previous world first, in their old rank
 order (so rank 0 always holds state to sync from), then the new ones. The process groups of world ``N`` use
@@ -58,9 +62,7 @@ WORKER_ID_ENV = "HORA_WORKER_ID"  # "<host>:<slot>", stable for the process's li
 GEN = "gen"
 WORLD = "world/{gen}"
 READY = "ready/{worker_id}"
-UPDATES = "updates"
 UPDATE = "update/{n}"
-DISCOVERED = "discovered"
 DISCOVERY = "discovered/{n}"
 
 

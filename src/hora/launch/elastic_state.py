@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hora.jobsecret import JobSecret
 from hora.launch import elastic_protocol as ep
 from hora.launch import output, procs, protocol
 from hora.launch.agent_handle import AgentHandle, default_transport, force_kill, stop_agents
@@ -78,7 +79,8 @@ class ElasticState:
     Args:
         cfg: the checked job (``cfg.elastic`` set).
         transport_for: ``(host, is_local) -> Transport``; tests pass their own.
-        store_ready: called with the rendezvous store before any worker starts.
+        store_ready: called with the job's store (a :class:`~hora.signedstore.SignedStore`) before any worker
+            starts.
     """
 
     def __init__(self, cfg: RunConfig, *, transport_for: Callable[[str, bool], Transport] | None = None,
@@ -89,7 +91,8 @@ class ElasticState:
         self.ecfg: ElasticConfig = cfg.elastic
         self.transport_for = transport_for or default_transport(cfg)
         self.job_id = ""
-        self.store: Any = None
+        self.secret = JobSecret.generate()  # to the agents on stdin, to the workers in their own environment only
+        self.store: Any = None  # the job's SignedStore once it listens
         self.addr, self.port = "", 0
         self.events: queue.SimpleQueue[tuple[str, int, Any]] = queue.SimpleQueue()
         self.hostman = HostManager(self.ecfg.cooldown)

@@ -7,11 +7,13 @@ import logging
 import time
 
 from hora import network
+from hora.errors import StoreAuthError
 from hora.launch import elastic_protocol as ep
 from hora.launch import store
 from hora.launch.elastic_state import LIMIT_EXIT, ElasticState, Worker, note
 from hora.launch.hosts import HostSpec
 from hora.launch.stalls import StallWatch
+from hora.signedstore import SignedStore
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +28,9 @@ class ElasticWorlds(ElasticState):
     def _start_store(self, hosts: list[HostSpec]) -> None:
         remote = [h.name for h in hosts if not h.is_local]
         self.addr = network.store_address(remote, self.cfg.network_interfaces)
-        self.store = store.listen(self.addr, max(self.cfg.start_timeout, 60))
-        self.port = int(self.store.port)
+        raw = store.listen(self.addr, max(self.cfg.start_timeout, 60))  # on the job's address only
+        self.port = int(raw.port)
+        self.store = SignedStore(raw, self.secret, self.job_id, f"{self.addr}:{self.port}")
         if self.store_ready is not None:
             self.store_ready(self.store)
         log.info("rendezvous store on %s:%d (job %s)", self.addr, self.port, self.job_id)
@@ -43,6 +46,9 @@ class ElasticWorlds(ElasticState):
             try:
                 if self.store.check([key]):
                     w.ready = int(self.store.get(key).decode())
+            except StoreAuthError as exc:  # a stranger wrote it: which world the worker waits for is unknown
+                self._fail(str(exc))
+                return
             except Exception as exc:  # our own store: fails only while shutting down
                 log.debug("cannot read %s: %s", key, exc)
 
@@ -50,12 +56,11 @@ class ElasticWorlds(ElasticState):
         """Tell rank 0 at once what discovery found (Horovod's ``state._host_messages``)."""
         self._discovered += 1
         self.store.set(self._key(ep.DISCOVERY, n=self._discovered), change.to_json())
-        self.store.add(self._key(ep.DISCOVERED), 1)
 
     def _post_update(self, update: ep.Update) -> None:
         n = self.updates + 1
         self.store.set(self._key(ep.UPDATE, n=n), update.to_json())
-        self.updates = int(self.store.add(self._key(ep.UPDATES), 1))
+        self.updates = n
         log.info("update %d: %s", n, update)
 
     # --- slots -----------------------------------------------------------------------------------------

@@ -4,13 +4,15 @@
   ``SSH_*``, ``DISPLAY``...) and minus another launcher's rank variables.
 * ``-x NAME[=VALUE]`` and the knobs set by horovodrun's flags (:attr:`RunConfig.env`).
 * Per rank: hora's ``HORA_*``, torchrun-style and horovodrun-style variables (the contract in
-  ``hora.env.WorkerEnv``).
+  ``hora.env.WorkerEnv``), and the job's secret (``HORA_SECRET``, set by the agent from the job spec: it is in
+  no other process's environment and on no command line).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from hora.jobsecret import ENV_SECRET, ENV_SECRET_FILE
 from hora.launch.hosts import SlotInfo
 
 _HOST_SPECIFIC = frozenset({
@@ -19,8 +21,10 @@ _HOST_SPECIFIC = frozenset({
     "DBUS_SESSION_BUS_ADDRESS", "TMPDIR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
 })
 _HOST_SPECIFIC_PREFIXES = ("SSH_", "XDG_", "BASH_FUNC_", "KRB5", "OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC_")
-# Set afresh per rank; a value inherited from an outer launcher would be wrong.
+# Set afresh per rank; a value inherited from an outer launcher would be wrong. The job's secret too: the agent
+# sets HORA_SECRET for each worker from the job spec (docs/security.md).
 RANK_VARIABLES = (
+    ENV_SECRET, ENV_SECRET_FILE,
     "HORA_RANK", "HORA_SIZE", "HORA_LOCAL_RANK", "HORA_LOCAL_SIZE", "HORA_CROSS_RANK", "HORA_CROSS_SIZE",
     "HORA_HOSTNAME", "HORA_HOST_KEY", "HORA_STORE_ADDR", "HORA_STORE_PORT", "HORA_JOB_ID",
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",

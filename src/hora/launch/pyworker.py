@@ -3,7 +3,9 @@
 Started by the launcher as ``python -m hora.launch.pyworker`` on every rank. The outcome goes to the
 driver's store under ``hora.run/result/<rank>``: ``("ok", value)`` or ``("error", exception or None,
 type name, message, traceback text)`` (elastic jobs: see :func:`_keys`). A rank that raised exits with code 1
-after printing its traceback.
+after printing its traceback. The function and the outcome travel through the job's
+:class:`~hora.signedstore.SignedStore`: the function is unpickled only once its MAC is checked (the launcher
+checks the outcome's before unpickling it), so the worker refuses to run without the job's secret.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import datetime
 import pickle
 import sys
 import traceback
-from typing import Any
 
 from torch.distributed import TCPStore
 
+from hora import env as hora_env
 from hora import runtime
 from hora.env import WorkerEnv
+from hora.errors import ConfigError, StoreAuthError
 from hora.launch import elastic_protocol as ep
 from hora.launch import shipping
 from hora.launch.protocol import PYRUN_ELASTIC_ERROR_KEY as ELASTIC_ERROR_KEY
@@ -25,10 +28,16 @@ from hora.launch.protocol import PYRUN_ELASTIC_RESULT_KEY as ELASTIC_RESULT_KEY
 from hora.launch.protocol import PYRUN_ERRORS_KEY as ERRORS_KEY
 from hora.launch.protocol import PYRUN_FN_KEY as FN_KEY
 from hora.launch.protocol import PYRUN_RESULT_KEY as RESULT_KEY
+from hora.signedstore import SignedStore
 
 
-def _store(env: WorkerEnv) -> Any:
-    return TCPStore(env.store_addr, env.store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
+def _store(env: WorkerEnv) -> SignedStore:
+    secret = hora_env.job_secret()
+    if secret is None:
+        raise ConfigError("hora.run's worker has no job secret (HORA_SECRET): it unpickles the function it is sent "
+                          "only once that is authenticated; start it with hora.run, which gives it one")
+    raw = TCPStore(env.store_addr, env.store_port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    return SignedStore(raw, secret, env.job_id, f"{env.store_addr}:{env.store_port}")
 
 
 def _error_record(exc: BaseException) -> bytes:
@@ -43,7 +52,7 @@ def _error_record(exc: BaseException) -> bytes:
     return pickle.dumps(("error", exc_blob, type(exc).__qualname__, str(exc), text))
 
 
-def _keys(env: WorkerEnv, store: Any) -> tuple[str, str]:
+def _keys(env: WorkerEnv, store: SignedStore) -> tuple[str, str]:
     """Where this process's value and its error go. Elastic: the value under the last world it was in and its
     rank there (the caller reads the last world's), the error under its worker id."""
     if not env.elastic:
@@ -61,7 +70,10 @@ def main() -> int:
     """Run this rank's share of ``hora.run``; return the process exit code."""
     env = WorkerEnv.from_environ()
     store = _store(env)
-    fn, args, kwargs = shipping.loads(store.get(FN_KEY))
+    try:
+        fn, args, kwargs = shipping.loads(store.get(FN_KEY))
+    except StoreAuthError as exc:  # a stranger's function: never unpickled; the launcher is told why
+        return _failed(store, _keys(env, store)[1], exc.with_traceback(None))
     try:
         value = fn(*args, **kwargs)
     except SystemExit as exc:
@@ -82,7 +94,7 @@ def main() -> int:
     return 0
 
 
-def _failed(store: Any, key: str, exc: BaseException) -> int:
+def _failed(store: SignedStore, key: str, exc: BaseException) -> int:
     record = _error_record(exc)
     store.set(key, record)
     store.add(ERRORS_KEY, 1)

@@ -1,5 +1,6 @@
 """The job's rendezvous store: the ``TCPStore`` the launcher hosts for every rank of a job (it outlives any
-worker, which elastic jobs need), on a port the system picks.
+worker, which elastic jobs need), on a port the system picks, listening on the job's address only
+(:func:`hora.rendezvous.serve`). The drivers read and write it through :class:`hora.signedstore.SignedStore`.
 
 Here so that usage errors and ``--help`` answer without loading torch: this is the launch side's only torch
 import, made when the store starts.
@@ -13,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import datetime
+import errno
 import re
 from typing import Any
 
@@ -27,15 +29,16 @@ def listen(addr: str, timeout_s: float) -> Any:
     Raises:
         SetupError: (exit code 2; nothing was started) it cannot listen, as one line naming the address.
     """
-    from torch.distributed import TCPStore
+    from hora import rendezvous
 
     try:
-        return TCPStore(addr, 0, is_master=True, wait_for_workers=False,
-                        timeout=datetime.timedelta(seconds=timeout_s))
+        return rendezvous.serve(addr, 0, datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, OSError) as exc:  # torch's DistNetworkError is a RuntimeError
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         found = _MESSAGE.search(text)
         name, reason = (found.group(1), found.group(2)) if found else ("", text)
+        if isinstance(exc, OSError) and exc.errno is not None and exc.errno in errno.errorcode and exc.strerror:
+            name, reason = errno.errorcode[exc.errno], exc.strerror[:1].lower() + exc.strerror[1:]
         hint = {
             "EADDRINUSE": "no free port: every port of net.ipv4.ip_local_port_range is taken on this machine; "
                           "close what holds them, or widen the range",
