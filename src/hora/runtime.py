@@ -105,6 +105,8 @@ def _init(process_sets: Sequence[ProcessSet] | str | None, join: bool) -> None:
         env = WorkerEnv.from_environ()
         knobs = Knobs.from_environ()
         logging.getLogger("hora").setLevel(knobs.log_level.upper())
+        # an error init() raises shows the user's frames, not hora's, like any later hora error
+        user_errors.install(knobs.full_tracebacks, under_launcher=bool(env.job_id))
         secret = bootstrap.job_secret(env, knobs)  # a malformed one (or none, HORA_REQUIRE_SECRET=1) fails here
         alone, planned = False, None
         if env.elastic:  # the launcher's newest world decides rank and size; its number names the store prefix
@@ -144,7 +146,6 @@ def _init(process_sets: Sequence[ProcessSet] | str | None, join: bool) -> None:
             _discard(rt)
             raise
         _state = rt
-        user_errors.install(knobs.full_tracebacks, under_launcher=bool(env.job_id))
         bootstrap.warn_unauthenticated(env, secret)
         log.info("hora initialised: rank %d of %d on %s (%s)", env.rank, env.size, env.hostname, rt.backend)
 

@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hora import signedstore
+from hora.errors import StoreAuthError
 from hora.launch import protocol
 
 log = logging.getLogger(__name__)
@@ -80,8 +82,9 @@ def _bytes(n: int) -> str:
 
 @dataclass
 class StallWatch:
-    """See the module docstring. ``store`` is the driver's store (None: nothing to read), ``hosts`` maps each
-    rank to its host."""
+    """See the module docstring. ``store`` is the driver's :class:`~hora.signedstore.SignedStore` (None: nothing to
+    read; a post that fails its MAC check is ignored, with one warning per key), ``hosts`` maps each rank to its
+    host."""
 
     store: Any
     job_id: str
@@ -138,6 +141,8 @@ class StallWatch:
             try:
                 if self.store.check([key]):
                     found[rank] = json.loads(self.store.get(key))
+            except StoreAuthError as e:  # a stranger's post: the stall report goes on without it
+                signedstore.ignored(e)
             except Exception:
                 continue
         return found
@@ -279,5 +284,8 @@ class StallWatch:
                 return None
             value = json.loads(self.store.get(key))
             return Finding(int(value["rank"]), str(value["how"]))
+        except StoreAuthError as e:  # a stranger named a culprit: none is known
+            signedstore.ignored(e)
+            return None
         except Exception:
             return None
