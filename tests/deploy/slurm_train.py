@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import socket
 import sys
 from pathlib import Path
@@ -19,7 +21,10 @@ import hora  # noqa: E402
 hora.init()
 record = {"rank": hora.rank(), "size": hora.size(), "local_rank": hora.local_rank(),
           "local_size": hora.local_size(), "cross_rank": hora.cross_rank(), "cross_size": hora.cross_size(),
-          "host": socket.gethostname()}
+          "host": socket.gethostname(),
+          # the job's secret, made by hora.sbatch: whether hora authenticates with it, and which one (a digest)
+          "authenticated": hora.runtime.state().job_store.authenticated,
+          "secret": hashlib.sha256(os.environ.get("HORA_SECRET", "").encode()).hexdigest()[:16]}
 if sys.argv[2:] != ["--init-only"]:
     record.update(train_digits.main(sys.argv[2:]))
 Path(sys.argv[1], f"rank-{hora.rank()}.json").write_text(json.dumps(record))

@@ -99,6 +99,18 @@ def test_rules_the_schemas_cannot_express() -> None:
     assert mpi["sshAuthMountPath"] == "/etc/hora/ssh"  # where the entrypoint takes keys from
     vc = _by_kind("Job")["spec"]
     assert set(vc["plugins"]) >= {"ssh", "svc"}
+    # The job's secret (docs/security.md): the PyTorchJob's pods read it from a mounted Secret, read-only, mode
+    # 0400; the MPIJob's and the Volcano Job's launchers run `hora run`, which makes one of its own.
+    for role in ptj.values():
+        spec = role["template"]["spec"]
+        container = spec["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "job-secret")
+        assert env["HORA_SECRET_FILE"].startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
+        assert env["HORA_REQUIRE_SECRET"] == "1"
+        volume = next(v for v in spec["volumes"] if v["name"] == "job-secret")
+        assert volume["secret"] == {"secretName": "hora-digits-ptj-secret", "defaultMode": 0o400}
+    assert vc["tasks"][0]["template"]["spec"]["containers"][0]["args"][0] == "run"
     # Every pod that trains has the shared volumes and a memory-backed /dev/shm.
     for _, doc in _documents():
         if doc["kind"] not in ("MPIJob", "PyTorchJob", "Job", "Deployment"):

@@ -18,6 +18,7 @@ import copy
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -62,8 +63,11 @@ def _manifest(name: str) -> dict[str, Any]:
     return next(d for d in yaml.safe_load_all((K8S / name).read_text()) if d)
 
 
-def _pod(name: str, template: dict[str, Any], image: str, extra_mounts: dict[str, str]) -> dict[str, Any]:
-    """A Pod from a replica's template, as an operator makes it (the image and PVC names made local)."""
+def _pod(name: str, template: dict[str, Any], image: str, extra_mounts: dict[str, str],
+         secrets: dict[str, str] | None = None) -> dict[str, Any]:
+    """A Pod from a replica's template, as an operator makes it (the image and PVC names made local; a Secret
+    volume becomes the host directory ``secrets[secretName]`` holding its files: podman 4.3 crashes on secret
+    volumes)."""
     spec = copy.deepcopy(template["spec"])
     spec["hostname"] = name
     spec["restartPolicy"] = "Never"
@@ -73,6 +77,8 @@ def _pod(name: str, template: dict[str, Any], image: str, extra_mounts: dict[str
     container["args"] = ["1" if a == "5" and container["args"][i - 1] == "--epochs" else a
                          for i, a in enumerate(container["args"])]  # one epoch is enough here
     for volume in spec.get("volumes", []):
+        if "secret" in volume:
+            volume["hostPath"] = {"path": (secrets or {})[volume.pop("secret")["secretName"]], "type": "Directory"}
         if "persistentVolumeClaim" in volume:
             volume["persistentVolumeClaim"]["claimName"] = f"{pm.PREFIX}-{volume['persistentVolumeClaim']['claimName']}"
     for i, (path, host_dir) in enumerate(extra_mounts.items()):
@@ -123,11 +129,18 @@ def test_pytorchjob_master_and_worker_train(play: tuple[Path, str, dict[str, str
     name = f"{pm.PREFIX}-{job['metadata']['name']}"
     master = f"{name}-master-0"
     world = sum(r["replicas"] for r in replicas.values())
+    # the Secret the manifest's comment says to make (`hora secret - | kubectl create secret ...`), as a directory
+    made = subprocess.run([str(Path(sys.executable).parent / "hora"), "secret", "-"], capture_output=True, text=True,
+                          check=True)
+    (tmp / "secret").mkdir()
+    (tmp / "secret" / "secret").write_text(made.stdout)
+    (tmp / "secret" / "secret").chmod(0o444)  # the pod's user reads it (a Secret's defaultMode applies on a cluster)
     containers = []
     for rank, (role, index) in enumerate([("Master", 0), ("Worker", 0)]):
-        pod = _pod(f"{name}-{role.lower()}-{index}", replicas[role]["template"], image, {})
+        pod = _pod(f"{name}-{role.lower()}-{index}", replicas[role]["template"], image, {},
+                   {"hora-digits-ptj-secret": str(tmp / "secret")})
         # What the training-operator sets in each pod (one process per pod: PET_NPROC_PER_NODE=1).
-        pod["spec"]["containers"][0]["env"] = [{"name": k, "value": str(v)} for k, v in {
+        pod["spec"]["containers"][0]["env"] += [{"name": k, "value": str(v)} for k, v in {
             "MASTER_ADDR": master, "MASTER_PORT": 23456, "WORLD_SIZE": world, "RANK": rank,
             "PET_MASTER_ADDR": master, "PET_MASTER_PORT": 23456, "PET_NNODES": world, "PET_NODE_RANK": rank,
             "PET_NPROC_PER_NODE": 1, "PYTHONUNBUFFERED": 1}.items()]
@@ -137,3 +150,4 @@ def test_pytorchjob_master_and_worker_train(play: tuple[Path, str, dict[str, str
         assert code == 0, logs[-3000:]
     master_logs = results[0][1]
     assert re.search(r"ranks: 2 .*test accuracy \(averaged over ranks\): 0\.[5-9]", master_logs), master_logs[-3000:]
+    assert "no job secret" not in master_logs  # HORA_SECRET_FILE from the mounted Secret: authenticated

@@ -55,12 +55,17 @@ def test_six_ranks_on_three_nodes_train_and_resume(cluster: slurm.SlurmCluster, 
     assert [(r["host"], r["local_rank"], r["cross_rank"]) for r in ranks] == [
         ("node1", 0, 0), ("node1", 1, 0), ("node2", 0, 1), ("node2", 1, 1), ("node3", 0, 2), ("node3", 1, 2)]
     assert ranks[0]["accuracy"] > 0.5 and len({r["accuracy"] for r in ranks}) == 1
+    # the script made a secret for the job and every task got it through srun: the store is authenticated
+    assert all(r["authenticated"] for r in ranks) and len({r["secret"] for r in ranks}) == 1
+    assert "no job secret" not in log
     assert [p.name for p in ckpt.iterdir()] == ["ckpt-000000000.pt"]
     # A second job resumes from the checkpoint the first left on the shared directory (nothing left to train).
     code, log = _job(cluster, tmp_path / "second", *nodes, args=("--epochs", "1", "--checkpoint-dir", str(ckpt)))
     assert code == 0, log[-3000:]
     assert "resumed from the checkpoint of epoch 1" in log
-    assert {json.loads(p.read_text())["start"] for p in (tmp_path / "second").glob("rank-*.json")} == {1}
+    second = [json.loads(p.read_text()) for p in (tmp_path / "second").glob("rank-*.json")]
+    assert {r["start"] for r in second} == {1}
+    assert {r["secret"] for r in second} != {ranks[0]["secret"]}  # each job its own secret
 
 
 def test_unresolvable_first_node_fails_within_seconds_naming_it(cluster: slurm.SlurmCluster, tmp_path: Path) -> None:

@@ -15,14 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 
-import torch.distributed as dist
-
 from hora.engine import handshake
 from hora.engine.context import EngineContext
 from hora.engine.control import ControlPlane, identity
 from hora.engine.handshake import Identity
 from hora.engine.listener import HANDSHAKE_S, PeerListener
 from hora.network import advertised_address
+from hora.signedstore import SignedStore
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ class DeathWatch:
     ``recv`` returns. Plain sockets, so nothing is left pending in c10d when a process exits. Each rank watches
     its successor, so every death is seen by someone, who rings a round that then fails on every rank."""
 
-    def __init__(self, me: Identity, size: int, store: dist.Store, advertise: str, timeout: float,
+    def __init__(self, me: Identity, size: int, store: SignedStore, advertise: str, timeout: float,
                  lost: Callable[[int, str], None]) -> None:
         self.me = me
         self.peer = (me.rank + 1) % size

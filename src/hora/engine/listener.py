@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from hora.engine import handshake
 from hora.engine.handshake import HandshakeFailed, Identity, IncompatiblePeer, Peer
 from hora.errors import CollectiveError
+from hora.network import listen_on
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +35,7 @@ _BACKLOG = 128
 def bind_listener(address: str) -> socket.socket:
     """A listening TCP socket on ``address`` (any free port); on every interface if ``address`` is not this
     host's (a NAT'ed container advertising its host's address)."""
-    try:
-        return socket.create_server((address, 0), backlog=_BACKLOG)
-    except OSError as e:
-        log.debug("cannot listen on %s (%s): listening on every interface", address, e)
-        return socket.create_server(("", 0), backlog=_BACKLOG)
+    return listen_on(address, 0, backlog=_BACKLOG)
 
 
 class PeerListener:

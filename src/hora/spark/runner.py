@@ -39,6 +39,7 @@ from hora.launch import envvars, shipping
 from hora.launch.procs import describe_exit
 from hora.launch.protocol import PYRUN_ERRORS_KEY, PYRUN_FN_KEY, PYRUN_RESULT_KEY
 from hora.launch.pyrun import collect_results
+from hora.signedstore import SignedStore
 from hora.spark import task
 
 log = logging.getLogger(__name__)
@@ -112,22 +113,23 @@ class _Job:
 
     def __init__(self, sc: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], num_proc: int,
                  start_timeout: float, env: Mapping[str, str], nics: Sequence[str], executable: str) -> None:
-        from torch.distributed import TCPStore
+        from hora import rendezvous
 
         self.sc, self.num_proc = sc, num_proc
         self.job_id = f"spark-{uuid.uuid4().hex[:12]}"
         self.group = f"hora.spark.run.{self.job_id}"
         host = sc.getConf().get("spark.driver.host") or "127.0.0.1"
-        self.store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=start_timeout))
-        self.store.set(PYRUN_FN_KEY, shipping.dumps((fn, args, kwargs)))  # type: ignore[arg-type]  # bytes work
+        secret = JobSecret.generate()
+        raw = rendezvous.serve(host, 0, datetime.timedelta(seconds=start_timeout))  # on the driver's address only
+        self.store = SignedStore(raw, secret, self.job_id, f"{host}:{raw.port}")  # every value authenticated
+        self.store.set(PYRUN_FN_KEY, shipping.dumps((fn, args, kwargs)))
         extra = dict(env)
         if nics:
             extra.setdefault("GLOO_SOCKET_IFNAME", sorted(nics)[0])
             extra.setdefault("NCCL_SOCKET_IFNAME", ",".join(sorted(nics)))
-        self.spec = task.TaskSpec(store_addr=host, store_port=self.store.port, job_id=self.job_id,
+        self.spec = task.TaskSpec(store_addr=host, store_port=int(raw.port), job_id=self.job_id,
                                   executable=executable, env=envvars.forwarded(hora_env.launcher_environ(), extra),
-                                  secret_hex=JobSecret.generate().hex(), start_timeout=start_timeout)
+                                  secret_hex=secret.hex(), start_timeout=start_timeout)
         self.outcome: list[Any] = []  # the stage's records, or [exception] if the stage failed
         self.finished = threading.Event()
 

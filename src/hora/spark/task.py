@@ -21,9 +21,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hora.jobsecret import ENV_SECRET
+from hora.jobsecret import ENV_SECRET, JobSecret
 from hora.launch import envvars, procs
 from hora.launch.hosts import SlotInfo
+from hora.signedstore import SignedStore
 from hora.topology import derive_topology
 
 EXIT_KEY = "hora.spark/exit/{rank}"  # how rank's process ended: {"code", "signal", "host", "time"}
@@ -66,11 +67,14 @@ def rank_task(spec: TaskSpec) -> Any:
     return run
 
 
-def _store(spec: TaskSpec) -> Any:
+def _store(spec: TaskSpec) -> SignedStore:
+    """The driver's store, every value authenticated with the job's secret (as the rank process's)."""
     from torch.distributed import TCPStore
 
-    return TCPStore(spec.store_addr, spec.store_port, is_master=False,
-                    timeout=datetime.timedelta(seconds=spec.start_timeout))
+    raw = TCPStore(spec.store_addr, spec.store_port, is_master=False,
+                   timeout=datetime.timedelta(seconds=spec.start_timeout))
+    return SignedStore(raw, JobSecret.from_text(spec.secret_hex, "the task's spec"), spec.job_id,
+                       f"{spec.store_addr}:{spec.store_port}")
 
 
 def _gpus(ctx: Any) -> list[str]:
@@ -93,7 +97,7 @@ def rank_environment(spec: TaskSpec, rank: int, hosts: list[str], gpus: list[str
     return env
 
 
-def _run_rank(spec: TaskSpec, store: Any, rank: int, hosts: list[str], gpus: list[str]) -> dict[str, Any]:
+def _run_rank(spec: TaskSpec, store: SignedStore, rank: int, hosts: list[str], gpus: list[str]) -> dict[str, Any]:
     env = rank_environment(spec, rank, hosts, gpus)
     proc = subprocess.Popen([spec.executable, "-m", "hora.launch.pyworker"], env=env,
                             preexec_fn=procs.child_setup(os.getpid()))
