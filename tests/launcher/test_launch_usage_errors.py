@@ -129,7 +129,7 @@ def test_malformed_input_gives_one_exact_line_and_exit_code_2(
 def test_unknown_subcommand_suggests_the_right_one(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["rnu", "-np", "2"]) == 2
     assert capsys.readouterr().err == ("hora: error: unknown command 'rnu'. Did you mean 'run'? usage: hora "
-                                       "{run,check,bench} ...   (hora run --help for the launcher's flags)\n")
+                                       "{run,check,bench,secret} ...   (hora run --help for the launcher's flags)\n")
 
 
 def test_the_hora_command_prints_the_same_line(workdir: Path) -> None:
