@@ -46,3 +46,21 @@ def test_env_reads_the_variable_or_the_file_and_names_a_bad_one(tmp_path) -> Non
     assert hora_env.job_secret({"HORA_SECRET_FILE": str(path)}) == secret
     with pytest.raises(ConfigError, match="HORA_SECRET_FILE"):
         hora_env.job_secret({"HORA_SECRET_FILE": str(tmp_path / "missing")})
+
+
+def test_hora_secret_writes_a_file_only_its_owner_reads_and_never_prints_the_secret(tmp_path, capsys) -> None:
+    from hora.jobsecret import main
+
+    path = tmp_path / "job.secret"
+    assert main([str(path)]) == 0
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    secret = JobSecret.from_file(str(path))
+    out, err = capsys.readouterr()
+    assert out == "" and secret.hex() not in err and f"HORA_SECRET_FILE={path}" in err
+    assert main([str(path)]) == 2  # an existing file is not replaced by accident
+    assert "exists: give another file, or --force" in capsys.readouterr().err
+    path.chmod(0o644)
+    assert main([str(path), "--force"]) == 0 and JobSecret.from_file(str(path)) != secret
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert main(["-"]) == 0  # for a pipe into kubectl create secret
+    assert len(bytes.fromhex(capsys.readouterr().out.strip())) == SECRET_BYTES
