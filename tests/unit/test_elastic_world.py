@@ -97,6 +97,9 @@ def test_records_a_stranger_wrote_are_refused_naming_their_key() -> None:
     store.raw.set(f"{BASE}update/1", json.dumps({"added": ["evil"], "removed": []}))
     with pytest.raises(StoreAuthError, match=f"store key '{BASE}update/1'"):
         world.host_updates(store, JOB, 0)
+    store.raw.set(f"{BASE}discovered/1", json.dumps({"added": ["evil"], "removed": []}))
+    with pytest.raises(StoreAuthError, match=f"store key '{BASE}discovered/1'"):
+        world.discoveries(store, JOB, 0)
 
 
 def test_sampler_state_dict_is_horovod_028s_two_counts_and_loads_hora_s_older_form() -> None:
@@ -119,11 +122,10 @@ def test_sampler_state_dict_is_horovod_028s_two_counts_and_loads_hora_s_older_fo
 
 def test_discoveries_are_read_after_the_count_already_seen() -> None:
     """The driver's ``discovered`` records (what rank 0 passes to Horovod's ``state.on_hosts_updated``)."""
-    store = dist.HashStore()
+    store = _store()
     assert world.discoveries(store, JOB, None) == (0, [])
     for n, (added, removed) in enumerate([(["b"], []), ([], ["a"])], start=1):
         store.set(f"{BASE}discovered/{n}", json.dumps({"added": added, "removed": removed}))
-        store.add(f"{BASE}discovered", 1)
     assert world.discoveries(store, JOB, None) == (2, [])  # the count only: what came before is old news
     count, changes = world.discoveries(store, JOB, 1)
     assert count == 2 and [(c.added, c.removed) for c in changes] == [((), ("a",))]
