@@ -84,12 +84,25 @@ def listen_on(address: str, port: int = 0, backlog: int = 128) -> socket.socket:
     infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first: the address hora's launcher hands out
     for family, _, _, _, sockaddr in infos[:1]:
         try:
-            return socket.create_server(sockaddr, family=family, backlog=backlog)
+            return _listening(family, sockaddr, backlog)
         except OSError as e:
             if e.errno != errno.EADDRNOTAVAIL:
                 raise
     log.info("%s is not an address of this host: listening on every interface (port %d)", address, port)
-    return socket.create_server(("", port), backlog=backlog)
+    return _listening(socket.AF_INET, ("", port), backlog)
+
+
+def _listening(family: int, sockaddr: tuple[object, ...], backlog: int) -> socket.socket:
+    """A listening socket (``socket.create_server`` without its rewording of bind()'s error)."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def interface_of(address: str) -> str | None:
