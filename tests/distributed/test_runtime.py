@@ -199,7 +199,9 @@ def _peer_dies(rank: int, size: int) -> str:
 
 
 def test_a_dead_peer_surfaces_as_horovod_internal_error() -> None:
-    assert run_ranks(_peer_dies, 2, init=False) == ["CollectiveError,CollectiveError", "left"]
+    """A peer's loss is a PeerLostError (a HorovodInternalError, which elastic training recovers from), on the
+    call that notices it and on every later one."""
+    assert run_ranks(_peer_dies, 2, init=False) == ["PeerLostError,PeerLostError", "left"]
 
 
 def _interrupted(rank: int, size: int) -> list[str]:

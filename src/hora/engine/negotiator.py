@@ -142,7 +142,10 @@ class Negotiator:
         with self._lock:
             if self._phase in (Phase.BROKEN, Phase.STOPPED):
                 error = self.error or CollectiveError("hora has shut down")
-                raise CollectiveError(f"hora cannot run {ops[0].req.kind} {ops[0].req.name!r}: {error}") from error
+                message = f"hora cannot run {ops[0].req.kind} {ops[0].req.name!r}: {error}"
+                if isinstance(error, PeerLostError):  # still a consequence of the lost peer, not a cause
+                    raise PeerLostError(message, error.peer) from error
+                raise CollectiveError(message) from error
             self._pending.add(ops)
             if not (waiting and self._inline_ok):
                 self._ring_if_parked()
