@@ -4,7 +4,8 @@ One client per store address per process (a TCPStore server must outlive ``shutd
 host name that does not resolve fails in seconds, naming it; :func:`connector` makes further connections
 (the Gloo plane's bell waits on its own). Whoever hosts the store (``hora run``'s driver, rank 0 under other
 launchers) serves it on the job's address only (:func:`serve`); hora's own keys are read and written through
-:func:`job_store`, which authenticates every value (:mod:`hora.signedstore`).
+:func:`job_store`, which authenticates every value (:mod:`hora.signedstore`). :func:`wrap_clients` lets a
+measurement see every client this process opens (``hora bench control`` counts store operations with it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,21 @@ from hora.signedstore import SignedStore
 
 _RESOLVE_TIMEOUT = 10.0  # seconds; a rendezvous host name that takes longer to resolve is treated as unresolvable
 _stores: dict[tuple[str, int], dist.Store] = {}  # a TCPStore server must outlive shutdown()/init()
+_wrap: Callable[[dist.Store], dist.Store] | None = None  # see wrap_clients()
+_unwrapped: dict[int, tuple[dist.Store, dist.Store]] = {}  # id(a wrapped job client) -> (it, the client it wraps)
+
+
+def wrap_clients(wrap: Callable[[dist.Store], dist.Store] | None) -> None:
+    """Pass every store client this process opens from now on (the job's client, the Gloo plane's extra
+    connections) through ``wrap`` and use what it returns; None stops. For measurement only: ``hora bench
+    control`` counts each rank's store operations this way (:mod:`hora.bench.store_tally`). A store written in
+    Python that ``wrap`` returns must be kept alive by its maker: torch's C++ holds only its C++ half."""
+    global _wrap
+    _wrap = wrap
+
+
+def _wrapped(client: dist.Store) -> dist.Store:
+    return client if _wrap is None else _wrap(client)
 
 
 def store(env: WorkerEnv, timeout: datetime.timedelta) -> dist.Store:
@@ -36,9 +52,12 @@ def store(env: WorkerEnv, timeout: datetime.timedelta) -> dist.Store:
         _check_resolvable(env)
         server = env.store_is_server and env.rank == 0
         try:
-            _stores[key] = (serve(env.store_addr, env.store_port, timeout) if server else
-                            dist.TCPStore(env.store_addr, env.store_port, world_size=None, is_master=False,
-                                          timeout=timeout, wait_for_workers=False))
+            client = (serve(env.store_addr, env.store_port, timeout) if server else
+                      dist.TCPStore(env.store_addr, env.store_port, world_size=None, is_master=False, timeout=timeout,
+                                    wait_for_workers=False))
+            _stores[key] = _wrapped(client)
+            if _stores[key] is not client:  # connector() clones what it wraps
+                _unwrapped[id(_stores[key])] = (_stores[key], client)
         except Exception as e:  # c10d raises several types for the same failure
             raise ConfigError(
                 f"rank {env.rank}: cannot reach the rendezvous store at {env.store_addr}:{env.store_port} "
@@ -99,6 +118,7 @@ def _check_resolvable(env: WorkerEnv) -> None:
 def connector(store: dist.Store, prefix: str,
                timeout: datetime.timedelta) -> Callable[[], dist.Store] | None:
     """A factory of new client connections to the store (None for an in-memory store)."""
+    store = _unwrapped.get(id(store), (store, store))[1]  # a client passed through wrap_clients(): clone what it wraps
     inner = store
     while isinstance(inner, dist.PrefixStore):
         inner = inner.underlying_store
@@ -106,10 +126,10 @@ def connector(store: dist.Store, prefix: str,
         return None
     clone = getattr(store, "clone", None)
     if clone is not None:  # torch >= 2.5: a new connection to the same server
-        return lambda: dist.PrefixStore(prefix, clone())
+        return lambda: dist.PrefixStore(prefix, _wrapped(clone()))
     host, port = inner.host, inner.port
-    return lambda: dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=timeout,
-                                                          wait_for_workers=False))
+    return lambda: dist.PrefixStore(prefix, _wrapped(dist.TCPStore(host, port, is_master=False, timeout=timeout,
+                                                                   wait_for_workers=False)))
 
 
 def default_store() -> dist.Store:

@@ -2,12 +2,14 @@
 
 ``allreduce`` and ``model`` measure, so they run on every rank under ``hora run`` (alone they run as one
 rank); rank 0 prints a Markdown table on stdout and writes ``--json`` and ``--plot``. ``plan`` reads a
-sweep's JSON and predicts; it needs no ranks.
+sweep's JSON and predicts; it needs no ranks. ``control`` runs alone: it forks its ranks on this machine
+(:mod:`hora.bench.control`) and projects to larger jobs (:mod:`hora.bench.projection`).
 
 Example:
     hora run -np 4 -H a:2,b:2 hora bench allreduce --sizes 1KB..256MB --json sweep.json --plot sweep.png
     hora run -np 4 -H a:2,b:2 hora bench model --model resnet50 --batch-size 32 --json model.json
     hora bench plan --sweep sweep.json --model-bytes 100MB --hosts 2,4,8 --compute-ms 250
+    hora bench control --ranks 8,16,32,64,128 --sweep sweep.json --json control.json --plot control.png
 """
 
 from __future__ import annotations
@@ -97,6 +99,25 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--compression", choices=sorted(sweep.COMPRESSIONS), default="none",
                     help="predict hora's allreduce and step with this compression (default none)")
     pl.add_argument("--json", metavar="PATH", help="write the fit and predictions as JSON")
+
+    c = sub.add_parser("control", help="how start-up and negotiation grow with the number of ranks: forks the "
+                                       "ranks on this machine, counts, and projects to larger jobs")
+    c.add_argument("--ranks", type=_ints, default=[8, 16, 32, 64, 128], help="rank counts (default 8,16,32,64,128)")
+    c.add_argument("--planes", default="tcp,gloo",
+                   help="control planes to measure, of auto, tcp, gloo (default tcp,gloo: hora picks gloo above "
+                        "256 ranks)")
+    c.add_argument("--ops", type=int, default=20, help="allreduces per rounds phase, cold then warm (default 20)")
+    c.add_argument("--no-elastic", action="store_true", help="skip the elastic job (start and reset)")
+    c.add_argument("--timeout", type=float, default=1800.0, help="seconds one job may take (default 1800)")
+    c.add_argument("--sweep", metavar="JSON", help="the --json of hora bench allreduce: its alpha-beta fit times "
+                                                   "the projection (without it: CPU time only)")
+    c.add_argument("--min-bytes", default="0", help="fit the sweep's sizes from this one up")
+    c.add_argument("--project", type=_ints, default=[1024, 4096], help="rank counts to project to")
+    c.add_argument("--ranks-per-host", type=int, default=8, help="for the projection (default 8)")
+    c.add_argument("--from", dest="source", metavar="JSON",
+                   help="project from the --json of an earlier run instead of measuring")
+    c.add_argument("--json", metavar="PATH", help="write every rank's counts, the summaries and the projection")
+    c.add_argument("--plot", metavar="PATH", help="write a PNG plot of each quantity against n, log-log")
     return p
 
 
@@ -146,6 +167,38 @@ def _plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _control(ns: argparse.Namespace) -> int:
+    from hora.bench import control, control_report, projection  # forks ranks: imported only for this command
+
+    plan = None
+    if ns.sweep:
+        try:
+            sweep_data = json.loads(Path(ns.sweep).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--sweep {ns.sweep}: cannot read it as JSON ({e})") from None
+        plan = planner.fit_sweep(sweep_data, min_bytes=parse_size(ns.min_bytes))
+    if ns.source:
+        try:
+            record = json.loads(Path(ns.source).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--from {ns.source}: cannot read it as JSON ({e})") from None
+        if record.get("kind") != "control":
+            raise ConfigError(f"--from {ns.source}: not the JSON of hora bench control")
+    else:
+        cfg = control.ControlConfig(ranks=tuple(ns.ranks), planes=tuple(p.strip() for p in ns.planes.split(",")),
+                                    ops=ns.ops, elastic=not ns.no_elastic, timeout_s=ns.timeout)
+        record = control.measure(cfg, progress=lambda line: output.line(f"hora bench control: {line}", sys.stderr))
+    record["projection"] = projection.project(record, plan, ns.project, ns.ranks_per_host)
+    output.line(control_report.markdown(record).rstrip("\n"))
+    output.line("")
+    output.line(projection.markdown(record["projection"]).rstrip("\n"))
+    if ns.json:
+        write_json(ns.json, record)
+    if ns.plot:
+        write_plot(ns.plot, control_report.plot(record), size=(15, 8.5))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``hora bench``; returns the exit code."""
     logging.basicConfig(level=logging.WARNING, format="hora bench: %(levelname)s %(message)s", stream=sys.stderr)
@@ -153,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
         if ns.what == "plan":
             return _plan(ns)
+        if ns.what == "control":
+            return _control(ns)
         result, to_markdown, to_plot = _measure(ns)
         if hvd.rank() == 0:
             output.line(to_markdown(result).rstrip("\n"))

@@ -95,6 +95,12 @@ class Negotiator:
         return self._phase
 
     @property
+    def rounds_run(self) -> int:
+        """How many rounds this rank has taken part in (the same number on every rank): benchmarks count
+        messages per round with it."""
+        return self._rounds.number
+
+    @property
     def table(self) -> Table:  # read it under the round lock
         return self._rounds.table
 
