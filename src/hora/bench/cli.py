@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ranks-per-host", type=int, default=8, help="for the projection (default 8)")
     c.add_argument("--from", dest="source", metavar="JSON",
                    help="project from the --json of an earlier run instead of measuring")
-    c.add_argument("--json", metavar="PATH", help="write every rank's counts, the summaries and the projection")
+    c.add_argument("--json", metavar="PATH", help="write the summaries, the counts rank by rank and the projection")
     c.add_argument("--plot", metavar="PATH", help="write a PNG plot of each quantity against n, log-log")
     return p
 
@@ -193,7 +193,7 @@ def _control(ns: argparse.Namespace) -> int:
     output.line("")
     output.line(projection.markdown(record["projection"]).rstrip("\n"))
     if ns.json:
-        write_json(ns.json, record)
+        write_json(ns.json, control_report.compact(record))
     if ns.plot:
         write_plot(ns.plot, control_report.plot(record), size=(15, 8.5))
     return 0

@@ -48,6 +48,7 @@ import datetime
 import functools
 import gc
 import os
+import platform
 import resource
 import subprocess
 import sys
@@ -128,6 +129,7 @@ def measure(cfg: ControlConfig, progress: Callable[[str], None] = lambda line: N
 
     A job that fails (a limit of this machine, a bug) is recorded with its error, and the others go on."""
     limit = _raise_fd_limit()
+    machine = _machine()
     rows: list[dict[str, Any]] = []
     with _StoreServer() as server:
         for n in cfg.ranks:
@@ -138,8 +140,9 @@ def measure(cfg: ControlConfig, progress: Callable[[str], None] = lambda line: N
                 rows.append(_run(n, "elastic", _elastic_rank, n + 1, {}, server, cfg, progress,
                                  functools.partial(summarize_elastic, n)))
         costs = _run_costs(server, cfg, progress)
-    return {"kind": "control", "config": asdict(cfg), "fd_limit": limit, "tick_s": TICK, "store_costs": costs,
-            "rows": rows}
+    machine["ended_utc"] = _utc()
+    return {"kind": "control", "config": asdict(cfg), "machine": machine, "fd_limit": limit, "tick_s": TICK,
+            "store_costs": costs, "rows": rows}
 
 
 def _run(n: int, what: str, fn: Callable[..., dict[str, Any]], procs: int, env: dict[str, str],
@@ -417,6 +420,24 @@ class _StoreServer:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+
+def _utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _machine() -> dict[str, Any]:
+    """What a reader needs to judge the times: the CPUs, the memory, the versions."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu": model, "platform": platform.platform(),
+            "memory_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
+            "python": platform.python_version(), "torch": torch.__version__, "hora": hora.__version__,
+            "started_utc": _utc()}
 
 
 def _raise_fd_limit() -> dict[str, int]:

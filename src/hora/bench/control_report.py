@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -19,7 +20,7 @@ from typing import Any
 from hora.bench.report import markdown_table
 from hora.engine.control import MESH_MAX_RANKS
 
-__all__ = ["at", "markdown", "plot", "summarize_elastic", "summarize_fixed"]
+__all__ = ["at", "compact", "markdown", "plot", "summarize_elastic", "summarize_fixed"]
 
 
 def _mean(values: Iterable[float]) -> float:
@@ -133,6 +134,54 @@ def summarize_elastic(n: int, records: list[dict[str, Any]]) -> dict[str, Any]:
             "exact": all(all(w["checked"]) for w in workers)}
 
 
+def compact(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with each job's per-rank records replaced by lists, rank by rank, of the counts that vary
+    between ranks, and the key patterns of its store operations summed over the ranks (what a results
+    directory keeps: the full per-rank records of 128 ranks weigh megabytes)."""
+    rows = []
+    for row in record["rows"]:
+        row = dict(row)
+        per = row.pop("per_rank", None)
+        if per:
+            row["rank_by_rank"] = _rank_by_rank(row["job"], per)
+        rows.append(row)
+    return {**record, "rows": rows}
+
+
+def _patterns(stores: Iterable[dict[str, Any]]) -> dict[str, int]:
+    total: Counter[str] = Counter()
+    for store in stores:
+        total.update(store.get("patterns", {}))
+    return dict(sorted(total.items()))
+
+
+def _rank_by_rank(job: str, per: list[dict[str, Any]]) -> dict[str, Any]:
+    if job == "elastic":
+        driver, workers = per[0], per[1:]
+        return {"init_store_ops": [w["init"]["store"]["ops"] for w in workers],
+                "reset_store_ops": [w["reset"]["store"]["ops"] for w in workers],
+                "reset_wall_s": [round(w["reset"]["ended"] - w["reset"]["began"], 4) for w in workers],
+                "init_patterns": _patterns(w["init"]["store"] for w in workers),
+                "reset_patterns": _patterns(w["reset"]["store"] for w in workers),
+                "driver": {"init": {k: v for k, v in driver["init"].items()},
+                           "reset": {k: v for k, v in driver["reset"].items()}}}
+    out: dict[str, Any] = {
+        "init_store_ops": [r["init"]["store"]["ops"] for r in per],
+        "init_wall_s": [round(r["init"]["ended"] - r["init"]["began"], 4) for r in per],
+        "init_cpu_s": [round(r["init"]["cpu_s"], 4) for r in per],
+        "fds": [r["init"]["census"]["fds_total"] for r in per],
+        "threads": [r["init"]["census"]["threads_total"] for r in per],
+        "init_patterns": _patterns(r["init"]["store"] for r in per),
+        "shutdown_left_collected": [r["shutdown"]["left_collected"]["fds_total"] for r in per]}
+    for phase in ("cold", "warm"):
+        out[f"{phase}_rounds"] = [r[phase]["rounds"] for r in per]
+        out[f"{phase}_segs_out"] = [r[phase]["peer"]["segs_out"] for r in per]
+        out[f"{phase}_bytes_out"] = [r[phase]["peer"]["bytes_out"] for r in per]
+        out[f"{phase}_cpu_s"] = [round(r[phase]["cpu_s"], 4) for r in per]
+        out[f"{phase}_store_patterns"] = _patterns(r[phase]["store"] for r in per)
+    return out
+
+
 # --- the tables ---------------------------------------------------------------------------------------------
 def _n(x: float) -> str:
     return f"{x:,.0f}" if abs(x) >= 100 or x == int(x) else f"{x:.1f}"
@@ -146,7 +195,11 @@ def markdown(record: dict[str, Any]) -> str:
     rows = [r for r in record["rows"] if "error" not in r]
     fixed = [r for r in rows if r["job"].startswith("fixed")]
     elastic = [r for r in rows if r["job"] == "elastic"]
-    text = ("Counts are exact (messages: TCP data segments on the connections between ranks; store: operations "
+    m = record.get("machine", {})
+    text = (f"{m.get('started_utc', '?')} to {m.get('ended_utc', '?')}: {m.get('cpus', '?')} x {m.get('cpu', '?')}, "
+            f"{m.get('memory_gib', '?')} GiB, torch {m.get('torch', '?')}, hora {m.get('hora', '?')}; "
+            f"{record['config']['ops']} allreduces per rounds phase.\n\n" if m else "")
+    text += ("Counts are exact (messages: TCP data segments on the connections between ranks; store: operations "
             "on the rendezvous store, torch's included), per rank (mean over ranks) unless marked total. Times "
             "are wall clock on this machine, with the 1-minute load average at the start and end of each job.\n\n")
     headers = ["ranks", "plane", "msgs/rank/round warm (cold)", "bytes/rank/round warm (cold)", "peers talked to",
@@ -229,10 +282,17 @@ def plot(record: dict[str, Any]) -> Callable[[Any], None]:
     def draw(fig: Any) -> None:
         for k, (title, lines) in enumerate(panels):
             ax = fig.add_subplot(2, 3, k + 1)
+            first: tuple[list[int], list[float]] | None = None
             for label, job, get in lines:
                 xs, ys = series(job, get)
                 if xs and any(y > 0 for y in ys):
                     ax.plot(xs, ys, "o-", label=label, markersize=3)
+                    first = first or (xs, ys)
+            if k in (0, 2) and first is not None:  # guides: the growth phase 2 must reach, and today's
+                xs, ys = first
+                ax.plot(xs, [ys[0] * x / xs[0] for x in xs], "k--", linewidth=0.7, label="∝ n")
+                ax.plot(xs, [ys[0] * math.log2(x) / math.log2(xs[0]) for x in xs], "k:", linewidth=0.9,
+                        label="∝ log n")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("ranks")

@@ -2,9 +2,10 @@
 on one machine) and to a link's alpha-beta fit (:mod:`hora.bench.planner`), evaluated at 1,024 and 4,096 ranks,
 with the rank count at which each limit is crossed.
 
-**Counts.** Each count c(n) is fitted with a polynomial in n of degree 0, 1 or 2 (the degree its growth between
-the two largest measured n asks for: exponent < 0.2, < 1.5, else 2), least squares of the relative error. Counts
-of the current design are exact polynomials (a mesh round is 2(n-1) messages per rank), so the fit is exact
+**Counts.** Each count c(n) is fitted with the polynomial in n of the lowest degree, 0, 1 or 2, that is within
+10% of every measured point (least squares of the relative error; a quadratic whose growth slows down is not
+taken); CPU times with degree 1 at most. Counts of
+the current design are exact polynomials (a mesh round is 2(n-1) messages per rank), so their fits are exact
 where the data is.
 
 **Times** (a model of a cluster where every rank has its own core; the one machine's times are contention):
@@ -63,7 +64,9 @@ class Fit:
         return sum(c * n**k for k, c in enumerate(self.coefs))
 
     @classmethod
-    def fit(cls, ns: Sequence[float], ys: Sequence[float]) -> Fit:
+    def fit(cls, ns: Sequence[float], ys: Sequence[float], max_degree: int = 2, tolerance: float = 0.1) -> Fit:
+        """The polynomial of the lowest degree (up to ``max_degree``) whose largest relative error on the
+        points is within ``tolerance`` (else of ``max_degree``), least squares of the relative error."""
         points = [(n, y) for n, y in zip(ns, ys) if y is not None]
         if not points:
             return cls((0.0,), 0.0)
@@ -72,9 +75,15 @@ class Fit:
             (n1, y1), (n2, y2) = points[-2], points[-1]
             if y1 > 0 and y2 > 0 and n2 != n1:
                 exponent = math.log(y2 / y1) / math.log(n2 / n1)
-        degree = 0 if abs(exponent) < 0.2 else 1 if exponent < 1.5 else 2
-        degree = min(degree, len(points) - 1)
-        return cls(_least_squares(points, degree), exponent)
+        best: tuple[float, ...] = (0.0,)
+        for degree in range(min(max_degree, len(points) - 1) + 1):
+            coefs = _least_squares(points, degree)
+            if degree >= 2 and coefs[-1] < 0:  # growth that slows down: an artefact of the smallest n, not a trend
+                break
+            best = coefs
+            if max((abs(cls(best, 0.0)(n) - y) / abs(y) for n, y in points if y), default=0.0) <= tolerance:
+                break
+        return cls(best, exponent)
 
     def formula(self) -> str:
         terms = []
@@ -116,9 +125,9 @@ def _least_squares(points: Sequence[tuple[float, float]], degree: int) -> tuple[
 
 
 # --- the fitted quantities --------------------------------------------------------------------------------
-def _series(rows: Sequence[dict[str, Any]], get: Callable[[dict[str, Any]], float]) -> Fit:
+def _series(rows: Sequence[dict[str, Any]], get: Callable[[dict[str, Any]], float], max_degree: int = 2) -> Fit:
     rows = sorted(rows, key=lambda r: r["ranks"])
-    return Fit.fit([r["ranks"] for r in rows], [get(r) for r in rows])
+    return Fit.fit([r["ranks"] for r in rows], [get(r) for r in rows], max_degree)
 
 
 def _server_cost(by_op: dict[str, float], costs: dict[str, Any]) -> float:
@@ -159,12 +168,12 @@ class _Plane:
             name=name,
             msgs={p: _series(rows, at(p, "msgs_per_rank")) for p in phases},
             bytes={p: _series(rows, at(p, "bytes_per_rank")) for p in phases},
-            cpu_round={p: _series(rows, at(p, "cpu_per_round_s")) for p in phases},
+            cpu_round={p: _series(rows, at(p, "cpu_per_round_s"), max_degree=1) for p in phases},
             rounds_per_op=_series(rows, lambda r: r["warm"]["rounds"] / r["warm"]["ops"]),
             store_init=_series(rows, at("init", "store", "per_rank")),
             store_init_total=_series(rows, at("init", "store", "total")),
             server_cost=_server_cost(biggest["init"]["store"]["by_op_per_rank"], costs),
-            cpu_init=_series(rows, at("init", "cpu_s")),
+            cpu_init=_series(rows, at("init", "cpu_s"), max_degree=1),
             peer_sockets=_series(rows, at("init", "census", "peer_sockets_per_rank")),
             fds=_series(rows, at("init", "census", "fds_per_rank")),
             store_sockets=_series(rows, lambda r: r["init"]["census"]["fds_by_kind_rank0"].get("tcp-store", 0)),
