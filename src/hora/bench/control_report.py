@@ -98,7 +98,9 @@ def _init(n: int, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def summarize_fixed(n: int, plane: str, records: list[dict[str, Any]]) -> dict[str, Any]:
     """The summary row of a fixed job's ``records`` (one per rank, in rank order)."""
-    used = plane if plane != "auto" else ("tcp" if n <= MESH_MAX_RANKS else "gloo")
+    built = {str(r.get("plane", "")) for r in records}  # what init() built (older records: what "auto" picks)
+    used = {"Mesh": "tcp", "GlooPlane": "gloo"}.get(built.pop(), "") if len(built) == 1 else ""
+    used = used or (plane if plane != "auto" else ("tcp" if n <= MESH_MAX_RANKS else "gloo"))
     shutdown = [r["shutdown"] for r in records]
     return {"ranks": n, "plane": used, "asked": plane, "init": _init(n, [r["init"] for r in records]),
             "cold": _phase(n, [r["cold"] for r in records]), "warm": _phase(n, [r["warm"] for r in records]),

@@ -95,6 +95,11 @@ class Negotiator:
         return self._phase
 
     @property
+    def control_plane(self) -> str:
+        """The control plane's kind (its class: ``Mesh``, ``GlooPlane``, ``LocalPlane``), for reports."""
+        return type(self._plane).__name__
+
+    @property
     def rounds_run(self) -> int:
         """How many rounds this rank has taken part in (the same number on every rank): benchmarks count
         messages per round with it."""
