@@ -290,7 +290,7 @@ def plot(record: dict[str, Any]) -> Callable[[Any], None]:
                 if xs and any(y > 0 for y in ys):
                     ax.plot(xs, ys, "o-", label=label, markersize=3)
                     first = first or (xs, ys)
-            if k in (0, 2) and first is not None:  # guides: the growth phase 2 must reach, and today's
+            if k in (0, 2) and first is not None:  # guides: the growth of a count per rank today, and log n
                 xs, ys = first
                 ax.plot(xs, [ys[0] * x / xs[0] for x in xs], "k--", linewidth=0.7, label="∝ n")
                 ax.plot(xs, [ys[0] * math.log2(x) / math.log2(xs[0]) for x in xs], "k:", linewidth=0.9,
