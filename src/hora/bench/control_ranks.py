@@ -20,8 +20,10 @@ from hora import rendezvous, runtime
 from hora.bench import census
 from hora.bench.store_server import Job, Side, server_cpu
 from hora.bench.store_tally import StoreTally
+from hora.env import job_secret
 from hora.launch import elastic_protocol as ep
 from hora.launch.elastic_driver import TICK
+from hora.signedstore import SignedStore
 
 __all__ = ["elastic_rank", "fixed_rank"]
 
@@ -150,8 +152,9 @@ def _driver(workers: int, job: Job) -> dict[str, Any]:
     worker posted ready after world 1 (the same workers: a reset that changes no membership)."""
     side = Side(job, workers + 1)
     tally = StoreTally(job.job_id)
-    store = tally.wrap(dist.TCPStore("127.0.0.1", job.port, is_master=False, wait_for_workers=False,
-                                     timeout=datetime.timedelta(seconds=job.timeout_s)))
+    raw = tally.wrap(dist.TCPStore("127.0.0.1", job.port, is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=job.timeout_s)))
+    store = SignedStore(raw, job_secret(), job.job_id, f"127.0.0.1:{job.port}")  # as the driver writes
     members = [(f"h{r}:0", f"h{r}") for r in range(1, workers + 1)]
     side.barrier("init")
     first, passes = _publish_when_ready(store, job.job_id, members, None)
@@ -164,7 +167,7 @@ def _driver(workers: int, job: Job) -> dict[str, Any]:
     return {"rank": 0, "driver": True, "init": init, "reset": reset, "side_ops": side.ops}
 
 
-def _publish_when_ready(store: dist.Store, job_id: str, members: list[tuple[str, str]],
+def _publish_when_ready(store: SignedStore, job_id: str, members: list[tuple[str, str]],
                         previous: ep.World | None) -> tuple[ep.World, int]:
     """Read the ready keys every ``TICK`` as the driver does (a key known to hold the awaited value is not read
     again), then publish the next world; returns it and the number of passes over the keys."""
