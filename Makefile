@@ -31,7 +31,7 @@ help:  ## list the targets
 	@echo "make test          the whole test suite, as CI runs it (PYTEST_ARGS='-x -k name' to narrow it)"
 	@echo "make test-fast     unit and single-host distributed tests, a few minutes: the edit loop"
 	@echo "make test-gpu      the GPU suite (tests marked gpu; on a machine with CUDA GPUs and TORCH=cuda)"
-	@echo "make lint          ruff, mypy and the layer checks (CI runs it before make test)"
+	@echo "make lint          ruff, mypy and the layer contracts (lint-imports) (CI runs it before make test)"
 	@echo "make bench-quick   every benchmark on its smallest settings, ~30 s; reports go to out/bench-quick/"
 	@echo "make bench         the full benchmarks (many minutes); reports go to benchmarks/results/"
 	@echo "make image         build the CPU container image localhost/hora:cpu (from Docker Hub's Debian, or from"
@@ -134,12 +134,12 @@ image:
 image-cuda:
 	$(PYTHON) docker/build_image.py --flavor cuda $(IMAGE_ARGS)
 
-# The layer checks: no import cycle inside src/hora, and the data path's imports go downwards only.
-LAYER_TESTS := tests/unit/test_import_cycles.py tests/unit/test_layers.py
+# The layer contracts (pyproject.toml's [tool.importlinter]): the packages import downwards only, the launcher no
+# worker-side layer, the agent no torch, and no import cycle anywhere in src/hora.
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(LAYER_TESTS)
+	$(BIN)/lint-imports --no-cache
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/allreduce_bench.py

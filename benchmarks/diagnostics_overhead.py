@@ -43,8 +43,9 @@ def _rank(rank: int, size: int, repeats: int, steps: int, tmp: str) -> dict[str,
     import torch
 
     import hora as hvd
-    from hora import runtime
-    from hora.diagnostics import stall, timeline
+    from hora.diagnostics import stall_report as stall
+    from hora.diagnostics import timeline
+    from hora.runtime import lifecycle as runtime
 
     torch.set_num_threads(1)
     hvd.init()
@@ -93,8 +94,8 @@ def _micro(rank: int, size: int, pending: int, calls: int) -> dict[str, float]:
     import time
 
     import hora as hvd
-    from hora import runtime
-    from hora.engine.plan import Entry, Request
+    from hora.engine.table import Entry, Request
+    from hora.runtime import lifecycle as runtime
 
     hvd.init()
     neg = runtime.state().negotiator

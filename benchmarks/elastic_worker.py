@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import hora as hvd
-from hora.runtime import world_generation
+from hora.runtime.lifecycle import world_generation
 
 p = argparse.ArgumentParser()
 p.add_argument("out")

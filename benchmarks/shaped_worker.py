@@ -30,9 +30,9 @@ import wire16
 from torch import nn
 
 import hora as hvd
-from hora import hierarchical
 from hora.bench import cpu, models
 from hora.bench.timing import alternate
+from hora.datapath import hierarchical
 
 
 def _jiffies() -> tuple[int, int]:

@@ -23,20 +23,20 @@ import hora
 OUT = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 # defining module -> section title, in the order the reference shows them
 SECTIONS: dict[str, str] = {
-    "hora.runtime": "Start, stop and topology",
-    "hora.process_sets": "Process sets",
-    "hora.ops": "Collectives",
-    "hora.grouped": "Grouped collectives",
-    "hora.sparse": "Sparse allreduce",
-    "hora.handles": "Asynchronous handles",
-    "hora.reduce_ops": "Reduction operations",
-    "hora.optimizer": "DistributedOptimizer",
-    "hora.functions": "Broadcast and gather helpers",
-    "hora.compression": "Compression",
-    "hora.sync_batch_norm": "SyncBatchNorm",
+    "hora.runtime.lifecycle": "Start, stop and topology",
+    "hora.common.process_sets": "Process sets",
+    "hora.api.ops": "Collectives",
+    "hora.api.grouped": "Grouped collectives",
+    "hora.api.sparse": "Sparse allreduce",
+    "hora.engine.handles": "Asynchronous handles",
+    "hora.datapath.reduce_ops": "Reduction operations",
+    "hora.training.optimizer": "DistributedOptimizer",
+    "hora.api.functions": "Broadcast and gather helpers",
+    "hora.datapath.compression": "Compression",
+    "hora.training.sync_batch_norm": "SyncBatchNorm",
     "hora.diagnostics.timeline": "Timeline",
-    "hora.launch.pyrun": "Launching from Python",
-    "hora.build": "Build queries",
+    "hora.launcher.pyfunc.run": "Launching from Python",
+    "hora.api.build_info": "Build queries",
     "hora.errors": "Errors",
 }
 HEADER = """# API reference

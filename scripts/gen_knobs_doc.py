@@ -1,17 +1,17 @@
-"""Regenerate docs/knobs.md from the knob table in src/hora/env.py: `python scripts/gen_knobs_doc.py`."""
+"""Regenerate docs/knobs.md from the knob table in src/hora/common/env.py: `python scripts/gen_knobs_doc.py`."""
 
 from __future__ import annotations
 
 import pathlib
 
-from hora.env import knobs_markdown
+from hora.common.env import knobs_markdown
 
 HEADER = """# Tuning knobs
 
-Every knob is an environment variable read once, by `hora/env.py`, when `hvd.init()` runs. `hora run` sets
+Every knob is an environment variable read once, by `hora/common/env.py`, when `hvd.init()` runs. `hora run` sets
 the matching ones from its flags (for example `--stall-check-warning-time-seconds` sets
 `HORA_STALL_CHECK_TIME_SECONDS`). Horovod's variable names are accepted as aliases.
-This file is generated from the table in `src/hora/env.py`; a test fails when it is out of date.
+This file is generated from the table in `src/hora/common/env.py`; a test fails when it is out of date.
 
 """
 

@@ -59,7 +59,7 @@ def memory_limit() -> Iterator[Callable[[int], Callable[[], None]]]:
     Works with cgroup v1's memory controller and with v2 where the memory controller is delegated to this
     process's cgroup; needs root. Every cgroup is emptied (SIGKILL) and removed after the test.
     """
-    from hora.launch.oom import memory_cgroup
+    from hora.launcher.remote.oom import memory_cgroup
 
     made: list[Path] = []
 

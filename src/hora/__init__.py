@@ -40,10 +40,10 @@ from hora.errors import (  # noqa: F401
 )
 
 # --- compression --------------------------------------------------------------------------------------
-from hora.compression import Compression, Compressor  # noqa: F401
+from hora.datapath.compression import Compression, Compressor  # noqa: F401
 
 # --- lifecycle, topology, process sets (runtime.py, process_sets.py, build.py) ------------------------
-from hora.build import (  # noqa: F401
+from hora.api.build_info import (  # noqa: F401
     ccl_built,
     cuda_built,
     ddl_built,
@@ -55,8 +55,8 @@ from hora.build import (  # noqa: F401
     nccl_built,
     rocm_built,
 )
-from hora.process_sets import ProcessSet, global_process_set  # noqa: F401
-from hora.runtime import (  # noqa: F401
+from hora.common.process_sets import ProcessSet, global_process_set  # noqa: F401
+from hora.runtime.lifecycle import (  # noqa: F401
     add_process_set,
     cross_rank,
     cross_size,
@@ -72,9 +72,9 @@ from hora.runtime import (  # noqa: F401
 )
 
 # --- collectives (ops.py, grouped.py, sparse.py, handles.py, reduce_ops.py) ------------------------------
-from hora.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
-from hora.handles import Handle, poll, synchronize  # noqa: F401
-from hora.ops import (  # noqa: F401
+from hora.datapath.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
+from hora.engine.handles import Handle, poll, synchronize  # noqa: F401
+from hora.api.ops import (  # noqa: F401
     allgather,
     allgather_async,
     allreduce,
@@ -92,7 +92,7 @@ from hora.ops import (  # noqa: F401
     reducescatter,
     reducescatter_async,
 )
-from hora.grouped import (  # noqa: F401
+from hora.api.grouped import (  # noqa: F401
     grouped_allgather,
     grouped_allgather_async,
     grouped_allreduce,
@@ -102,23 +102,23 @@ from hora.grouped import (  # noqa: F401
     grouped_reducescatter,
     grouped_reducescatter_async,
 )
-from hora.sparse import sparse_allreduce_async  # noqa: F401
+from hora.api.sparse import sparse_allreduce_async  # noqa: F401
 
 # --- helpers, optimizer, SyncBatchNorm (functions.py, optimizer.py, sync_batch_norm.py) ---------------
-from hora.functions import (  # noqa: F401
+from hora.api.functions import (  # noqa: F401
     allgather_object,
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
 )
-from hora.optimizer import DistributedOptimizer  # noqa: F401
-from hora.sync_batch_norm import SyncBatchNorm  # noqa: F401
+from hora.training.optimizer import DistributedOptimizer  # noqa: F401
+from hora.training.sync_batch_norm import SyncBatchNorm  # noqa: F401
 
 # --- diagnostics (diagnostics/) ------------------------------------------------------------------------
 from hora.diagnostics import start_timeline, stop_timeline  # noqa: F401
 
 # --- launching from Python (launch/) -------------------------------------------------------------------
-from hora.launch.pyrun import run  # noqa: F401
+from hora.launcher.pyfunc.run import run  # noqa: F401
 
 
 def __getattr__(name: str) -> _Any:

@@ -34,9 +34,9 @@ from typing import IO, Any
 
 import torch
 
-from hora import runtime
+from hora.api.functions import allgather_object, broadcast_object
 from hora.errors import HoraError
-from hora.functions import allgather_object, broadcast_object
+from hora.runtime import lifecycle as runtime
 
 __all__ = ["CheckpointError", "checkpoints", "clear_stale", "latest", "restore", "save"]
 

@@ -48,8 +48,8 @@ import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 
 import hora
-from hora.code_fingerprint import code_fingerprint, installed_version
-from hora.jobsecret import ENV_SECRET, JobSecret
+from hora.protocol.code_fingerprint import code_fingerprint, installed_version
+from hora.protocol.jobsecret import ENV_SECRET, JobSecret
 
 # After one rank fails, the others get this long to report (their own error or a follow-on one).
 FAILURE_GRACE_S = 3.0

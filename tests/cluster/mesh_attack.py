@@ -172,7 +172,7 @@ class Canary:
 
 
 def _body(value: dict[str, Any]) -> bytes:
-    """A plain-value dict of str/int/bool/bytes (hora.engine.wire's format, written out by hand)."""
+    """A plain-value dict of str/int/bool/bytes (hora.engine.codec's format, written out by hand)."""
     out = [b"m", struct.pack("<I", len(value))]
     for key, item in value.items():
         out += [b"s", struct.pack("<I", len(key)), key.encode()]

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 import hora as hvd
-from hora.engine import control, handshake
+from hora.engine import gloo_plane as control
+from hora.engine import handshake
 
 
 def _wait_for(path: Path, limit_s: float) -> bool:

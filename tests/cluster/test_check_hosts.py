@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.cluster
 
-CHECK = [sys.executable, "-m", "hora.diagnostics.check"]
+CHECK = [sys.executable, "-m", "hora.launcher.check"]
 
 
 def test_check_answers_for_every_host_and_names_the_unreachable_one(hosts: netns.Cluster) -> None:

@@ -49,7 +49,7 @@ class Running:
         return code, time.monotonic() - start
 
     def agent_on(self, index: int) -> netns.Proc:
-        found = [p for p in self.cluster.host(index).ps() if "hora.launch.agent" in p.cmdline]
+        found = [p for p in self.cluster.host(index).ps() if "hora.launcher.remote.agent" in p.cmdline]
         assert len(found) == 1, [p.cmdline for p in self.cluster.host(index).ps()]
         return found[0]
 

@@ -21,7 +21,7 @@ import netns
 import pytest
 
 from hora.engine.listener import HANDSHAKE_S
-from hora.jobsecret import JobSecret
+from hora.protocol.jobsecret import JobSecret
 
 pytestmark = pytest.mark.cluster
 
@@ -101,7 +101,7 @@ def test_a_stranger_on_the_network_cannot_join_stall_or_run_code_in_the_mesh(
 def changed_hora_file(hosts: netns.Cluster, tmp_path: Path) -> Iterator[Path]:
     """On node4 only, one of hora's files differs (a copy with one more line, bind-mounted over it): the same
     version string, different code, as after a local edit or another build."""
-    import hora.engine.wire as target
+    import hora.engine.codec as target
 
     real = Path(target.__file__).resolve()
     changed = tmp_path / real.name

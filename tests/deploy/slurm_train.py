@@ -23,7 +23,7 @@ record = {"rank": hora.rank(), "size": hora.size(), "local_rank": hora.local_ran
           "local_size": hora.local_size(), "cross_rank": hora.cross_rank(), "cross_size": hora.cross_size(),
           "host": socket.gethostname(),
           # the job's secret, made by hora.sbatch: whether hora authenticates with it, and which one (a digest)
-          "authenticated": hora.runtime.state().job_store.authenticated,
+          "authenticated": hora.runtime.lifecycle.state().job_store.authenticated,
           "secret": hashlib.sha256(os.environ.get("HORA_SECRET", "").encode()).hexdigest()[:16]}
 if sys.argv[2:] != ["--init-only"]:
     record.update(train_digits.main(sys.argv[2:]))

@@ -8,8 +8,8 @@ import os
 import torch
 
 import hora as hvd
+from hora.common.env import WorkerEnv
 from hora.diagnostics import timeline as T
-from hora.env import WorkerEnv
 from tests.distributed.harness import run_ranks
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import hora as hvd
-from hora import collectives
-from hora.calltypes import Call, Kind
-from hora.compression import POOL_MIN_BYTES, WIRE_BUFFERS, CastCompressor
+from hora.calls import submit as collectives
+from hora.datapath.call import Call, Kind
+from hora.datapath.compression import POOL_MIN_BYTES, WIRE_BUFFERS, CastCompressor
 from tests.distributed.expect import ALL, FLOATS, close, ops_for, rank_input, reduce
 from tests.distributed.harness import run_ranks
 

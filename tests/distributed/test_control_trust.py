@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import hora as hvd
-from hora.engine import control
-from hora.jobsecret import ENV_SECRET, JobSecret
+from hora.engine import gloo_plane as control
+from hora.protocol.jobsecret import ENV_SECRET, JobSecret
 from tests.distributed.harness import run_ranks
 
 PLANES = ["tcp", "gloo"]

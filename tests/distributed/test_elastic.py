@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import hora as hvd
-from hora import env as hora_env
-from hora import runtime
+from hora.common import env as hora_env
 from hora.elastic import notifications
-from hora.signedstore import SignedStore
+from hora.protocol.signedstore import SignedStore
+from hora.runtime import lifecycle as runtime
 from tests.distributed.harness import run_ranks
 
 SAMPLES = 24

@@ -13,8 +13,8 @@ import os
 import time
 from typing import Any
 
-from hora.launch import elastic_protocol as ep
-from hora.launch import protocol
+from hora.protocol import elastic as ep
+from hora.protocol import messages as protocol
 from tests.distributed.harness import run_ranks
 from tests.distributed.test_elastic import _check_training, _Driver, _key, _signal_and_wait, _worker
 

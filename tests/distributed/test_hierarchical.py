@@ -13,7 +13,8 @@ import time
 import torch
 
 import hora as hvd
-from hora import hierarchical, hostshm
+from hora.datapath import hierarchical
+from hora.datapath import shared_memory as hostshm
 from tests.distributed.expect import close, rank_input, reduce
 from tests.distributed.harness import run_ranks
 

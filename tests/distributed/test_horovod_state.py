@@ -15,8 +15,9 @@ import torch
 import torch._dynamo  # noqa: F401 - imported by an optimizer's first construction: once here, not per rank
 
 import hora as hvd
-from hora import hierarchical, runtime
-from hora.optimizer import STEP_AFTER_SYNCHRONIZE
+from hora.datapath import hierarchical
+from hora.runtime import lifecycle as runtime
+from hora.training.optimizer import STEP_AFTER_SYNCHRONIZE
 from tests.distributed.expect import close, rank_input, reduce
 from tests.distributed.harness import rank_store, run_ranks
 from tests.distributed.test_optimizer import Net, shard

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import hora as hvd
-from hora.jobsecret import JobSecret
+from hora.protocol.jobsecret import JobSecret
 from tests.distributed.harness import run_ranks
 
 LAUNCHER_VARS = ("HORA_RANK", "HORA_SIZE", "HORA_LOCAL_RANK", "HORA_LOCAL_SIZE", "HORA_CROSS_RANK", "HORA_CROSS_SIZE",
@@ -46,7 +46,8 @@ def _two_inits(rank: int, size: int) -> dict[str, Any]:
         hvd.init()
         sums.append(hvd.allreduce(torch.tensor([float(rank + 1)]), op=hvd.Sum).item())
         raw = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=False)
-        mesh = raw.get(f"hora//g{hvd.runtime.world_generation()}/mesh/0")  # as a stranger reads it (no job id)
+        generation = hvd.runtime.lifecycle.world_generation()
+        mesh = raw.get(f"hora//g{generation}/mesh/0")  # as a stranger reads it (no job id)
         hvd.shutdown()
     return {"sums": sums, "warnings": warnings.lines, "mesh_value_kind": mesh[:1].decode()}
 

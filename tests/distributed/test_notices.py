@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 import hora as hvd
-from hora import runtime
+from hora.runtime import lifecycle as runtime
 from tests.distributed.harness import run_ranks
 
 CHECKPOINTS = 200

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 import hora as hvd
-from hora import runtime
+from hora.runtime import lifecycle as runtime
 from tests.distributed.harness import rank_store, run_ranks
 
 CYCLES = 20

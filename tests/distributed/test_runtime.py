@@ -206,7 +206,7 @@ def test_a_dead_peer_surfaces_as_horovod_internal_error() -> None:
 
 def _interrupted(rank: int, size: int) -> list[str]:
     """Ctrl-C (KeyboardInterrupt) lands while a synchronous op runs its round, as in a notebook cell."""
-    from hora import runtime
+    from hora.runtime import lifecycle as runtime
 
     hvd.init()
     plane = runtime.state().negotiator._plane

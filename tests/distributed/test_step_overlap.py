@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import hora as hvd
-import hora.optimizer as hopt
+import hora.training.optimizer as hopt
 from tests.distributed.harness import run_ranks
 
 ONE_BUCKET_PER_PARAM = {"HORA_BUCKET_CAP_MB": "0", "HORA_FIRST_BUCKET_MB": "0"}

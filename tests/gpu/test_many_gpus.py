@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import hora as hvd
-from hora import hierarchical
+from hora.datapath import hierarchical
 from tests.distributed.expect import rank_input, reduce, split_sizes
 from tests.gpu.common import ON_CPU, cuda_devices, device, nccl_world, same
 from tests.gpu.every_kind import every_kind

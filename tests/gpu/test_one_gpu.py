@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import hora as hvd
-from hora import fusion
+from hora.datapath import fusion
 from tests.distributed.expect import rank_input, reduce
 from tests.gpu.common import ON_CPU, device, gloo_world, nccl_world, same
 from tests.gpu.every_kind import every_kind

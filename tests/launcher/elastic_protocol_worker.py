@@ -21,10 +21,10 @@ from pathlib import Path
 
 from torch.distributed import TCPStore
 
-from hora import env as hora_env
-from hora.launch import elastic_protocol as ep
-from hora.launch import protocol
-from hora.signedstore import SignedStore
+from hora.common import env as hora_env
+from hora.protocol import elastic as ep
+from hora.protocol import messages as protocol
+from hora.protocol.signedstore import SignedStore
 
 out = Path(sys.argv[1])
 wid = os.environ[ep.WORKER_ID_ENV]

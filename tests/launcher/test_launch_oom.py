@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import HORA, PYTHON, wait_until, write_script
-from hora.launch import oom
+from hora.launcher.remote import oom
 
 HOG = """
 import os, sys, time

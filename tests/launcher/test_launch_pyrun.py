@@ -8,7 +8,7 @@ import os
 import pytest
 
 from hora.errors import ConfigError, LaunchError
-from hora.launch.pyrun import RemoteTraceback, run
+from hora.launcher.pyfunc.run import RemoteTraceback, run
 
 
 def test_results_come_back_in_rank_order_from_a_closure() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PYTHON, hora_run
-from hora.network import interface_addresses
+from hora.protocol.network import interface_addresses
 
 SSHD = "/usr/sbin/sshd"
 

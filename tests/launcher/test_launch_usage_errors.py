@@ -1,6 +1,6 @@
 """Malformed ``hora run`` input: each gives one exact error line and exit code 2, and starts nothing.
 
-Run in-process through :func:`hora.launch.cli.main` (the code behind the ``hora`` command), plus a few
+Run in-process through :func:`hora.launcher.cli.main` (the code behind the ``hora`` command), plus a few
 through a real ``python -m hora`` process to show the command itself behaves the same.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import HORA, PYTHON
-from hora.launch.cli import main
+from hora.launcher.cli import main
 
 P = sys.executable
 OK = [P, "ok.py"]
@@ -118,7 +118,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(a[:2]) for a, _ in CASES])
 def test_malformed_input_gives_one_exact_line_and_exit_code_2(
         argv: list[str], message: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from hora.network import interface_addresses
+    from hora.protocol.network import interface_addresses
 
     code = main(["run", *argv])
     captured = capsys.readouterr()
@@ -154,7 +154,7 @@ def test_read_only_output_directory_is_one_line_and_exit_code_2(workdir: Path) -
 
 
 def test_hora_help_describes_every_command(capsys: pytest.CaptureFixture[str]) -> None:
-    from hora.launch.cli import DESCRIPTIONS, SUBCOMMANDS
+    from hora.launcher.cli import DESCRIPTIONS, SUBCOMMANDS
 
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

@@ -31,7 +31,7 @@ def test_a_mismatch_is_shown_once_naming_the_call_and_the_line(tmp_path: Path) -
     assert "hora run: rank 1 failed with the same error" in result.stderr or \
         "hora run: rank 0 failed with the same error" in result.stderr, seen
     assert f'File "{script}", line 7' in seen  # the user's frame
-    for internal in ("noname", "hora/ops.py", "handles.py"):  # hora's names and frames stay out of sight
+    for internal in ("noname", "hora/api/ops.py", "handles.py"):  # hora's names and frames stay out of sight
         assert internal not in seen, seen
     assert "hora run --verbose" in seen  # ... and how to see them
 
@@ -91,7 +91,7 @@ def test_verbose_shows_hora_frames(tmp_path: Path) -> None:
     script = write_script(tmp_path, "mm.py", MISMATCH)
     result = hora_run(["-np", "2", "--verbose", PYTHON, script], tmp_path, timeout=120)
     assert result.returncode == 1
-    assert "hora/ops.py" in result.stderr and "CollectiveMismatchError" in result.stderr
+    assert "hora/api/ops.py" in result.stderr and "CollectiveMismatchError" in result.stderr
 
 
 def test_hora_warnings_are_prefixed_and_never_on_a_bars_line(tmp_path: Path) -> None:
@@ -105,7 +105,7 @@ def test_hora_warnings_are_prefixed_and_never_on_a_bars_line(tmp_path: Path) -> 
         for i in range(10):
             bar.update(1)
             if i == 5:
-                logging.getLogger("hora.optimizer").warning("something to know")  # as hora's modules log
+                logging.getLogger("hora.training.optimizer").warning("something to know")  # as hora's modules log
             time.sleep(0.01)
         bar.close()
         hvd.shutdown()

@@ -11,9 +11,9 @@ from torch.distributed import HashStore
 
 from hora.diagnostics.board import Board
 from hora.errors import StoreAuthError
-from hora.jobsecret import JobSecret
-from hora.launch import protocol
-from hora.signedstore import SignedStore
+from hora.protocol import messages as protocol
+from hora.protocol.jobsecret import JobSecret
+from hora.protocol.signedstore import SignedStore
 
 SECRET = JobSecret.generate()
 

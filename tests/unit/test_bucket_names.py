@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hora.bucket_names import BucketNames, fingerprint
+from hora.training.bucket_names import BucketNames, fingerprint
 
 
 def test_the_fingerprint_depends_on_parameter_names_and_ranks_only() -> None:

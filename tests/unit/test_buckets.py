@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hora.buckets import FlatBucket, ParamSpec, plan_buckets, split_groups
+from hora.training.buckets import FlatBucket, ParamSpec, plan_buckets, split_groups
 
 CPU = torch.device("cpu")
 

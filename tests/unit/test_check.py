@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hora.diagnostics import check
+from hora.launcher import check
 
 
 def _table(text: str) -> list[dict[str, str]]:
@@ -66,7 +66,7 @@ def test_hosts_disagreeing_on_torch_are_named():
     answers = {"a": _fake_host("a", "2.13.0"), "b": _fake_host("b", "2.4.1"), "c": None}
 
     def run_remote(host, argv):
-        assert argv[1:] == ["-m", "hora.diagnostics.check", "--json"]
+        assert argv[1:] == ["-m", "hora.launcher.check", "--json"]
         if answers[host] is None:
             return 255, "", "ssh: connect to host c port 22: Connection refused"
         return 0, json.dumps({"hosts": [answers[host]]}), ""

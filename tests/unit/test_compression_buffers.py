@@ -1,12 +1,12 @@
-"""The built-in casts' reused wire buffers, their pieces and the cast back (hora.compression)."""
+"""The built-in casts' reused wire buffers, their pieces and the cast back (hora.datapath.compression)."""
 
 from __future__ import annotations
 
 import torch
 
 import hora as hvd
-from hora import compression
-from hora.compression import CastCompressor, WireBuffers, cast_scaled, lease_wire, pipeline_ranges
+from hora.datapath import compression
+from hora.datapath.compression import CastCompressor, WireBuffers, cast_scaled, lease_wire, pipeline_ranges
 
 
 def test_buffers_are_reused_and_bounded() -> None:

@@ -1,4 +1,4 @@
-"""Elastic host discovery and the blacklist (hora.launch.elastic_hosts)."""
+"""Elastic host discovery and the blacklist (hora.launcher.elastic.hosts)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hora.errors import ConfigError
-from hora.launch.elastic_hosts import (
+from hora.launcher.elastic.hosts import (
     Absences,
     Discovery,
     DiscoveryError,
@@ -17,7 +17,7 @@ from hora.launch.elastic_hosts import (
     parse_discovery_output,
     run_discovery,
 )
-from hora.launch.hosts import HostSpec, parse_hosts
+from hora.launcher.hosts import HostSpec, parse_hosts
 
 
 def test_discovery_output_lines() -> None:

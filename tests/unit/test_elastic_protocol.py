@@ -1,4 +1,4 @@
-"""The elastic contract's records and rank assignment (hora.launch.elastic_protocol)."""
+"""The elastic contract's records and rank assignment (hora.protocol.elastic)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from hora.launch import elastic_protocol as ep
-from hora.launch import protocol
-from hora.launch.hosts import assign_slots, parse_hosts
-from hora.launch.transport import BOOTSTRAP
+from hora.launcher.hosts import assign_slots, parse_hosts
+from hora.launcher.remote.transport import BOOTSTRAP
+from hora.protocol import elastic as ep
+from hora.protocol import messages as protocol
 
 
 def _members(*ids: str) -> list[tuple[str, str]]:
@@ -82,9 +82,9 @@ def test_key_names() -> None:
 def test_stdlib_only() -> None:
     """Imported without the hora package's own imports (as the agent loads hora: transport.BOOTSTRAP), the
     module pulls in nothing outside the standard library."""
-    code = (BOOTSTRAP.rsplit("\n", 1)[0] + "\nimport hora.launch.elastic_protocol\n"
+    code = (BOOTSTRAP.rsplit("\n", 1)[0] + "\nimport hora.protocol.elastic\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy') or "
-            "m.startswith('hora.') and m not in ('hora.launch', 'hora.launch.elastic_protocol'))\n"
+            "m.startswith('hora.') and m not in ('hora.protocol', 'hora.protocol.elastic'))\n"
             "print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr

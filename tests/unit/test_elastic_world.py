@@ -1,4 +1,5 @@
-"""The worker's rendezvous with the elastic driver (hora.world) and ElasticSampler's arithmetic, in one process."""
+"""The worker's rendezvous with the elastic driver (hora.runtime.elastic_rendezvous) and ElasticSampler's arithmetic,
+in one process."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import json
 import pytest
 import torch.distributed as dist
 
-from hora import world
+from hora.common.env import WorkerEnv
 from hora.elastic import ElasticSampler
-from hora.env import WorkerEnv
 from hora.errors import ElasticTimeoutError, StoreAuthError
-from hora.jobsecret import JobSecret
-from hora.signedstore import SignedStore
+from hora.protocol.jobsecret import JobSecret
+from hora.protocol.signedstore import SignedStore
+from hora.runtime import elastic_rendezvous as world
 
 JOB = "j1"
 BASE = f"hora/{JOB}/elastic/"

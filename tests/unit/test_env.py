@@ -1,12 +1,12 @@
-"""Launcher detection in hora.env: which variables win, what each launcher's variables mean, clear errors."""
+"""Launcher detection in hora.common.env: which variables win, what each launcher's variables mean, clear errors."""
 
 from __future__ import annotations
 
 import pytest
 
-from hora.env import KNOBS, Knobs, WorkerEnv, knobs_markdown
+from hora.common.env import KNOBS, Knobs, WorkerEnv, knobs_markdown
+from hora.common.slurm import expand_nodelist, parse_tasks_per_node
 from hora.errors import ConfigError
-from hora.slurm import expand_nodelist, parse_tasks_per_node
 
 MASTER = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
 

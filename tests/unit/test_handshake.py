@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
-from hora.engine import handshake, wire
+from hora.engine import codec as wire
+from hora.engine import handshake
 from hora.engine.handshake import HandshakeFailed, Identity, IncompatiblePeer
 from hora.engine.listener import PeerListener
 from hora.errors import CollectiveError
-from hora.jobsecret import JobSecret
+from hora.protocol.jobsecret import JobSecret
 
 SECRET = JobSecret.generate()
 

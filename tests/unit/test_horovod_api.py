@@ -216,7 +216,7 @@ def test_states_take_horovods_host_notifications_and_forget_them_at_a_reset() ->
 
 
 def test_average_argument_warns_as_deprecated_as_in_horovod() -> None:
-    from hora.reduce_ops import resolve_op
+    from hora.datapath.reduce_ops import resolve_op
 
     with pytest.warns(DeprecationWarning, match="average="):
         assert resolve_op(None, False) == hvd.Sum
@@ -233,7 +233,7 @@ def test_run_refuses_horovods_mpi_arguments_with_the_reason() -> None:
 def test_run_warns_on_horovods_deprecated_spellings_and_lets_them_win_as_horovod_028_does() -> None:
     """Horovod 0.28.1's run() warns (DeprecationWarning) for np, min_np, max_np and network_interface and uses
     their values over num_proc, min_num_proc, max_num_proc and network_interfaces."""
-    from hora.launch.pyrun import _deprecated_spellings
+    from hora.launcher.pyfunc.run import _deprecated_spellings
 
     for name in ("np", "min_np", "max_np", "network_interface"):
         with pytest.warns(DeprecationWarning, match=rf"hora.run\({name}=...\) is deprecated"):

@@ -15,9 +15,9 @@ from torch.distributed import HashStore
 
 from hora.diagnostics import inflight
 from hora.diagnostics.board import Board
-from hora.diagnostics.stall import StallPolicy
-from hora.engine.plan import Request
-from hora.launch import protocol
+from hora.diagnostics.stall_report import StallPolicy
+from hora.engine.table import Request
+from hora.protocol import messages as protocol
 
 
 class Transfer:

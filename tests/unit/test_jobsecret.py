@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hora import env as hora_env
+from hora.common import env as hora_env
 from hora.errors import ConfigError
-from hora.jobsecret import SECRET_BYTES, JobSecret, SecretError
+from hora.protocol.jobsecret import SECRET_BYTES, JobSecret, SecretError
 
 
 def test_a_generated_secret_has_256_bits_and_never_shows_in_repr() -> None:
@@ -49,7 +49,7 @@ def test_env_reads_the_variable_or_the_file_and_names_a_bad_one(tmp_path) -> Non
 
 
 def test_hora_secret_writes_a_file_only_its_owner_reads_and_never_prints_the_secret(tmp_path, capsys) -> None:
-    from hora.jobsecret import main
+    from hora.protocol.jobsecret import main
 
     path = tmp_path / "job.secret"
     assert main([str(path)]) == 0

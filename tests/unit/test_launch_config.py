@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from hora.env import Knobs
+from hora.common.env import Knobs
 from hora.errors import ConfigError
-from hora.launch import config as run_config
-from hora.launch import envvars
-from hora.launch.cli import build_parser, parse_run_args
-from hora.launch.hosts import HostSpec, SlotInfo
-from hora.launch.transport import SshTransport
+from hora.launcher import config as run_config
+from hora.launcher import envvars
+from hora.launcher.cli import build_parser, parse_run_args
+from hora.launcher.hosts import HostSpec, SlotInfo
+from hora.launcher.remote.transport import SshTransport
 
 FLAGS = [
     "--blacklist-cooldown-range", "--check-build", "--config-file", "--cycle-time-ms", "--disable-cache",
@@ -109,7 +109,7 @@ def test_user_ssh_options_come_before_hora_defaults_so_they_win() -> None:
 def test_heartbeat_timeout_flag_sets_the_agents_deadline_and_ssh_keepalive() -> None:
     cfg = _cfg(["-np", "1", "--heartbeat-timeout", "9", sys.executable, "-V"])
     assert cfg.heartbeat_timeout == 9.0
-    from hora.launch.agent_handle import default_transport
+    from hora.launcher.remote.agent_handle import default_transport
 
     ssh = default_transport(cfg)("remote", False)
     assert isinstance(ssh, SshTransport) and ssh.alive_interval == 3

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hora.launch.failures import RankState, RootCause
-from hora.launch.hosts import SlotInfo
+from hora.launcher.failures import RankState, RootCause
+from hora.launcher.hosts import SlotInfo
 
 
 def _state(rank: int, code: int | None = 1, sig: int | None = None, exit_ts: float = 0.0,
@@ -59,7 +59,7 @@ def test_a_rank_that_raised_peer_lost_is_a_consequence_even_when_its_output_was_
 
 
 def test_follow_on_reads_the_error_line_of_a_ranks_last_traceback() -> None:
-    from hora.launch import output
+    from hora.launcher import output
 
     gone = ["Traceback (most recent call last):", '  File "t.py", line 4, in <module>', "    hvd.allreduce(t)",
             "hora.PeerLostError: rank 0: rank 1 on host h1 is gone (its process exited or its link broke), ...",

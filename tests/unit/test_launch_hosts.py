@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hora.errors import ConfigError
-from hora.launch.hosts import HostSpec, assign_slots, parse_hostfile, parse_hostfile_text, parse_hosts
+from hora.launcher.hosts import HostSpec, assign_slots, parse_hostfile, parse_hostfile_text, parse_hosts
 
 
 def test_hosts_with_and_without_slots_and_ipv6() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from hora.launch.output import failure_report
+from hora.launcher.output import failure_report
 
 NO_TORCH = ["Traceback (most recent call last):", '  File "/tmp/train.py", line 1, in <module>',
             "    import torch", "ModuleNotFoundError: No module named 'torch'"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hora.launch import protocol
-from hora.launch.protocol import BAR, ERASE, LINE, LineSplitter
+from hora.protocol import messages as protocol
+from hora.protocol.messages import BAR, ERASE, LINE, LineSplitter
 
 
 def test_messages_round_trip_and_noise_is_ignored() -> None:

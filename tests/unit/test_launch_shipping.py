@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from hora.errors import ConfigError
-from hora.launch.shipping import dumps, loads
+from hora.launcher.pyfunc.shipping import dumps, loads
 
 OFFSET = 100
 
@@ -21,7 +21,8 @@ def _round_trip_in_fresh_process(blob: bytes) -> str:
     # the way the launcher's agent bootstrap does it.
     code = ("import sys, types, importlib.util as u; s = u.find_spec('hora'); m = types.ModuleType('hora'); "
             "m.__path__ = list(s.submodule_search_locations); sys.modules['hora'] = m; "
-            "from hora.launch.shipping import loads; fn, args = loads(sys.stdin.buffer.read()); print(fn(*args))")
+            "from hora.launcher.pyfunc.shipping import loads; "
+            "fn, args = loads(sys.stdin.buffer.read()); print(fn(*args))")
     out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr.decode()
     return out.stdout.decode().strip()

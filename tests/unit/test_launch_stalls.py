@@ -7,11 +7,12 @@ import os
 
 import pytest
 
-from hora.diagnostics.stall import format_silent_report
+from hora.diagnostics.stall_report import format_silent_report
 from hora.errors import LaunchError
-from hora.launch import preflight, procs
-from hora.launch.hosts import HostSpec
-from hora.launch.stalls import StallWatch
+from hora.launcher import procs
+from hora.launcher.hosts import HostSpec
+from hora.launcher.remote import preflight
+from hora.launcher.stall_watch import StallWatch
 
 HOSTS = {0: "n2", 1: "n3", 2: "n3", 3: "n4"}
 

@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from hora.common.env import Knobs
 from hora.engine import handshake
-from hora.engine.control import make_control_plane
+from hora.engine.codec import MAX_FRAME_BYTES
+from hora.engine.gloo_plane import make_control_plane
 from hora.engine.handshake import Identity
 from hora.engine.mesh import _HEAD, BadFrame, Mesh, PeerLost, connect_mesh
 from hora.engine.seal import TAG_BYTES
-from hora.engine.wire import MAX_FRAME_BYTES
-from hora.env import Knobs
 from hora.errors import CollectiveError, ConfigError
-from hora.jobsecret import JobSecret
+from hora.protocol.jobsecret import JobSecret
 
 SECRET = JobSecret.generate()
 

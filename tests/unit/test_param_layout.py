@@ -1,11 +1,11 @@
-"""broadcast_parameters' message for models that differ across ranks (the pure part, hora.param_layout)."""
+"""broadcast_parameters' message for models that differ across ranks (the pure part, hora.api.param_layout)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from hora.param_layout import describe_mismatch, fingerprint, layout
+from hora.api.param_layout import describe_mismatch, fingerprint, layout
 
 
 def test_the_fingerprint_ignores_names_but_not_shapes_or_dtypes() -> None:

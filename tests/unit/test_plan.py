@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from hora.engine.plan import Decision, Entry, Request, Table, last_joined
+from hora.datapath.fusion import inline_bytes, plan_batches, reduce_inline
+from hora.datapath.reduce_ops import ReduceOp
+from hora.engine.table import Decision, Entry, Request, Table, last_joined
 from hora.errors import CollectiveError, CollectiveMismatchError, PeerRejectedCallError
-from hora.fusion import inline_bytes, plan_batches, reduce_inline
-from hora.reduce_ops import ReduceOp
 
 ALL = (0, 1, 2)
 

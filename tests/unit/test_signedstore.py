@@ -8,10 +8,11 @@ import socket
 import pytest
 from torch.distributed import HashStore
 
-from hora import network, rendezvous, signedstore
+from hora.common import rendezvous
 from hora.errors import StoreAuthError
-from hora.jobsecret import JobSecret
-from hora.signedstore import SignedStore
+from hora.protocol import network, signedstore
+from hora.protocol.jobsecret import JobSecret
+from hora.protocol.signedstore import SignedStore
 
 SECRET = JobSecret.generate()
 ADDR = "10.0.0.1:29500"
@@ -91,7 +92,7 @@ def test_an_ignored_value_is_logged_once_per_key(caplog: pytest.LogCaptureFixtur
     for _ in range(3):
         with pytest.raises(StoreAuthError) as info:
             store.get("board/ended/7")
-        with caplog.at_level(logging.WARNING, logger="hora.signedstore"):
+        with caplog.at_level(logging.WARNING, logger="hora.protocol.signedstore"):
             signedstore.ignored(info.value)
     lines = [r.getMessage() for r in caplog.records if "board/ended/7" in r.getMessage()]
     assert len(lines) == 1 and lines[0].endswith("; ignored")

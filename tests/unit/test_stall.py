@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hora.diagnostics.stall import StallAction, StallPolicy, format_ranks, format_stall_report
-from hora.env import Knobs
+from hora.common.env import Knobs
+from hora.diagnostics.stall_report import StallAction, StallPolicy, format_ranks, format_stall_report
 from hora.errors import ConfigError
 
 

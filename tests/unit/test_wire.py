@@ -1,4 +1,4 @@
-"""The control plane's wire format: the plain-value codec (hora.engine.wire) and the round frame
+"""The control plane's wire format: the plain-value codec (hora.engine.codec) and the round frame
 (hora.engine.frames). Nothing that reaches a decoder can run code; every malformed input is a FrameError."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 
-from hora.engine import frames, wire
+from hora.datapath.reduce_ops import ReduceOp
+from hora.engine import codec as wire
+from hora.engine import frames
+from hora.engine.codec import MAX_DEPTH, WIRE_VERSION, FrameError, decode, encode
 from hora.engine.frames import decode_round, encode_round
-from hora.engine.plan import Request
-from hora.engine.wire import MAX_DEPTH, WIRE_VERSION, FrameError, decode, encode
-from hora.reduce_ops import ReduceOp
+from hora.engine.table import Request
 
 VALUES: list[Any] = [
     None, True, False, 0, -1, (1 << 63) - 1, -(1 << 63), 1.5, float("inf"), "", "ünïcode", b"", b"\x00\xff",
@@ -31,7 +32,7 @@ def test_plain_values_round_trip_with_their_types(value: Any) -> None:
 
 
 def test_int_enums_and_str_enums_travel_as_their_plain_values() -> None:
-    from hora.calltypes import Kind
+    from hora.datapath.call import Kind
 
     assert decode(encode([ReduceOp.SUM, Kind.ALLREDUCE])) == [int(ReduceOp.SUM), "allreduce"]
 

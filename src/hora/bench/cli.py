@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import hora as hvd
-from hora import runtime
 from hora.bench import model, planner, sweep
 from hora.bench.report import parse_size, parse_sizes, write_json, write_plot
 from hora.errors import ConfigError, HoraError
-from hora.launch import output
+from hora.launcher import output
+from hora.runtime import lifecycle as runtime
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ variables as ``hora run`` sets them (:func:`hora.testing.run_ranks`). Each rank 
 
 * **store operations**: every call on the rendezvous store, torch's own (its rendezvous, Gloo's) included,
   by kind and by the part of the system whose key it names (:mod:`hora.bench.store_tally`, installed with
-  :func:`hora.rendezvous.wrap_clients`), with the bytes of keys and values;
+  :func:`hora.common.rendezvous.wrap_clients`), with the bytes of keys and values;
 * **messages and bytes on the connections to its peers**: data segments and payload bytes each way, read
   from the kernel for every TCP connection (:mod:`hora.bench.census`), whatever code sent them;
 * **descriptors and threads** that ``init()`` added, by kind and by name.
@@ -22,8 +22,8 @@ Phases of a fixed job (one per control plane asked for, ``HORA_CONTROL_PLANE``):
 
 An elastic job (``--elastic``, the default) starts n workers and a stand-in for ``hora run``'s elastic driver
 (process 0; it reads the workers' ready keys every ``TICK`` as the driver does and publishes each world with
-:func:`hora.launch.elastic_protocol.assign_world`; the driver's agents and processes are what it replaces).
-The workers start in world 1, then all reset (``hora.runtime.reset``: leave the world, post ready, wait for
+:func:`hora.protocol.elastic.assign_world`; the driver's agents and processes are what it replaces).
+The workers start in world 1, then all reset (``hora.runtime.lifecycle.reset``: leave the world, post ready, wait for
 the driver's next world, build it: what ``hvd.elastic.run`` does after a host change; the state sync that
 follows is one data-plane broadcast, not counted) into world 2 of the same workers. Counted: each worker's
 and the driver's store operations during the first ``init()`` and during the reset.
@@ -61,9 +61,9 @@ import hora
 from hora.bench.control_ranks import elastic_rank, fixed_rank
 from hora.bench.control_report import summarize_elastic, summarize_fixed
 from hora.bench.store_server import COST_CLIENTS, Job, StoreServer, measure_costs
-from hora.engine.control import CONTROL_PLANES
+from hora.engine.gloo_plane import CONTROL_PLANES
 from hora.errors import ConfigError
-from hora.launch.elastic_driver import TICK
+from hora.launcher.elastic.driver import TICK
 from hora.testing import run_ranks
 
 __all__ = ["ControlConfig", "measure"]

@@ -16,14 +16,15 @@ import torch
 import torch.distributed as dist
 
 import hora
-from hora import rendezvous, runtime
 from hora.bench import census
 from hora.bench.store_server import Job, Side, server_cpu
 from hora.bench.store_tally import StoreTally
-from hora.env import job_secret
-from hora.launch import elastic_protocol as ep
-from hora.launch.elastic_driver import TICK
-from hora.signedstore import SignedStore
+from hora.common import rendezvous
+from hora.common.env import job_secret
+from hora.launcher.elastic.driver import TICK
+from hora.protocol import elastic as ep
+from hora.protocol.signedstore import SignedStore
+from hora.runtime import lifecycle as runtime
 
 __all__ = ["elastic_rank", "fixed_rank"]
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hora.bench.report import markdown_table
-from hora.engine.control import MESH_MAX_RANKS
+from hora.engine.gloo_plane import MESH_MAX_RANKS
 
 __all__ = ["at", "compact", "markdown", "plot", "summarize_elastic", "summarize_fixed"]
 

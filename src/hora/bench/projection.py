@@ -38,13 +38,13 @@ from typing import Any
 from hora.bench.control_report import at
 from hora.bench.planner import LinkFit, Plan
 from hora.bench.report import markdown_table
-from hora.engine.control import MESH_MAX_RANKS
+from hora.engine.gloo_plane import MESH_MAX_RANKS
 
 __all__ = ["Fit", "markdown", "project"]
 
 DEFAULT_FD_LIMIT = 1024  # the soft RLIMIT_NOFILE most Linux distributions give a process; hora does not raise it
 START_TIMEOUT_S = 60.0  # HORA_START_TIMEOUT's default: an init that takes longer fails
-JOIN_POLL_S = 0.01  # hora.world: a waiting worker reads the newest world's number (a check and a get)
+JOIN_POLL_S = 0.01  # runtime/elastic_rendezvous.py: a waiting worker reads the newest world number (check, get)
 ARRIVAL_POLL_S = 0.005  # hora.diagnostics.board.wait_arrivals: a check of every member's key, and an add
 
 

@@ -4,7 +4,7 @@ whose key it touches, with the bytes of its keys and values.
 :class:`CountingStore` is a ``torch.distributed.Store`` written in Python that passes each call to the client it
 wraps and counts it first. torch calls a Python store from C++ as well (Gloo's rendezvous reads each peer's
 address through it), so torch's own operations are counted with hora's. ``hora bench control`` installs it in
-every rank with :func:`hora.rendezvous.wrap_clients` before ``hora.init()``.
+every rank with :func:`hora.common.rendezvous.wrap_clients` before ``hora.init()``.
 
 Example:
     >>> from torch.distributed import HashStore

@@ -26,11 +26,12 @@ import torch
 import torch.distributed as dist
 
 import hora as hvd
-from hora import hierarchical, runtime
 from hora.bench import cpu
 from hora.bench.report import Progress, human_bytes, markdown_table, noise_warning, noisy_mark
 from hora.bench.timing import alternate, ratio_summary, summarize
-from hora.compression import Compression, Compressor
+from hora.datapath import hierarchical
+from hora.datapath.compression import Compression, Compressor
+from hora.runtime import lifecycle as runtime
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Diagnostics: the stall inspector's parts, the timeline, ``hora check``.
 
 * :mod:`hora.diagnostics.where`: what this process's main thread is doing (the stall report's answer).
-* :mod:`hora.diagnostics.stall`: when to report a stall and the report's text.
+* :mod:`hora.diagnostics.stall_report`: when to report a stall and the report's text.
 * :mod:`hora.diagnostics.timeline`: Chrome-trace timeline per rank, merged at job end.
-* :mod:`hora.diagnostics.check`: ``hora check``.
+* :mod:`hora.launcher.check`: ``hora check``.
 
 Nothing here but ``check`` (which reports torch's build) imports torch at module level, so the launcher can
 import these modules cheaply.

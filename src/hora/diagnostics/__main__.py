@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = {"merge-timeline": "hora.diagnostics.merge", "check": "hora.diagnostics.check"}
+COMMANDS = {"merge-timeline": "hora.diagnostics.merge", "check": "hora.launcher.check"}
 
 
 def _main(argv: list[str]) -> int:

@@ -2,14 +2,14 @@
 
 A rank whose process cannot run Python (stopped, inside a native call that holds the GIL, cut off by the
 network) cannot say so itself; the ranks waiting for it can, and the launcher can look at its process from
-outside (its agent reads ``/proc``). Through these keys (names in :mod:`hora.launch.protocol`) a waiting
+outside (its agent reads ``/proc``). Through these keys (names in :mod:`hora.protocol.messages`) a waiting
 rank posts whom it waits for (or which of its data transfers have not finished), learns that a rank it
 waits for has already exited, and names the culprit of a failure so the launcher's headline blames that rank
 and not the one that waited.
 
 Only under ``hora run`` (other launchers have no driver reading the board): elsewhere every call does
 nothing. Store errors are swallowed: the board only adds information, it never decides a job's fate. The store
-is the job's :class:`~hora.signedstore.SignedStore`: a post that fails its MAC check is ignored (one warning
+is the job's :class:`~hora.protocol.signedstore.SignedStore`: a post that fails its MAC check is ignored (one warning
 per key); only the arrivals, checked once every rank has arrived, fail ``init()`` naming the forged key.
 
 Example:
@@ -25,10 +25,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from hora import signedstore
 from hora.errors import StoreAuthError
-from hora.launch import protocol
-from hora.signedstore import SignedStore
+from hora.protocol import messages as protocol
+from hora.protocol import signedstore
+from hora.protocol.signedstore import SignedStore
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ For those it:
 
 - logs one warning (on the two lowest ranks of the op's process set, so a large job does not print one
   line per rank);
-- posts them on the board (``inflight/<rank>``, :mod:`hora.launch.protocol`), where ``hora run``'s driver
+- posts them on the board (``inflight/<rank>``, :mod:`hora.protocol.messages`), where ``hora run``'s driver
   finds the members that posted nothing, asks their agents what ``/proc`` says about them, and prints the
   ``stall:`` line;
 - posts again once the op has been in flight for ``--stall-check-shutdown-time-seconds``: the driver then
@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 
 from hora.diagnostics.board import Board
-from hora.diagnostics.stall import StallPolicy
+from hora.diagnostics.stall_report import StallPolicy
 from hora.diagnostics.where import describe_op
 
 log = logging.getLogger(__name__)

@@ -34,6 +34,9 @@ import threading
 import time
 from typing import Any
 
+from hora.common.env import WorkerEnv
+from hora.common.names import UNNAMED_PREFIX
+
 # reading and merging live in merge.py; re-exported here (the launcher calls timeline.finish_job_timeline)
 from hora.diagnostics.merge import (
     finish_job_timeline,
@@ -43,9 +46,7 @@ from hora.diagnostics.merge import (
     rank_parts,
     rank_path,
 )
-from hora.env import WorkerEnv
 from hora.errors import ConfigError  # generated names: these ops share a few pooled rows
-from hora.names import UNNAMED_PREFIX
 
 log = logging.getLogger(__name__)
 

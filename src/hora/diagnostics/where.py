@@ -26,7 +26,7 @@ import threading
 import traceback
 from types import FrameType
 
-from hora.names import parse_unnamed
+from hora.common.names import parse_unnamed
 
 log = logging.getLogger(__name__)
 

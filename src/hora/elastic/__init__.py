@@ -13,8 +13,8 @@
 Run it with ``hora run --min-np 2 --max-np 8 --host-discovery-script ./hosts.sh python train.py`` (see
 docs/elastic.md). The retry loop is :mod:`hora.elastic.loop`, the states and their handlers
 :mod:`hora.elastic.state`, the sampler :mod:`hora.elastic.sampler`, how host changes reach the states
-:mod:`hora.elastic.notifications`; the rendezvous with the launcher is :mod:`hora.world`, a worker that starts
-while the job runs :mod:`hora.newcomer`.
+:mod:`hora.elastic.notifications`; the rendezvous with the launcher is :mod:`hora.runtime.elastic_rendezvous`, a
+worker that starts while the job runs :mod:`hora.runtime.newcomer`.
 """
 
 from __future__ import annotations

@@ -6,14 +6,14 @@
          hosts were removed and the new world holds no new worker, call again
       -> it returned: return its value
 
-A reset (:func:`hora.runtime.reset`) leaves the old world and joins the launcher's next one: new ranks, a
+A reset (:func:`hora.runtime.lifecycle.reset`) leaves the old world and joins the launcher's next one: new ranks, a
 new store prefix, new process groups (the default group too), a new control mesh and negotiator; the
 ``DistributedOptimizer`` plans new buckets for the new size at its next step. A worker that the new world
 leaves out exits with code 0. Outside an elastic job (no ``hora run --min-np``), there is no next world: the
 function runs once and a failed collective is raised as it is.
 
 A worker that started while the job was running built its model and state alone (``hvd.init()`` gave it a
-world of its own and showed it its place in the job's, :mod:`hora.newcomer`): the first call joins the job's
+world of its own and showed it its place in the job's, :mod:`hora.runtime.newcomer`): the first call joins the job's
 world before the first sync (unless a collective joined already), so the others waited for it only for the
 join and the sync; the reset callbacks run then only if it joined elsewhere than ``hvd.init()`` said.
 """
@@ -25,7 +25,6 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from hora import newcomer, runtime, world
 from hora.elastic.notifications import notification_manager
 from hora.elastic.state import State
 from hora.errors import (
@@ -35,6 +34,9 @@ from hora.errors import (
     HostsUpdatedInterrupt,
     PeerLostError,
 )
+from hora.runtime import elastic_rendezvous as world
+from hora.runtime import lifecycle as runtime
+from hora.runtime import newcomer
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """How host changes reach an elastic worker: rank 0's watcher thread, and Horovod's notification manager.
 
-Two kinds of news come from the launcher's store (:mod:`hora.launch.elastic_protocol`), both read by one thread
+Two kinds of news come from the launcher's store (:mod:`hora.protocol.elastic`), both read by one thread
 on rank 0 of each world, every ``_POLL_S``, so nothing is read or sent on the step path. Both are numbered
 records read in order until one is missing, each checked against the job's secret before it is parsed
-(:class:`~hora.signedstore.SignedStore`; one a stranger wrote is ignored, with one warning):
+(:class:`~hora.protocol.signedstore.SignedStore`; one a stranger wrote is ignored, with one warning):
 
 * host updates (``update/<n>``): the changes a world must reset for (hosts removed; new workers ready to join).
   The thread announces a new count through the negotiator (``Negotiator.announce``); every
@@ -29,9 +29,11 @@ import time
 import weakref
 from typing import Any, Protocol
 
-from hora import runtime, signedstore, world
 from hora.errors import NotInitializedError, StoreAuthError
-from hora.signedstore import SignedStore
+from hora.protocol import signedstore
+from hora.protocol.signedstore import SignedStore
+from hora.runtime import elastic_rendezvous as world
+from hora.runtime import lifecycle as runtime
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hora import runtime
+from hora.runtime import lifecycle as runtime
 
 log = logging.getLogger(__name__)
 

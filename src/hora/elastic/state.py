@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from hora import functions, runtime
+from hora.api import functions
 from hora.elastic.notifications import HostUpdateResult, watch
 from hora.elastic.sampler import ElasticSampler
 from hora.errors import HostsUpdatedInterrupt
+from hora.runtime import lifecycle as runtime
 
 log = logging.getLogger(__name__)
 

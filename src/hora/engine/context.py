@@ -1,6 +1,6 @@
 """What the negotiation engine needs from the runtime that built it, and nothing more.
 
-:func:`hora.runtime.init` fills one :class:`EngineContext` per ``init()`` and hands it to
+:func:`hora.runtime.lifecycle.init` fills one :class:`EngineContext` per ``init()`` and hands it to
 :class:`~hora.engine.negotiator.Negotiator`; no module of the engine imports the runtime.
 """
 
@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from hora.common.env import Knobs
 from hora.diagnostics.board import Board
-from hora.env import Knobs
-from hora.jobsecret import JobSecret
-from hora.signedstore import SignedStore
+from hora.protocol.jobsecret import JobSecret
+from hora.protocol.signedstore import SignedStore
 
 if TYPE_CHECKING:  # a process set only needs its ranks and group here; its module is a layer above
-    from hora.process_sets import ProcessSet
+    from hora.common.process_sets import ProcessSet
 
 
 @dataclass(frozen=True, eq=False)

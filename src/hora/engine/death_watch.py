@@ -17,11 +17,11 @@ from collections.abc import Callable
 
 from hora.engine import handshake
 from hora.engine.context import EngineContext
-from hora.engine.control import ControlPlane, identity
+from hora.engine.gloo_plane import ControlPlane, identity
 from hora.engine.handshake import Identity
 from hora.engine.listener import HANDSHAKE_S, PeerListener
-from hora.network import advertised_address
-from hora.signedstore import SignedStore
+from hora.protocol.network import advertised_address
+from hora.protocol.signedstore import SignedStore
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ fused into one reused buffer; everything else is one c10d call (``LocalOp.launch
 takes part with zeros. Failures to start an op are reported on its handle; negotiation goes on.
 
 With a CUDA device, every launch runs on hora's device and launch stream, after the event each op recorded on
-the stream that produced its tensor (:mod:`hora.streams`), whichever thread runs the round.
+the stream that produced its tensor (:mod:`hora.datapath.streams`), whichever thread runs the round.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
-from hora import calltypes, fusion, kinds, streams
+from hora.datapath import call as calltypes
+from hora.datapath import fusion, kinds, streams
 from hora.diagnostics import inflight
 from hora.diagnostics import timeline as timeline_mod
-from hora.engine.plan import Entry, Request
+from hora.engine.handles import Handle
+from hora.engine.table import Entry, Request
 from hora.errors import CollectiveError
-from hora.handles import Handle
 
 
 @dataclass(eq=False)

@@ -15,7 +15,7 @@ nonces and the direction. The nonces are fresh on both sides, so a recorded hand
 (the other side's nonce differs), and a proof made by one end never passes for the other's (the direction).
 Every message starts with the same prefix in every wire version (magic, wire version, type, body length), so
 peers of different versions name each other's version before either parses a body; bodies are plain values
-(:mod:`hora.engine.wire`) of at most :data:`MAX_MESSAGE_BYTES`. Without a job secret the proofs are empty
+(:mod:`hora.engine.codec`) of at most :data:`MAX_MESSAGE_BYTES`. Without a job secret the proofs are empty
 and nothing is authenticated, but versions and code are still compared.
 
 A failed handshake raises :class:`HandshakeFailed` (a stranger, a replay, a stale process: the listener logs
@@ -33,10 +33,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
-from hora.code_fingerprint import short
-from hora.engine import wire
+from hora.engine import codec as wire
 from hora.errors import CollectiveError
-from hora.jobsecret import JobSecret
+from hora.protocol.code_fingerprint import short
+from hora.protocol.jobsecret import JobSecret
 
 MAGIC = b"HoRa"
 OLD_MAGIC = b"hora"  # what hora sent before wire version 1: a bare rank number, then pickled frames
@@ -63,7 +63,7 @@ class Identity:
     world: str  # the job id and world generation (the store prefix): a handshake of another job fails
     purpose: str  # what the connection is for ("mesh", "watch"): a handshake for one never passes for another
     secret: JobSecret | None  # the job's secret; None: nothing is authenticated (see docs/security.md)
-    code: str  # hora.code_fingerprint.code_fingerprint()
+    code: str  # hora.protocol.code_fingerprint.code_fingerprint()
     hora: str  # hora's version string
     host: str  # this rank's host name, for messages
 

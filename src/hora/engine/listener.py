@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from hora.engine import handshake
 from hora.engine.handshake import HandshakeFailed, Identity, IncompatiblePeer, Peer
 from hora.errors import CollectiveError
-from hora.network import listen_on
+from hora.protocol.network import listen_on
 
 log = logging.getLogger(__name__)
 

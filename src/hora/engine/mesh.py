@@ -14,7 +14,7 @@ large first-round payloads never deadlock on full socket buffers.
 Trust: a connection is used only after both ends proved who they are (:mod:`hora.engine.handshake`, run by
 :func:`connect_mesh` and :class:`~hora.engine.listener.PeerListener`). After that every frame is
 ``seq:u64 length:u32 payload tag``: the number of the frame on its connection, the payload's length (at most
-:data:`~hora.engine.wire.MAX_FRAME_BYTES`, checked before the payload is read), and the sender's tag
+:data:`~hora.engine.codec.MAX_FRAME_BYTES`, checked before the payload is read), and the sender's tag
 (:mod:`hora.engine.seal`) over both. A frame that fails any check fails the round, naming the peer. Payloads
 are round frames in the plain-value wire format (:mod:`hora.engine.frames`), never pickles.
 """
@@ -34,10 +34,10 @@ from collections.abc import Callable
 from typing import Any
 
 from hora.engine import handshake
+from hora.engine.codec import MAX_FRAME_BYTES
 from hora.engine.handshake import HandshakeFailed, Identity, Peer
 from hora.engine.listener import HANDSHAKE_S, PeerListener
 from hora.engine.seal import FrameSeal
-from hora.engine.wire import MAX_FRAME_BYTES
 from hora.errors import CollectiveError
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,8 @@ class Mesh:
         """Send ``payload`` to every peer and return every rank's payload of this round, in rank order."""
         if len(payload) > MAX_FRAME_BYTES:
             raise CollectiveError(f"rank {self.rank}: a negotiation round of {len(payload)} bytes is larger than the "
-                                  f"control plane carries ({MAX_FRAME_BYTES} bytes, hora.engine.wire.MAX_FRAME_BYTES): "
+                                  f"control plane carries ({MAX_FRAME_BYTES} bytes, "
+                                  "hora.engine.codec.MAX_FRAME_BYTES): "
                                   "submit fewer new collectives at once")
         head = _HEAD.pack(self._next_out, len(payload))
         self._next_out += 1
@@ -259,7 +260,7 @@ class Mesh:
             seq, n = _HEAD.unpack_from(buf)
             if n > MAX_FRAME_BYTES:
                 raise self._bad(peer, f"announced a {n}-byte frame, more than the {MAX_FRAME_BYTES} bytes allowed "
-                                      "(hora.engine.wire.MAX_FRAME_BYTES)")
+                                      "(hora.engine.codec.MAX_FRAME_BYTES)")
             if seq != self._next_in[peer]:
                 raise self._bad(peer, f"sent frame number {seq} where number {self._next_in[peer]} was due "
                                       "(a replayed or injected frame)")

@@ -1,7 +1,7 @@
 """The negotiator: matches collectives across ranks by name, then runs them in one agreed order.
 
 In each *round* every rank sends the requests it submitted since the last round, in one allgather on the
-control plane (:mod:`hora.engine.mesh`, or :class:`hora.engine.control.GlooPlane` for very large jobs),
+control plane (:mod:`hora.engine.mesh`, or :class:`hora.engine.gloo_plane.GlooPlane` for very large jobs),
 and every rank reaches the same decision (:mod:`hora.engine.rounds`, the round itself). This module is
 the *scheduling*: who runs the next round, when, and why.
 
@@ -33,22 +33,22 @@ from typing import Any
 
 import torch
 
+from hora.common.names import SHUTDOWN_NAME
 from hora.diagnostics import inflight
-from hora.engine import wire
+from hora.engine import codec as wire
 from hora.engine.context import EngineContext
-from hora.engine.control import make_control_plane
 from hora.engine.death_watch import death_watch
 from hora.engine.dispatch import LocalOp
+from hora.engine.gloo_plane import make_control_plane
+from hora.engine.handles import Handle
 from hora.engine.mesh import Mesh
 from hora.engine.notices import NOTICE, Notices
 from hora.engine.pending import Pending
 from hora.engine.phases import ACTIVE, NEXT, Phase
-from hora.engine.plan import SHUTDOWN, Request, Table
 from hora.engine.rounds import Rounds, record_lost
+from hora.engine.table import SHUTDOWN, Request, Table
 from hora.engine.timers import TimerThread
 from hora.errors import CollectiveError, PeerLostError
-from hora.handles import Handle
-from hora.names import SHUTDOWN_NAME
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class Negotiator:
         it goes out in this rank's next round. Any thread; does nothing once negotiation is over.
 
         Raises:
-            FrameError: ``value`` is not made of plain values (:mod:`hora.engine.wire`), so no frame can carry it.
+            FrameError: ``value`` is not made of plain values (:mod:`hora.engine.codec`), so no frame can carry it.
         """
         wire.encode(value)  # refused here, on the caller's thread, not later in a round every rank waits on
         with self._lock:

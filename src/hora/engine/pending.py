@@ -9,9 +9,9 @@ import threading
 import time
 from typing import Any
 
+from hora.common.names import parse_unnamed, unnamed
 from hora.engine.dispatch import LocalOp
-from hora.engine.plan import Request
-from hora.names import parse_unnamed, unnamed
+from hora.engine.table import Request
 
 
 class Pending:

@@ -2,7 +2,7 @@
 
 Whoever holds the negotiator's round lock calls :meth:`Rounds.run`; when and why a round runs is
 :mod:`hora.engine.negotiator`'s business. Every rank adds every rank's requests to the same
-:class:`~hora.engine.plan.Table` in rank order, so every rank reaches the same decision; this rank then
+:class:`~hora.engine.table.Table` in rank order, so every rank reaches the same decision; this rank then
 launches, in the agreed order, what it takes part in (:class:`~hora.engine.dispatch.Dispatcher`).
 
 A name seen before with identical metadata travels as a small integer (the response cache), so
@@ -16,22 +16,22 @@ import logging
 import time
 from typing import Any
 
-from hora import fusion
-from hora.diagnostics import stall as stall_mod
+from hora.common.names import JOIN_NAME, SHUTDOWN_NAME
+from hora.datapath import fusion
+from hora.diagnostics import stall_report as stall_mod
 from hora.diagnostics import timeline as timeline_mod
-from hora.diagnostics.stall_inspector import StallInspector
+from hora.engine.codec import FrameError
 from hora.engine.context import EngineContext
-from hora.engine.control import ControlPlane
 from hora.engine.dispatch import Dispatcher
 from hora.engine.frames import decode_round, encode_round
+from hora.engine.gloo_plane import ControlPlane
 from hora.engine.mesh import BadFrame, PeerLost
 from hora.engine.notices import Notices
 from hora.engine.pending import Pending
-from hora.engine.plan import JOIN, SHUTDOWN, UNNAMED, Decision, Request, Table
 from hora.engine.response_cache import ResponseCache
-from hora.engine.wire import FrameError
+from hora.engine.stall_inspector import StallInspector
+from hora.engine.table import JOIN, SHUTDOWN, UNNAMED, Decision, Request, Table
 from hora.errors import CollectiveError, CollectiveTimeoutError, PeerLostError, StoreAuthError
-from hora.names import JOIN_NAME, SHUTDOWN_NAME
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import hashlib
 import hmac
 from typing import Any
 
-from hora.jobsecret import JobSecret
+from hora.protocol.jobsecret import JobSecret
 
 TAG_BYTES = 16  # 128 bits
 

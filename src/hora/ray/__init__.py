@@ -7,7 +7,7 @@ Needs Ray: ``pip install 'hora[ray]'``.
 
 from __future__ import annotations
 
-from hora.engines import require
+from hora.launcher.engines import require
 
 require("ray", "ray", "hora.ray")
 

@@ -31,10 +31,10 @@ import ray
 import ray.exceptions
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hora.engines import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed
 from hora.errors import ConfigError, JobFailedError
-from hora.jobsecret import ENV_SECRET, JobSecret
-from hora.launch.pyrun import RemoteTraceback
+from hora.launcher.engines import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed
+from hora.launcher.pyfunc.run import RemoteTraceback
+from hora.protocol.jobsecret import ENV_SECRET, JobSecret
 from hora.ray import placement
 from hora.ray.worker import BaseHorovodWorker
 
@@ -291,7 +291,7 @@ class RayExecutor:
 
 
 def _follows(error: Exception) -> bool:
-    """A rank's failure that only reports a peer's (see hora.engines.FOLLOW_ON_ERRORS)."""
+    """A rank's failure that only reports a peer's (see hora.launcher.engines.FOLLOW_ON_ERRORS)."""
     cause = getattr(error, "cause", None) if isinstance(error, ray.exceptions.RayTaskError) else None
     return cause is not None and is_follow_on(type(cause).__name__)
 

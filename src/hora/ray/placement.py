@@ -17,7 +17,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
 
 from hora.errors import ConfigError
-from hora.topology import derive_topology
+from hora.protocol.topology import derive_topology
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

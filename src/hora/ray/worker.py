@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from hora.launch.agent import SHIM_DIR
+from hora.launcher.remote.agent import SHIM_DIR
 
 
 class BaseHorovodWorker:

@@ -7,7 +7,7 @@ Needs PySpark: ``pip install 'hora[spark]'``.
 
 from __future__ import annotations
 
-from hora.engines import require
+from hora.launcher.engines import require
 
 require("pyspark", "spark", "hora.spark")
 

@@ -31,15 +31,16 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from hora import env as hora_env
-from hora.engines import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed, require
+from hora.common import env as hora_env
 from hora.errors import ConfigError, JobFailedError
-from hora.jobsecret import JobSecret
-from hora.launch import envvars, shipping
-from hora.launch.procs import describe_exit
-from hora.launch.protocol import PYRUN_ERRORS_KEY, PYRUN_FN_KEY, PYRUN_RESULT_KEY
-from hora.launch.pyrun import collect_results
-from hora.signedstore import SignedStore
+from hora.launcher import envvars
+from hora.launcher.engines import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed, require
+from hora.launcher.procs import describe_exit
+from hora.launcher.pyfunc import shipping
+from hora.launcher.pyfunc.run import collect_results
+from hora.protocol.jobsecret import JobSecret
+from hora.protocol.messages import PYRUN_ERRORS_KEY, PYRUN_FN_KEY, PYRUN_RESULT_KEY
+from hora.protocol.signedstore import SignedStore
 from hora.spark import task
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class _Job:
 
     def __init__(self, sc: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], num_proc: int,
                  start_timeout: float, env: Mapping[str, str], nics: Sequence[str], executable: str) -> None:
-        from hora import rendezvous
+        from hora.common import rendezvous
 
         self.sc, self.num_proc = sc, num_proc
         self.job_id = f"spark-{uuid.uuid4().hex[:12]}"

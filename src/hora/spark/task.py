@@ -2,7 +2,7 @@
 it ended.
 
 Each task of the barrier stage is rank ``partitionId()``. It learns every task's host from the barrier context
-(local and cross ranks: ranks on one host are local), starts ``python -m hora.launch.pyworker`` with the rank's
+(local and cross ranks: ranks on one host are local), starts ``python -m hora.launcher.pyfunc.worker`` with the rank's
 variables (the function and its result travel through the driver's store, as with ``hora.run``), waits for it and
 writes how it ended to the store. A rank process dies with its task (a cancelled job leaves nothing running).
 
@@ -21,11 +21,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hora.jobsecret import ENV_SECRET, JobSecret
-from hora.launch import envvars, procs
-from hora.launch.hosts import SlotInfo
-from hora.signedstore import SignedStore
-from hora.topology import derive_topology
+from hora.launcher import envvars, procs
+from hora.launcher.hosts import SlotInfo
+from hora.protocol.jobsecret import ENV_SECRET, JobSecret
+from hora.protocol.signedstore import SignedStore
+from hora.protocol.topology import derive_topology
 
 EXIT_KEY = "hora.spark/exit/{rank}"  # how rank's process ended: {"code", "signal", "host", "time"}
 EXITS_KEY = "hora.spark/exits"  # a counter of the exit records written
@@ -99,7 +99,7 @@ def rank_environment(spec: TaskSpec, rank: int, hosts: list[str], gpus: list[str
 
 def _run_rank(spec: TaskSpec, store: SignedStore, rank: int, hosts: list[str], gpus: list[str]) -> dict[str, Any]:
     env = rank_environment(spec, rank, hosts, gpus)
-    proc = subprocess.Popen([spec.executable, "-m", "hora.launch.pyworker"], env=env,
+    proc = subprocess.Popen([spec.executable, "-m", "hora.launcher.pyfunc.worker"], env=env,
                             preexec_fn=procs.child_setup(os.getpid()))
     try:
         status = proc.wait()

@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-from hora.launch.pyrun import run  # noqa: F401
+from hora.launcher.pyfunc.run import run  # noqa: F401

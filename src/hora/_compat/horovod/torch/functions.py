@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hora.functions import (  # noqa: F401
+from hora.api.functions import (  # noqa: F401
     allgather_object,
     broadcast_object,
     broadcast_optimizer_state,

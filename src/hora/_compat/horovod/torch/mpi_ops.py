@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any as _Any
 
 import hora as _hora
-from hora.reduce_ops import resolve_op as _resolve_op
+from hora.datapath.reduce_ops import resolve_op as _resolve_op
 
 globals().update({_name: getattr(_hora, _name) for _name in dir(_hora) if not _name.startswith("_")})
 

@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-from hora.optimizer import DistributedOptimizer  # noqa: F401
+from hora.training.optimizer import DistributedOptimizer  # noqa: F401

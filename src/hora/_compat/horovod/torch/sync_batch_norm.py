@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-from hora.sync_batch_norm import SyncBatchNorm  # noqa: F401
+from hora.training.sync_batch_norm import SyncBatchNorm  # noqa: F401

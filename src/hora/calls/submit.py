@@ -1,0 +1,182 @@
+"""Submitting collectives: validate -> prepare -> hand to the engine. The layer between :mod:`hora.api.ops` (the
+public API) and the negotiation engine.
+
+``submit()`` validates a :class:`~hora.datapath.call.Call` on this rank, gives an unnamed call its sequence name,
+runs its kind's *prepare* on the caller's thread (:mod:`hora.datapath.kinds`) and hands the engine a
+:class:`~hora.engine.dispatch.LocalOp`: its request (what the peers must agree on) and its handle. Once every member
+has submitted the name, the engine runs the kind's *launch* (the c10d call); ``synchronize()`` runs its
+*finish*.
+
+Example:
+    >>> call = Call(Kind.ALLREDUCE, torch.ones(3), "", global_process_set, op=ReduceOp.AVERAGE)  # doctest: +SKIP
+    >>> submit(call, waiting=True).wait()                                                       # doctest: +SKIP
+    tensor([1., 1., 1.])
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from hora.datapath import streams
+from hora.datapath.c10d import dtype_name
+from hora.datapath.call import REDUCTIONS, Call, Kind
+from hora.datapath.compression import Compression
+from hora.datapath.kinds import KINDS
+from hora.datapath.reduce_ops import ReduceOp
+from hora.diagnostics import callsite, timeline
+from hora.engine.dispatch import LocalOp
+from hora.engine.handles import Handle
+from hora.engine.table import Request
+from hora.errors import InvalidCallError, UnsupportedCallError, UnsupportedDtypeError
+from hora.runtime import lifecycle as runtime
+from hora.runtime import newcomer
+
+_SUPPORTED = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                        torch.bfloat16, torch.float32, torch.float64, torch.bool})
+_ARITHMETIC_OPS = frozenset({ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.PRODUCT})
+_GATHERS = frozenset({Kind.ALLGATHER, Kind.ALLTOALL, Kind.REDUCESCATTER})  # dim 0 is split or gathered
+
+
+def _validate(call: Call, rank: int) -> None:
+    """Refuse a call that cannot work, on this rank, before anything is submitted.
+
+    Every refusal is an :class:`InvalidCallError` (a ``ValueError`` and a ``RuntimeError``, so a Horovod
+    script's ``except`` catches it whichever of the two Horovod raised); a bad dtype is also a ``TypeError``.
+    """
+    t = call.tensor
+    where = f"{call.kind.wire} {call.name or '(unnamed)'!r} on rank {rank}"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _SUPPORTED:
+        raise UnsupportedDtypeError(f"{where}: dtype {t.dtype} is not supported; use one of "
+                                    f"{sorted(dtype_name(d) for d in _SUPPORTED)}")
+    if not t.is_contiguous():
+        raise InvalidCallError(f"{where}: the tensor is not contiguous; call .contiguous() on it first")
+    if t.device.type not in ("cpu", "cuda"):
+        raise InvalidCallError(f"{where}: tensors on {t.device} are not supported (CPU and CUDA are)")
+    if t.is_cuda and runtime.state().device is None:
+        raise InvalidCallError(f"{where}: a CUDA tensor, but hora was initialised without CUDA (at hvd.init() "
+                               "torch saw no CUDA device or no NCCL); move the tensor to the CPU, or make CUDA "
+                               "visible before hvd.init()")
+    if call.ps.process_set_id is None:
+        raise InvalidCallError(f"{where}: {call.ps!r} is not registered; use hvd.add_process_set() first")
+    if not call.ps.included():
+        raise InvalidCallError(f"{where}: rank {rank} is not a member of {call.ps!r}")
+    if call.kind in REDUCTIONS:
+        _validate_reduction(call, where)
+    elif call.kind is Kind.ADASUM:
+        _validate_adasum(call, where)
+    if call.kind is Kind.BROADCAST and call.root not in call.ps.ranks:
+        raise InvalidCallError(f"{where}: root rank {call.root} is not in {call.ps.ranks} "
+                               f"(world size {runtime.size()}); root_rank is a global rank")
+    if call.kind in _GATHERS and t.dim() == 0:
+        raise InvalidCallError(f"{where}: needs a tensor with at least one dimension (dim 0 is split or gathered)")
+
+
+def _validate_reduction(call: Call, where: str) -> None:
+    t = call.tensor
+    if call.op == ReduceOp.ADASUM:
+        raise InvalidCallError(f"{where}: op=hvd.Adasum is defined for allreduce only; use op=hvd.Sum or hvd.Average")
+    if t.dtype == torch.bool and call.op in _ARITHMETIC_OPS:
+        raise UnsupportedDtypeError(f"{where}: {call.op.name.capitalize()} of bool tensors is not defined; "
+                                    "use Min or Max")
+    if (call.prescale != 1.0 or call.postscale != 1.0) and t.dtype == torch.bool:
+        raise UnsupportedDtypeError(f"{where}: prescale/postscale factors cannot scale a bool tensor")
+
+
+def _validate_adasum(call: Call, where: str) -> None:
+    size = len(call.ps.ranks)
+    if size & (size - 1):  # Horovod: NotImplementedError
+        raise UnsupportedCallError(f"{where}: op=hvd.Adasum needs a power-of-two number of ranks, got {size}: run "
+                                   "with 2, 4, 8... ranks or use op=hvd.Average")
+
+
+def _request(call: Call) -> Request:
+    t = call.wire
+    return Request(call.name, call.kind.wire, dtype_name(t.dtype), tuple(call.tensor.shape), int(call.op), call.root,
+                   float(call.prescale), float(call.postscale), tuple(call.ps.ranks), t.device.type, call.splits,
+                   call.site.fingerprint, call.site.where)
+
+
+def submit(call: Call, waiting: bool = False) -> Handle:
+    """Validate, prepare the wire buffer, and hand the op to the negotiator. ``waiting``: the caller
+    synchronizes the handle at once (a synchronous op), so its own thread may run the negotiation round."""
+    return submit_many([call], waiting)[0]
+
+
+def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
+    """Submit several calls in one negotiation round; nothing is submitted if any call is invalid.
+
+    An invalid call raises here, on this rank, but still takes its place: an unnamed call its sequence
+    number, and every call is announced to the peers (``Negotiator.reject``), whose matching ops fail with
+    the reason instead of pairing with this rank's next op, or waiting for it."""
+    if not calls:
+        return []
+    rt = newcomer.join(f"hvd.{calls[0].kind.wire}()")  # a new elastic worker joins the job here
+    neg = rt.negotiator
+    if neg.site_check and not calls[0].name and calls[0].site is callsite.UNKNOWN and calls[0].kind is not Kind.BARRIER:
+        site = callsite.current()  # a barrier carries no data to mix up, and has no name= to opt out with
+        for call in calls:
+            call.site = site
+    try:
+        for call in calls:
+            if call.rejected is not None:
+                raise call.rejected
+            if call.name and not isinstance(call.name, str):
+                raise TypeError(f"collective names are strings, got {call.name!r}")
+            _validate(call, rt.topo.rank)
+        for call in calls:
+            if not call.name:
+                call.name = neg.unnamed(call.ps.process_set_id)
+        ops = [_local_op(call, neg) for call in calls]
+    except Exception as e:
+        _announce(calls, rt, e)
+        raise
+    return neg.submit_many(ops, waiting)
+
+
+def _announce(calls: list[Call], rt: Any, error: Exception) -> None:
+    """Tell the peers that this rank rejected ``calls`` (see ``submit_many``). Not for a process set this
+    rank is not a member of (no sequence of it to keep), a name that is not a string, or a name still in
+    flight on this rank (its pending op is not the rejected one)."""
+    neg = rt.negotiator
+    ranks = _member_ranks(calls[0].ps, rt)
+    if ranks is None or any(c.name and (not isinstance(c.name, str) or neg.in_flight(c.name)) for c in calls):
+        return
+    reason = f"{type(error).__name__}: {error}"
+    site = calls[0].site if calls[0].site is not callsite.UNKNOWN else callsite.current()  # for the message
+    reqs = []
+    for call in calls:
+        if not call.name:
+            call.name = neg.unnamed(rt.process_sets.sequence_id(call.ps))
+        reqs.append(Request(call.name, call.kind.wire, "", (), ps=ranks, site=site.fingerprint, where=site.where,
+                            error=reason))
+    neg.reject(reqs)
+
+
+def _member_ranks(ps: Any, rt: Any) -> tuple[int, ...] | None:
+    """The ranks of ``ps`` if a call on it can be announced: it (or a set with its ranks) is registered and
+    this rank is a member."""
+    sid = rt.process_sets.sequence_id(ps)
+    if sid is None:
+        return None
+    ranks = tuple(rt.process_sets[sid].ranks)
+    return ranks if rt.topo.rank in ranks else None
+
+
+def _local_op(call: Call, neg: Any) -> LocalOp:
+    kind = KINDS[call.kind]
+    call.members = len(call.ps.ranks)
+    tl = timeline.active()
+    t0 = time.perf_counter() if tl is not None else 0.0
+    kind.prepare(call)
+    if tl is not None and call.wire is not call.tensor:  # a copy or compression happened (diagnostics)
+        phase = "copy_in" if call.compression is Compression.none else "compress"
+        tl.span(call.name, phase, t0, time.perf_counter(), kind=call.kind.wire, bytes=call.wire.nbytes)
+    handle = Handle(call.name, call.kind.wire, lambda: kind.finish(call), neg.done, neg.drive)
+    event = streams.producer_event(call.wire) if call.wire.is_cuda else None
+    fusable = call.wire if call.kind is Kind.ALLREDUCE else None
+    return LocalOp(_request(call), handle, lambda launch: kind.launch(call, launch), wire=fusable, event=event)

@@ -1,0 +1,417 @@
+"""The only reader of ``os.environ`` in hora.
+
+Two things live here:
+
+* :class:`WorkerEnv`, a frozen record of this process's place in the job (rank, size, local and cross
+  ranks, where the rendezvous store is), detected from hora's launcher, horovodrun-style ``HOROVOD_*``
+  variables, torchrun, Open MPI, MPICH/Intel MPI or Slurm, else a single process.
+* :data:`KNOBS`, the table of every tuning knob (name, Horovod alias, type, default, help).
+  ``Knobs.from_environ()`` reads them; ``docs/knobs.md`` is generated from the table.
+
+Example:
+    >>> env = WorkerEnv.from_environ({"HORA_RANK": "1", "HORA_SIZE": "2"})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hora.common.slurm import expand_nodelist, parse_tasks_per_node
+from hora.errors import ConfigError
+from hora.protocol import elastic as elastic_protocol
+from hora.protocol.jobsecret import ENV_SECRET, ENV_SECRET_FILE, JobSecret, SecretError
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerEnv:
+    """Where this process sits in the job.
+
+    ``cross_rank``/``cross_size`` are None when the launcher did not say; the runtime then derives them
+    from every rank's host at ``init()``.
+    """
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int | None = None
+    cross_size: int | None = None
+    store_addr: str = "127.0.0.1"
+    store_port: int = 0
+    store_is_server: bool = True  # rank 0 hosts the store (torchrun without agent store, MPI, Slurm)
+    hostname: str = ""
+    host_key: str = ""  # identifies the host for local/cross grouping; never hostname alone
+    source: str = "single"  # which launcher's variables we read
+    job_id: str = ""  # distinguishes concurrent jobs and elastic generations in the store
+    store_addr_origin: str = ""  # where store_addr came from, for error messages ("MASTER_ADDR", ...)
+    elastic: bool = False  # an elastic job of hora run: init() joins the driver's newest world (hora.elastic)
+    worker_id: str = ""  # "<host>:<slot>" in an elastic job, stable for the process's life
+    world_gen: int = 0  # elastic: the launcher's world this record describes (0: not joined yet)
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ConfigError(f"world size must be >= 1, got {self.size} (from {self.source} variables)")
+        if not 0 <= self.rank < self.size:
+            raise ConfigError(
+                f"rank {self.rank} is outside 0..{self.size - 1} (from {self.source} variables); "
+                "check the launcher's environment"
+            )
+        if not 0 <= self.local_rank < self.local_size:
+            raise ConfigError(
+                f"local rank {self.local_rank} is outside 0..{self.local_size - 1} (from {self.source} variables)"
+            )
+
+    @property
+    def board_id(self) -> str:
+        """The job id of the board this process shares with ``hora run``'s driver ('' outside hora run): in
+        an elastic job each world has its own board, since ranks are numbered afresh in each world."""
+        if self.source != "hora":
+            return ""
+        return elastic_protocol.world_job_id(self.job_id, self.world_gen) if self.elastic else self.job_id
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+        """Detect the launcher from ``environ`` (default ``os.environ``) and build the record."""
+        env = os.environ if environ is None else environ
+        for detect in _DETECTORS:
+            found = detect(env)
+            if found is not None:
+                return found
+        return cls(hostname=_hostname(env), host_key=_hostname(env))
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise ConfigError(f"environment variable {name} is required here but not set")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _hostname(env: Mapping[str, str]) -> str:
+    return env.get("HORA_HOSTNAME") or socket.gethostname()
+
+
+def _addr_origin(env: Mapping[str, str]) -> str:
+    return "HORA_STORE_ADDR" if env.get("HORA_STORE_ADDR") else "MASTER_ADDR" if env.get("MASTER_ADDR") else ""
+
+
+def _master(env: Mapping[str, str], source: str, size: int) -> tuple[str, int]:
+    addr = env.get("HORA_STORE_ADDR") or env.get("MASTER_ADDR")
+    port = _int(env, "HORA_STORE_PORT", 0) or _int(env, "MASTER_PORT", 0)
+    if size > 1 and not addr:
+        raise ConfigError(
+            f"started by {source} with {size} processes but no rendezvous address: set MASTER_ADDR "
+            "(and MASTER_PORT) to a host every rank can reach, or launch with `hora run`"
+        )
+    return addr or "127.0.0.1", port or DEFAULT_PORT
+
+
+def _from_hora(env: Mapping[str, str]) -> WorkerEnv | None:
+    if "HORA_RANK" not in env:
+        return None
+    host = _hostname(env)
+    return WorkerEnv(
+        rank=_int(env, "HORA_RANK"),
+        size=_int(env, "HORA_SIZE"),
+        local_rank=_int(env, "HORA_LOCAL_RANK", 0),
+        local_size=_int(env, "HORA_LOCAL_SIZE", 1),
+        cross_rank=_int(env, "HORA_CROSS_RANK", 0) if "HORA_CROSS_RANK" in env else None,
+        cross_size=_int(env, "HORA_CROSS_SIZE", 1) if "HORA_CROSS_SIZE" in env else None,
+        store_addr=env.get("HORA_STORE_ADDR", "127.0.0.1"),
+        store_port=_int(env, "HORA_STORE_PORT", 0),
+        store_is_server=False,  # the launcher's driver hosts the store
+        hostname=host,
+        host_key=env.get("HORA_HOST_KEY") or host,
+        source="hora",
+        job_id=env.get("HORA_JOB_ID", ""),
+        elastic=env.get(elastic_protocol.ELASTIC_ENV, "") == "1",
+        worker_id=env.get(elastic_protocol.WORKER_ID_ENV, ""),
+    )
+
+
+def _from_horovod(env: Mapping[str, str]) -> WorkerEnv | None:
+    if "HOROVOD_RANK" not in env:
+        return None
+    size = _int(env, "HOROVOD_SIZE")
+    addr, port = _master(env, "horovodrun-style HOROVOD_* variables", size)
+    host = env.get("HOROVOD_HOSTNAME") or _hostname(env)
+    return WorkerEnv(
+        rank=_int(env, "HOROVOD_RANK"),
+        size=size,
+        local_rank=_int(env, "HOROVOD_LOCAL_RANK", 0),
+        local_size=_int(env, "HOROVOD_LOCAL_SIZE", 1),
+        cross_rank=_int(env, "HOROVOD_CROSS_RANK", 0) if "HOROVOD_CROSS_RANK" in env else None,
+        cross_size=_int(env, "HOROVOD_CROSS_SIZE", 1) if "HOROVOD_CROSS_SIZE" in env else None,
+        store_addr=addr,
+        store_port=port,
+        store_addr_origin=_addr_origin(env),
+        hostname=host,
+        host_key=host,
+        source="horovod",
+    )
+
+
+def _from_torchrun(env: Mapping[str, str]) -> WorkerEnv | None:
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    nproc = _int(env, "PET_NPROC_PER_NODE", 1) if env.get("PET_NPROC_PER_NODE", "").isdigit() else 1
+    if "LOCAL_RANK" not in env and nproc > 1:
+        raise ConfigError(
+            f"RANK={env['RANK']} looks like a Kubeflow pod index (PET_NPROC_PER_NODE={nproc}), not a process "
+            "rank: start the workers with torchrun or `hora run` inside the pod"
+        )
+    size = _int(env, "WORLD_SIZE")
+    addr, port = _master(env, "torchrun", size)
+    host = _hostname(env)
+    return WorkerEnv(
+        rank=_int(env, "RANK"),
+        size=size,
+        local_rank=_int(env, "LOCAL_RANK", 0),
+        local_size=_int(env, "LOCAL_WORLD_SIZE", 1),
+        cross_rank=_int(env, "GROUP_RANK") if "GROUP_RANK" in env and "LOCAL_WORLD_SIZE" in env else None,
+        store_addr=addr,
+        store_port=port,
+        store_addr_origin=_addr_origin(env),
+        store_is_server=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true",
+        hostname=host,
+        host_key=host,
+        source="torchrun",
+        # torchrun's store outlives a restart (--max-restarts): each attempt needs keys of its own, as torch's
+        # own env:// rendezvous keeps them ("/worker/attempt_<n>"); a restarted worker would read the last one's
+        job_id=env.get("TORCHELASTIC_RUN_ID", "") + (f"/attempt{env['TORCHELASTIC_RESTART_COUNT']}"
+                                                      if env.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" else ""),
+    )
+
+
+def _from_mpi(env: Mapping[str, str]) -> WorkerEnv | None:
+    if "OMPI_COMM_WORLD_RANK" in env:
+        source, rank, size = "Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"
+        local_rank, local_size = "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"
+    elif "PMI_RANK" in env:
+        source, rank, size = "MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE"
+        local_rank, local_size = "MPI_LOCALRANKID", "MPI_LOCALNRANKS"
+    else:
+        return None
+    world = _int(env, size)
+    addr, port = _master(env, source, world)
+    host = _hostname(env)
+    return WorkerEnv(
+        rank=_int(env, rank),
+        size=world,
+        local_rank=_int(env, local_rank, 0),
+        local_size=_int(env, local_size, 1),
+        store_addr=addr,
+        store_port=port,
+        store_addr_origin=_addr_origin(env),
+        hostname=host,
+        host_key=host,
+        source=source,
+    )
+
+
+def _from_slurm(env: Mapping[str, str]) -> WorkerEnv | None:
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return None
+    size = _int(env, "SLURM_NTASKS")
+    nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
+    job = _int(env, "SLURM_JOB_ID", 0)
+    addr = env.get("HORA_STORE_ADDR") or env.get("MASTER_ADDR") or (nodes[0] if nodes else "127.0.0.1")
+    origin = _addr_origin(env) or ("the first node of SLURM_JOB_NODELIST" if nodes else "")
+    port = _int(env, "HORA_STORE_PORT", 0) or _int(env, "MASTER_PORT", 0) or DEFAULT_PORT + job % 1000
+    tasks_on_node = parse_tasks_per_node(env.get("SLURM_TASKS_PER_NODE", ""))
+    node_id = _int(env, "SLURM_NODEID", 0)
+    local_size = tasks_on_node[node_id] if node_id < len(tasks_on_node) else _int(env, "SLURM_NTASKS_PER_NODE", 1)
+    host = env.get("SLURMD_NODENAME") or _hostname(env)
+    return WorkerEnv(
+        rank=_int(env, "SLURM_PROCID"),
+        size=size,
+        local_rank=_int(env, "SLURM_LOCALID", 0),
+        local_size=local_size,
+        store_addr=addr,
+        store_port=port,
+        store_addr_origin=origin,
+        hostname=host,
+        host_key=host,
+        source="Slurm",
+        job_id=str(job or ""),
+    )
+
+
+_DETECTORS: tuple[Callable[[Mapping[str, str]], WorkerEnv | None], ...] = (
+    _from_hora,
+    _from_horovod,
+    _from_torchrun,
+    _from_mpi,
+    _from_slurm,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tuning knobs: one table, read in one place.
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    name: str  # HORA_* variable
+    horovod: str | None  # Horovod's variable with the same meaning, accepted too
+    type: type
+    default: Any
+    help: str
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("HORA_LOG_LEVEL", "HOROVOD_LOG_LEVEL", str, "WARNING", "Log level of hora's loggers in workers."),
+    Knob("HORA_START_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS", float, 60.0,
+         "Seconds init() waits for every rank to reach the rendezvous store."),
+    Knob("HORA_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE", bool, False, "Turn the stall inspector off."),
+    Knob("HORA_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS", float, 60.0,
+         "Seconds a collective may wait for missing ranks before one stall report names them."),
+    Knob("HORA_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", float, 0.0,
+         "Seconds after which a stalled job is stopped with the stall report as root cause (0 = never)."),
+    Knob("HORA_TIMELINE", "HOROVOD_TIMELINE", str, "",
+         "Write a Chrome-trace timeline of every collective to this file (rank files are merged)."),
+    Knob("HORA_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES", bool, False,
+         "Mark each negotiation round in the timeline."),
+    Knob("HORA_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD", int, 64 * 1024 * 1024,
+         "Bytes: allreduces ready in the same round are fused into one buffer up to this size (0 = off)."),
+    Knob("HORA_CYCLE_TIME", "HOROVOD_CYCLE_TIME", float, 0.0,
+         "Accepted for Horovod compatibility; hora's negotiation is event-driven and has no cycle."),
+    Knob("HORA_DISABLE_CACHE", "HOROVOD_CACHE_CAPACITY", bool, False,
+         "Turn the negotiation response cache off (Horovod's HOROVOD_CACHE_CAPACITY=0)."),
+    Knob("HORA_CONTROL_PLANE", None, str, "auto",
+         "How negotiators talk: tcp (a direct connection between every pair of ranks), gloo (an allgather on a "
+         "Gloo group, woken through the store), or auto (tcp up to 256 ranks, gloo beyond)."),
+    Knob("HORA_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE", bool, False,
+         "Allreduce on the global set in three steps: reduce within each host, allreduce across hosts, share "
+         "the result within the host (through shared memory, each local rank carrying 1/p of the tensor, "
+         "where every host runs p ranks on Gloo; else through the host's lowest rank). Pays off with several "
+         "ranks per host on a slow network."),
+    Knob("HORA_CALL_SITE_CHECK", None, bool, True,
+         "Check that ranks reach each unnamed collective from the same line of code (a rank that skipped or "
+         "added a collective is reported, not paired with the wrong op); 0 turns it off for code that calls "
+         "one collective from different lines on purpose. Named collectives are never checked."),
+    Knob("HORA_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT", float, 600.0,
+         "Elastic jobs: seconds a worker waits at a reset for the launcher's next world before it fails."),
+    Knob("HORA_BUCKET_CAP_MB", None, float, 25.0, "DistributedOptimizer bucket size in MB (DDP's default)."),
+    Knob("HORA_FIRST_BUCKET_MB", None, float, 1.0,
+         "Size of the first gradient bucket in MB, small so communication starts early in backward."),
+    Knob("HORA_STEP_OVERLAP", None, bool, True,
+         "DistributedOptimizer.step() with a built-in per-parameter optimizer (SGD, Adam, AdamW, ...): update "
+         "each bucket's parameters as soon as its gradients are reduced, while later buckets are still on the "
+         "wire (the same result bit for bit); 0 waits for every bucket, then steps once."),
+    Knob("HORA_REQUIRE_SECRET", None, bool, False,
+         "Refuse to start a job of several processes that has no job secret (HORA_SECRET_FILE under torchrun, "
+         "srun, mpirun or Kubernetes; hora run and hora.run always make one) instead of warning once that its "
+         "store and control plane are unauthenticated (docs/security.md)."),
+    Knob("HORA_FULL_TRACEBACKS", None, bool, False,
+         "Print hora's own frames in the traceback of an uncaught hora error (hora run --verbose sets it); "
+         "by default only your script's frames and the error in its terms are shown."),
+)
+
+
+_DEFAULTS: dict[str, Any] = {k.name[len("HORA_"):].lower(): k.default for k in KNOBS}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Knobs:
+    """Values of :data:`KNOBS` for this process (attribute = knob name without ``HORA_``, lower case).
+
+    The defaults are the table's (written once, there); the runtime reads the knobs once, at ``init()``,
+    and every part of hora takes them from it (``runtime.state().knobs``).
+    """
+
+    log_level: str = _DEFAULTS["log_level"]
+    start_timeout: float = _DEFAULTS["start_timeout"]
+    stall_check_disable: bool = _DEFAULTS["stall_check_disable"]
+    stall_check_time_seconds: float = _DEFAULTS["stall_check_time_seconds"]
+    stall_shutdown_time_seconds: float = _DEFAULTS["stall_shutdown_time_seconds"]
+    timeline: str = _DEFAULTS["timeline"]
+    timeline_mark_cycles: bool = _DEFAULTS["timeline_mark_cycles"]
+    fusion_threshold: int = _DEFAULTS["fusion_threshold"]
+    cycle_time: float = _DEFAULTS["cycle_time"]
+    disable_cache: bool = _DEFAULTS["disable_cache"]
+    control_plane: str = _DEFAULTS["control_plane"]
+    call_site_check: bool = _DEFAULTS["call_site_check"]
+    elastic_timeout: float = _DEFAULTS["elastic_timeout"]
+    bucket_cap_mb: float = _DEFAULTS["bucket_cap_mb"]
+    first_bucket_mb: float = _DEFAULTS["first_bucket_mb"]
+    step_overlap: bool = _DEFAULTS["step_overlap"]
+    hierarchical_allreduce: bool = _DEFAULTS["hierarchical_allreduce"]
+    full_tracebacks: bool = _DEFAULTS["full_tracebacks"]
+    require_secret: bool = _DEFAULTS["require_secret"]
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Knobs:
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for knob in KNOBS:
+            raw = env.get(knob.name)
+            if raw is None and knob.horovod is not None:
+                raw = env.get(knob.horovod)
+                if knob.horovod == "HOROVOD_CACHE_CAPACITY" and raw is not None:
+                    raw = "1" if raw.strip() == "0" else "0"
+            if raw is None or raw == "":
+                continue
+            values[knob.name[len("HORA_"):].lower()] = _convert(knob, raw)
+        return cls(**values)
+
+
+def _convert(knob: Knob, raw: str) -> Any:
+    try:
+        if knob.type is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        return knob.type(raw)
+    except ValueError:
+        raise ConfigError(f"{knob.name}={raw!r} is not a valid {knob.type.__name__}: {knob.help}") from None
+
+
+def knobs_markdown() -> str:
+    """The knob table as Markdown (docs/knobs.md is generated from this)."""
+    rows = ["| variable | Horovod alias | type | default | meaning |", "|---|---|---|---|---|"]
+    for k in KNOBS:
+        rows.append(f"| `{k.name}` | {f'`{k.horovod}`' if k.horovod else ''} | {k.type.__name__} | "
+                    f"`{k.default!r}` | {k.help} |")
+    return "\n".join(rows) + "\n"
+
+
+def job_secret(environ: Mapping[str, str] | None = None) -> JobSecret | None:
+    """The job's secret: ``HORA_SECRET`` (hex, set by hora's launcher in a rank's own environment) or the file
+    that ``HORA_SECRET_FILE`` names (external launchers); None when neither is set.
+
+    Raises:
+        ConfigError: the variable or the file holds no usable secret (the message never shows the value).
+    """
+    env = os.environ if environ is None else environ
+    try:
+        if env.get(ENV_SECRET):
+            return JobSecret.from_text(env[ENV_SECRET], ENV_SECRET)
+        if env.get(ENV_SECRET_FILE):
+            return JobSecret.from_file(env[ENV_SECRET_FILE])
+    except SecretError as e:
+        raise ConfigError(str(e)) from None
+    return None
+
+
+def launcher_environ() -> dict[str, str]:
+    """A copy of this process's environment, for the launcher to forward to workers."""
+    return dict(os.environ)
+
+
+assert {f.name for f in dataclasses.fields(Knobs)} == {k.name[5:].lower() for k in KNOBS}

@@ -1,0 +1,141 @@
+"""Tensor fusion: small allreduces that become ready together run as one, in a reused flat buffer.
+
+Fusion is decided from the negotiation table alone (never from local state), so every rank, including a
+rank that has joined and only contributes zeros, issues exactly the same c10d calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hora.datapath import hierarchical, streams
+from hora.datapath.c10d import to_dtype, wire_op
+from hora.datapath.call import Kind
+from hora.datapath.reduce_ops import ReduceOp
+from hora.engine.table import Entry, Request
+
+MAX_FUSED_TENSOR_BYTES = 1 << 20  # larger tensors run alone: fusion would only add copies
+INLINE_MAX_BYTES = 64  # allreduces this small travel inside the negotiation round itself
+
+
+def request_nbytes(req: Request) -> int:
+    """Bytes of the tensor a request describes (0 for requests without a tensor, e.g. shutdown)."""
+    dtype = getattr(torch, req.dtype, None) if req.dtype else None
+    if not isinstance(dtype, torch.dtype):
+        return 0
+    return int(torch.Size(req.shape).numel()) * dtype.itemsize
+
+
+def nbytes(entry: Entry) -> int:
+    return request_nbytes(entry.first)
+
+
+def _key(entry: Entry, threshold: int) -> tuple[object, ...] | None:
+    req = entry.first
+    if req.kind != Kind.ALLREDUCE or threshold <= 0 or nbytes(entry) > min(threshold, MAX_FUSED_TENSOR_BYTES):
+        return None
+    return (req.dtype, int(wire_op(req.op)), req.ps, req.device)
+
+
+def plan_batches(ready: Sequence[Entry], threshold: int) -> list[list[Entry]]:
+    """Group consecutive fusable allreduces (same dtype, wire op, process set, device) up to ``threshold``
+    bytes; everything else is a batch of one. Order is kept."""
+    if len(ready) < 2:  # the steady state of a synchronous loop: nothing to fuse
+        return [list(ready)] if ready else []
+    batches: list[list[Entry]] = []
+    current: list[Entry] = []
+    current_key: tuple[object, ...] | None = None
+    current_bytes = 0
+    for entry in ready:
+        key = _key(entry, threshold)
+        size = nbytes(entry) if key is not None else 0
+        if key is not None and key == current_key and current_bytes + size <= threshold:
+            current.append(entry)
+            current_bytes += size
+            continue
+        if current:
+            batches.append(current)
+        current, current_key, current_bytes = [entry], key, size
+    if current:
+        batches.append(current)
+    return batches
+
+
+class FusionBuffers:
+    """One growable flat buffer per (dtype, device), reused by every fused allreduce."""
+
+    def __init__(self, threshold: int) -> None:
+        self.threshold = threshold
+        self._buffers: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+
+    def _get(self, dtype: torch.dtype, device: str, numel: int) -> torch.Tensor:
+        buf = self._buffers.get((dtype, device))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1024), dtype=dtype, device=device)
+            self._buffers[(dtype, device)] = buf
+        return buf[:numel]
+
+    def allreduce(self, wires: Sequence[torch.Tensor | None], entries: Sequence[Entry], group: Any) -> None:
+        """Reduce ``wires`` in place as one c10d allreduce; a None wire (a joined rank) contributes zeros."""
+        req = entries[0].first
+        sizes = [int(torch.Size(e.first.shape).numel()) for e in entries]
+        flat = self._get(to_dtype(req.dtype), req.device, sum(sizes))
+        if flat.is_cuda:  # the copies below run on the launch stream; the wires were made on the callers'
+            stream = torch.cuda.current_stream(flat.device)
+            for wire in wires:
+                if wire is not None:
+                    streams.used_on(wire, stream)
+        offset = 0
+        for wire, n in zip(wires, sizes):
+            if wire is None:
+                flat[offset : offset + n].zero_()
+            else:
+                flat[offset : offset + n].copy_(wire.reshape(-1))
+            offset += n
+        hierarchical.allreduce(flat, req.op, group).wait()
+        offset = 0
+        for wire, n in zip(wires, sizes):
+            if wire is not None:
+                wire.view(-1).copy_(flat[offset : offset + n]) if wire.is_contiguous() else wire.copy_(
+                    flat[offset : offset + n].view_as(wire))
+            offset += n
+
+
+def inline_bytes(req: Request, wire: torch.Tensor | None) -> bytes | None:
+    """The data of a tiny CPU allreduce, to send with its request (None when it goes on the data plane)."""
+    if wire is None or req.kind != Kind.ALLREDUCE or req.device != "cpu":
+        return None
+    size = wire.numel() * wire.element_size()
+    if size > INLINE_MAX_BYTES:
+        return None
+    return wire.reshape(-1).view(torch.uint8).numpy().tobytes() if size else b""
+
+
+def reduce_inline(entry: Entry) -> torch.Tensor:
+    """Reduce the members' inline data in rank order (the same arithmetic on every rank); a joined member
+    contributes zeros, as it does on the data plane."""
+    req = entry.first
+    dtype = to_dtype(req.dtype)
+    if torch.Size(req.shape).numel() == 0:
+        return torch.empty(req.shape, dtype=dtype)
+    zeros = torch.zeros(req.shape, dtype=dtype).reshape(-1)  # what a joined member contributes
+    parts = [torch.frombuffer(bytearray(entry.inline[r]), dtype=torch.uint8).view(dtype) if r in entry.inline
+             else zeros for r in req.ps]
+    stacked = torch.stack(parts) if parts else torch.zeros((1, 0), dtype=dtype)
+    op = ReduceOp(req.op)
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        out = stacked[0].clone()
+        for part in stacked[1:]:
+            out += part
+    elif op == ReduceOp.PRODUCT:
+        out = stacked[0].clone()
+        for part in stacked[1:]:
+            out *= part
+    elif op == ReduceOp.MIN:
+        out = stacked.amin(0)
+    else:
+        out = stacked.amax(0)
+    return out.reshape(req.shape)

@@ -1,0 +1,212 @@
+"""Hierarchical allreduce (Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``): reduce within each host, allreduce
+across hosts, then share the result within the host.
+
+Two ways, chosen once at ``init()`` and the same on every rank:
+
+* ``"shm"`` (every host runs the same number p of ranks, Gloo, and /dev/shm can hold each rank's buffers):
+  each local rank owns 1/p of the tensor, sums it from its host peers' shared memory, allreduces it across
+  hosts with the ranks of the same local index (p cross-host groups), and every rank copies the owners'
+  results back (:mod:`hora.datapath.shared_memory`). No intra-host byte goes through a socket, and the cross-host
+  streams
+  and the summing are spread over the host's ranks;
+* ``"leader"`` (otherwise: hosts with unequal rank counts, NCCL): reduce to the host's *leader* (its lowest
+  rank), allreduce among the leaders, broadcast within the host, pipelined over chunks.
+
+With several ranks per host, the flat ring sends ``2(n-1)/n`` of the data over every host's network link for
+``n`` ranks; the hierarchy sends ``2(h-1)/h`` for ``h`` hosts, and the intra-host steps stay on the host
+(loopback, shared memory, NVLink). That is a win only where the network is the limit and several ranks share
+a host; with one rank per host it is the flat ring (hora then skips the hierarchy altogether).
+
+Only collectives on the global process set take this path (as in Horovod): ``hvd.allreduce`` and the
+DistributedOptimizer's gradient buckets, fused or not. The groups are built once at ``init()`` when the knob
+is on, by every rank in the same order (``dist.new_group`` is collective).
+
+Example:
+    HOROVOD_HIERARCHICAL_ALLREDUCE=1 hora run -np 6 -H a:2,b:2,c:2 python train.py
+    hora run --hierarchical-allreduce -np 6 -H a:2,b:2,c:2 python train.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hora.datapath import c10d as dataplane
+from hora.datapath import shared_memory as hostshm
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Hierarchy", "active", "allreduce", "build", "clear", "flat"]
+
+
+@dataclass(eq=False)
+class Hierarchy:
+    """This rank's groups for the three steps, and which global group they stand in for."""
+
+    flat_group: Any  # the global process set's group: only its allreduces go hierarchical
+    local_group: Any  # the ranks on this rank's host (None when this host runs one rank)
+    cross_group: Any  # the ranks of this rank's local index on every host (index 0: the leaders); None on a
+    # rank that is not its host's leader when the hosts run unequal numbers of ranks
+    leader: int  # global rank of this host's leader
+    rank: int
+    hosts: tuple[tuple[int, ...], ...]
+    shared: hostshm.HostBuffers | None = None  # the host's shared buffers (None: the leader way only)
+    mode: str = "leader"  # "shm" or "leader"; a benchmark may switch an "shm" hierarchy to "leader" (every
+    # rank at the same point of its sequence of collectives), not the other way
+    calls: int = 0  # allreduces that took the three steps (diagnostics, tests)
+
+
+class _ChainWork:
+    """The Works of the last step (one per chunk); the earlier steps were issued before them."""
+
+    __slots__ = ("_works",)
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def get_future(self) -> Any:
+        return torch.futures.collect_all([work.get_future() for work in self._works])
+
+
+_active: Hierarchy | None = None
+
+
+def active() -> Hierarchy | None:
+    """The hierarchy in use, or None (knob off, one host, or one rank per host)."""
+    return _active
+
+
+def hosts_of(host_keys: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """Ranks on each host, hosts in order of first appearance.
+
+    >>> hosts_of(["a", "a", "b", "b", "c", "c"])
+    ((0, 1), (2, 3), (4, 5))
+    """
+    order: dict[str, list[int]] = {}
+    for rank, key in enumerate(host_keys):
+        order.setdefault(key, []).append(rank)
+    return tuple(tuple(r) for r in order.values())
+
+
+def worthwhile(hosts: Sequence[Sequence[int]]) -> bool:
+    """True when the hierarchy can save network traffic: several hosts and some host with several ranks."""
+    return len(hosts) > 1 and any(len(h) > 1 for h in hosts)
+
+
+def build(hosts: tuple[tuple[int, ...], ...], rank: int, flat_group: Any, backend: str) -> Hierarchy | None:
+    """Create the groups (every rank calls this with the same ``hosts``) and make the hierarchy active.
+
+    Returns None, leaving allreduce flat, when the layout gains nothing (one host, or one rank per host).
+    """
+    global _active
+    if not worthwhile(hosts):
+        log.info("hierarchical allreduce requested, but the layout %s gains nothing: allreduce stays flat",
+                 [len(h) for h in hosts])
+        _active = None
+        return None
+    local_group = None
+    for members in hosts:  # every rank creates every group, in the same order
+        group = dist.new_group(ranks=list(members), backend=backend) if len(members) > 1 else None
+        if rank in members:
+            local_group = group
+    mine = next(h for h in hosts if rank in h)
+    even = len({len(h) for h in hosts}) == 1
+    cross_group = None
+    for index in range(len(mine) if even else 1):  # one cross-host group per local index (index 0: leaders)
+        group = dist.new_group(ranks=[h[index] for h in hosts], backend=backend)
+        if mine[index] == rank:
+            cross_group = group
+    shared = hostshm.setup(local_group, mine.index(rank), flat_group) if even and backend == "gloo" else None
+    _active = Hierarchy(flat_group=flat_group, local_group=local_group, cross_group=cross_group, leader=mine[0],
+                        rank=rank, hosts=hosts, shared=shared, mode="shm" if shared is not None else "leader")
+    log.info("hierarchical allreduce on (%s): %d hosts, ranks per host %s", _active.mode, len(hosts),
+             [len(h) for h in hosts])
+    return _active
+
+
+def clear() -> None:
+    """Forget the hierarchy (shutdown destroys its groups with the rest)."""
+    global _active
+    _active = None
+
+
+@contextlib.contextmanager
+def flat() -> Iterator[None]:
+    """Allreduce flat inside the block even with the hierarchy on, so a benchmark can time both paths in one
+    run. Every rank must enter and leave it at the same point of its sequence of collectives."""
+    global _active
+    saved, _active = _active, None
+    try:
+        yield
+    finally:
+        _active = saved
+
+
+def chunks_of(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The pipeline's pieces: 4 MB or more each, at most :data:`MAX_CHUNKS`.
+
+    >>> [c.numel() for c in chunks_of(torch.zeros(10))]
+    [10]
+    >>> len(chunks_of(torch.zeros(64 * 2**20 // 4)))
+    8
+    """
+    flat = tensor.view(-1)
+    return [flat[a:b] for a, b in dataplane.pieces(flat.numel(), flat.element_size(), CHUNK_BYTES, MAX_CHUNKS)]
+
+
+CHUNK_BYTES = 4 * 2**20
+MAX_CHUNKS = 8
+
+
+def allreduce(tensor: torch.Tensor, op: int, group: Any) -> Any:
+    """Allreduce ``tensor`` in place on ``group`` and return a Work: in three steps when ``group`` is the global
+    process set's and the hierarchy is on, else as one flat c10d allreduce. The only place either path is
+    chosen (single ops, fused batches and gradient buckets all come here).
+
+    Both ways run as a pipeline over chunks, so the intra-host steps hide behind the network. The shared
+    memory way completes on the calling thread (:func:`hora.datapath.shared_memory.allreduce`). The leader way:
+    while the leaders allreduce chunk k across hosts, the host reduces chunk k+1 and broadcasts chunk k-1; every rank
+    issues the same ops on each group in the same order (reduces, then broadcasts); a leader issues chunk
+    k's broadcast once its cross-host allreduce is done, on the calling thread.
+    """
+    h = _active
+    if h is None or group is not h.flat_group:
+        return dataplane.allreduce(tensor, op, group)
+    h.calls += 1
+    if h.mode == "shm" and h.shared is not None and tensor.device.type == "cpu":
+        try:
+            hostshm.allreduce(h.shared, tensor, op, h.local_group, h.cross_group)
+        except Exception as e:  # noqa: BLE001 - a peer lost mid-way (Gloo's error): reported at wait()
+            return dataplane.done_work(e)
+        return dataplane.done_work()
+    chunks = chunks_of(tensor)
+    local, cross = h.local_group, (h.cross_group if h.rank == h.leader else None)
+    reduces = [dataplane.reduce(c, h.leader, op, local) for c in chunks] if local is not None else []
+    crossing = []
+    if cross is not None:
+        for i, c in enumerate(chunks):
+            if reduces:
+                reduces[i].wait()
+            crossing.append(dataplane.allreduce(c, op, cross))
+    if local is None:
+        return _ChainWork(crossing)
+    broadcasts = []
+    for i, c in enumerate(chunks):
+        if crossing:
+            crossing[i].wait()
+        broadcasts.append(dataplane.broadcast(c, h.leader, local))
+    return _ChainWork(broadcasts)

@@ -1,0 +1,354 @@
+"""The kinds of collective, and what each does at its four steps.
+
+A :class:`Call` is one validated user call. Its :class:`Kind` says which collective it is; ``KINDS[kind]``
+holds that kind's steps:
+
+- ``prepare(call)``: on the caller's thread at submit, build the wire buffer (compress, prescale, cast a
+  dtype the backend lacks, copy when the caller's tensor must stay untouched);
+- ``launch(call, launch)``: on the thread that ran the negotiation round, once every member has submitted,
+  issue the c10d call (:mod:`hora.datapath.c10d`, or :func:`hora.datapath.hierarchical.allreduce`; a large 16-bit CPU
+  allreduce: one per piece, its casts beside the wire, :func:`_launch_pieces`); returns its Work;
+- ``launch_joined(launch)``: the same collective for a rank that has called ``join()``: zeros or no rows;
+- ``finish(call)``: on the caller's thread in ``synchronize()``, after the Work completed: average,
+  postscale, decompress, copy out; returns what the user gets.
+
+Nothing here negotiates or knows about other calls: the engine decides when ``launch`` runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hora.datapath import c10d as dataplane
+from hora.datapath import hierarchical, streams
+from hora.datapath.adasum import adasum_tree
+from hora.datapath.c10d import Work, to_dtype
+from hora.datapath.call import Call, Kind, Launch, Steps
+from hora.datapath.compression import WIRE_BUFFERS, cast_scaled, lease_wire, pipeline_ranges
+from hora.datapath.reduce_ops import AVERAGE_WIRE, ReduceOp, finish_sum, float_factor, scale_integers
+
+# dtypes the backends lack travel as a wider type and are cast back when the op finishes
+_WIRE_CAST = {torch.int16: torch.int32}
+
+
+# --- the wire buffer ----------------------------------------------------------------------------------------
+def _to_wire(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    t = t.detach()  # same storage; autograd is handled by hora.api.ops' Functions, never on the wire
+    cast = _WIRE_CAST.get(t.dtype)
+    if cast is not None:
+        return t.to(cast)
+    return t.clone() if copy else t
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` is ``b``'s storage seen through another tensor object (e.g. ``b.detach()``)."""
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+
+
+def _from_wire(call: Call, result: torch.Tensor) -> torch.Tensor:
+    dtype = call.tensor.dtype
+    if result.dtype == dtype:
+        return result
+    widened = dtype in _WIRE_CAST or (call.op == ReduceOp.AVERAGE and dtype in AVERAGE_WIRE)
+    return result.to(dtype) if widened else result
+
+
+def _copy_out(call: Call, result: torch.Tensor) -> torch.Tensor:
+    """The user's result: ``result``, or for an in-place call the caller's tensor holding it."""
+    if not call.inplace:
+        return result
+    if not _same_memory(result, call.tensor):  # the wire was a copy (cast, compression)
+        call.tensor.copy_(result)
+    return call.tensor
+
+
+def _zeros_like_request(launch: Launch, rows: int | None = None) -> torch.Tensor:
+    """What a joined rank contributes: zeros of the members' dtype and shape (``rows`` rows, if given)."""
+    req = launch.entry.first
+    device = torch.device(req.device, torch.cuda.current_device()) if req.device == "cuda" else torch.device("cpu")
+    shape = req.shape if rows is None else (rows, *req.shape[1:])
+    return torch.zeros(shape, dtype=to_dtype(req.dtype), device=device)
+
+
+# --- reductions: allreduce, reducescatter -------------------------------------------------------------------
+def _prepare_reduction(call: Call) -> None:
+    tensor = call.tensor.detach()
+    call.lease = lease_wire(call.compression, tensor)
+    if call.lease is not None:  # a built-in cast into a reused buffer: the same as compress(), no allocation
+        call.wire, call.ctx = call.lease.view(tensor.shape), tensor.dtype
+        if call.kind is Kind.ALLREDUCE:
+            return  # cast piece by piece when it starts, each piece's cast overlapping another's wire
+        call.wire.copy_(tensor)
+        if call.prescale != 1.0:
+            call.wire.mul_(call.prescale)
+        return
+    compressed, call.ctx = call.compression.compress(tensor)
+    # never write into the caller's tensor unless asked to (in-place)
+    wide = AVERAGE_WIRE.get(compressed.dtype) if call.op == ReduceOp.AVERAGE else None
+    if wide is not None:
+        call.wire = compressed.detach().to(wide)
+    else:
+        shared = compressed.data_ptr() == call.tensor.data_ptr()
+        copy = shared and not call.inplace and (call.kind is Kind.ALLREDUCE or call.prescale != 1.0)
+        call.wire = _to_wire(compressed, copy=copy)
+    if call.prescale != 1.0:
+        if call.wire.is_floating_point():
+            call.wire.mul_(call.prescale)
+        else:
+            scale_integers(call.wire, call.prescale)
+
+
+def _finish_reduction(call: Call, result: torch.Tensor) -> torch.Tensor:
+    if call.lease is None:
+        return _finish_wire(call, result)
+    try:  # an allreduce's pieces were cast back as they arrived (_launch_pieces): its result is ready
+        return call.out if call.kind is Kind.ALLREDUCE else _finish_wire(call, result)
+    finally:
+        WIRE_BUFFERS.give(call.lease)
+        call.lease = None
+
+
+def _finish_wire(call: Call, result: torch.Tensor) -> torch.Tensor:
+    # in the wire's type: an integer Average divides its wide sum; not call.ps.size(): a handle may be
+    # finished after shutdown() unbound the set
+    finish_sum(result, call.op, call.postscale, call.members)
+    if result.dtype != call.tensor.dtype and call.ctx is None:
+        result = _from_wire(call, result)
+    return _copy_out(call, call.compression.decompress(result, call.ctx))
+
+
+def _launch_pieces(wire: torch.Tensor, op: int, group: Any, call: Call | None = None) -> Work:
+    """Allreduce ``wire`` in the pieces :func:`~hora.datapath.compression.pipeline_ranges` gives, one c10d call each.
+
+    With ``call`` (a compressed call whose wire is a reused buffer, :func:`_prepare_reduction`): each piece
+    of the caller's tensor is cast down just before its piece is sent, while the previous piece is on the
+    wire, and cast back (with Average's division and postscale) into the result as soon as it arrives, on
+    the backend's thread, while the next piece is on the wire."""
+    ranges = pipeline_ranges(wire.numel(), wire.dtype, wire.device.type)
+    if call is None and len(ranges) == 1:
+        return hierarchical.allreduce(wire, op, group)
+    flat = wire.view(-1)
+    if call is None:
+        return dataplane.FuturesWork([hierarchical.allreduce(flat[a:b], op, group).get_future() for a, b in ranges])
+    src = call.tensor.detach().view(-1)  # contiguous: lease_wire's condition
+    call.out = call.tensor if call.inplace else torch.empty(call.tensor.shape, dtype=call.tensor.dtype)
+    dst = call.out.detach().view(-1)
+    factor = float_factor(call.op, call.postscale, call.members)
+    futures = []
+    for a, b in ranges:
+        piece = flat[a:b]
+        piece.copy_(src[a:b])
+        if call.prescale != 1.0:
+            piece.mul_(call.prescale)
+        work = hierarchical.allreduce(piece, op, group)
+        futures.append(work.get_future().then(
+            lambda _done, a=a, b=b: cast_scaled(flat[a:b], dst[a:b], factor)))  # type: ignore[misc]
+    return dataplane.FuturesWork(futures)
+
+
+class Allreduce:
+    prepare = staticmethod(_prepare_reduction)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Work | None:
+        if call.wire.numel() == 0:  # the same shape everywhere: every rank skips it
+            return None
+        return _launch_pieces(call.wire, call.op, launch.group, call if call.lease is not None else None)
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> Work | None:
+        req = launch.entry.first
+        if torch.Size(req.shape).numel() == 0:
+            return None  # the members skip empty tensors too
+        return _launch_pieces(_zeros_like_request(launch), req.op, launch.group)
+
+    @staticmethod
+    def finish(call: Call) -> torch.Tensor:
+        return _finish_reduction(call, call.wire)
+
+
+class Reducescatter:
+    prepare = staticmethod(_prepare_reduction)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Work:
+        call.out, work = dataplane.scatter_rows(call.wire, call.members, call.index, call.op, launch.group)
+        return work
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> Work:
+        req = launch.entry.first
+        index = list(req.ps).index(launch.rank)
+        return dataplane.scatter_rows(_zeros_like_request(launch), len(req.ps), index, req.op, launch.group)[1]
+
+    @staticmethod
+    def finish(call: Call) -> torch.Tensor:
+        streams.consumed_here(call.out)
+        return _finish_reduction(call, call.out)
+
+
+class Adasum:
+    """``allreduce(op=hvd.Adasum)``: one allgather of every member's flattened tensor, then each rank combines
+    them with the same tree (:func:`hora.datapath.adasum.adasum_tree`), so every rank ends with the same result."""
+
+    @staticmethod
+    def prepare(call: Call) -> None:
+        flat = call.tensor.detach().reshape(-1)  # the allgather only reads it: no copy of the caller's tensor
+        if call.prescale != 1.0:
+            flat = flat * call.prescale
+        call.wire = _to_wire(flat, copy=False)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Work:
+        call.out, work = dataplane.gather_rows(call.wire, [call.wire.shape[0]] * call.members, launch.group)
+        return work
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> None:
+        return None  # never runs: the negotiation table fails Adasum while a rank has joined (plan.JOIN_OK)
+
+    @staticmethod
+    def finish(call: Call) -> torch.Tensor:
+        streams.consumed_here(call.out)
+        result = adasum_tree(call.out.view(call.members, -1)).view(call.tensor.shape)  # (W, n) -> the tensor's shape
+        if result.dtype != call.tensor.dtype:
+            result = result.to(call.tensor.dtype)
+        if call.postscale != 1.0:
+            result.mul_(call.postscale)
+        return _copy_out(call, result)
+
+
+# --- data movement: allgather, broadcast, alltoall ----------------------------------------------------------
+def member_rows(launch: Launch) -> list[int]:
+    """Rows each member contributes to an allgather (a joined rank contributes none)."""
+    reqs = launch.entry.requests
+    return [reqs[r].shape[0] if r in reqs else 0 for r in launch.entry.first.ps]
+
+
+def received_rows(launch: Launch, index: int) -> list[int]:
+    """Rows member ``index`` of an alltoall receives from each member (a joined rank sends none)."""
+    reqs = launch.entry.requests
+    return [reqs[r].splits[index] if r in reqs else 0 for r in launch.entry.first.ps]  # type: ignore[index]
+
+
+class Allgather:
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = _to_wire(call.tensor, copy=False)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Work:
+        call.rows = rows = member_rows(launch)
+        call.out, work = dataplane.gather_rows(call.wire, rows, launch.group)
+        return work
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> Work:
+        return dataplane.gather_rows(_zeros_like_request(launch, rows=0), member_rows(launch), launch.group)[1]
+
+    @staticmethod
+    def finish(call: Call) -> torch.Tensor:
+        streams.consumed_here(call.out)
+        return _from_wire(call, dataplane.unpad_rows(call.out, call.rows))  # type: ignore[arg-type]
+
+
+class Broadcast:
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = _to_wire(call.tensor, copy=not call.inplace)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Work | None:
+        if call.wire.numel() == 0:
+            return None
+        return dataplane.broadcast(call.wire, call.root, launch.group)
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> Work | None:
+        req = launch.entry.first
+        if torch.Size(req.shape).numel() == 0:
+            return None  # the members skip empty tensors too
+        return dataplane.broadcast(_zeros_like_request(launch), req.root, launch.group)
+
+    @staticmethod
+    def finish(call: Call) -> torch.Tensor:
+        return _copy_out(call, _from_wire(call, call.wire))
+
+
+class Alltoall:
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = _to_wire(call.tensor, copy=False)
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Work:
+        call.rows = recv = received_rows(launch, call.index)
+        rest = tuple(call.wire.shape[1:])
+        call.out = torch.empty((sum(recv), *rest), dtype=call.wire.dtype, device=call.wire.device)
+        return dataplane.alltoall(call.out, call.wire, recv, list(call.splits or ()), launch.group)
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> Work:
+        """Sends no rows; receives (and drops) the rows the members send it."""
+        req = launch.entry.first
+        recv = received_rows(launch, list(req.ps).index(launch.rank))
+        out = _zeros_like_request(launch, rows=sum(recv))
+        return dataplane.alltoall(out, _zeros_like_request(launch, rows=0), recv, [0] * len(req.ps), launch.group)
+
+    @staticmethod
+    def finish(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        streams.consumed_here(call.out)
+        return _from_wire(call, call.out), torch.tensor(call.rows, dtype=torch.int32)
+
+
+# --- synchronisation: barrier, join ----------------------------------------------------------------------------
+class Barrier:
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = call.tensor
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> Work:
+        return dataplane.barrier(launch.group)
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> Work:
+        return dataplane.barrier(launch.group)
+
+    @staticmethod
+    def finish(call: Call) -> None:
+        return None
+
+
+class Join:
+    """No data: ready once every rank has joined; the result is the rank whose join arrived last."""
+
+    @staticmethod
+    def prepare(call: Call) -> None:
+        call.wire = call.tensor
+
+    @staticmethod
+    def launch(call: Call, launch: Launch) -> None:
+        arrival = launch.entry.arrival  # rank -> the round its join arrived in; ties: the highest rank
+        call.last_joined = max(arrival, key=lambda r: (arrival[r], r))
+
+    @staticmethod
+    def launch_joined(launch: Launch) -> None:
+        return None
+
+    @staticmethod
+    def finish(call: Call) -> int:
+        return call.last_joined
+
+
+KINDS: dict[str, Steps] = {Kind.ALLREDUCE: Allreduce, Kind.ADASUM: Adasum, Kind.ALLGATHER: Allgather,  # type: ignore[dict-item]
+                           Kind.BROADCAST: Broadcast, Kind.ALLTOALL: Alltoall, Kind.REDUCESCATTER: Reducescatter,
+                           Kind.BARRIER: Barrier, Kind.JOIN: Join}
+
+
+def launch_joined(launch: Launch) -> Work | None:
+    """Take part in a ready collective for a rank that has called ``join()``: contribute zeros or nothing."""
+    steps = KINDS.get(launch.entry.first.kind)
+    return steps.launch_joined(launch) if steps is not None else None

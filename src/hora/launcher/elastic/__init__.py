@@ -1,0 +1,1 @@
+"""The driver of an elastic ``hora run`` job: its hosts, its worlds and its workers."""

@@ -1,0 +1,1 @@
+"""The driver of a fixed-size ``hora run`` job."""

@@ -1,0 +1,3 @@
+"""Training on top of the collectives: ``DistributedOptimizer`` (its gradient reducers and buckets) and
+``SyncBatchNorm``.
+"""

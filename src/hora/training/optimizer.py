@@ -1,0 +1,298 @@
+"""``hvd.DistributedOptimizer``: wrap any torch optimizer so ``step()`` applies gradients averaged over ranks.
+
+The wrapper is an instance of a dynamic subclass of the wrapped optimizer's class, sharing its parameter
+groups, state and defaults: ``isinstance`` checks, LR schedulers, ``state_dict()``/``load_state_dict()``,
+gradient clipping and AMP's ``GradScaler`` keep working. The reduction itself lives in
+:mod:`hora.training.reducer` (buckets filled by gradient hooks, overlapped with backward), or for ``op=hvd.Adasum``
+in :mod:`hora.training.adasum_reducer`.
+
+Example:
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())  # doctest: +SKIP
+    >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+    ...                                compression=hvd.Compression.fp16)  # doctest: +SKIP
+    >>> loss.backward(); opt.step()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.optim import optimizer as torch_optimizer
+
+from hora.common.process_sets import global_process_set
+from hora.datapath.compression import Compression, Compressor
+from hora.datapath.reduce_ops import Adasum, Average, Sum
+from hora.training.adasum_reducer import AdasumReducer
+from hora.training.buckets import split_groups
+from hora.training.reducer import GradientReducer
+
+log = logging.getLogger(__name__)
+
+_classes: dict[type, type] = {}
+
+# Horovod's warning, word for word (scripts and tests match on it). hora does not reduce twice in this case
+# (the gradients are already reduced), but the step is still a sign of a missing skip_synchronize().
+STEP_AFTER_SYNCHRONIZE = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). "
+    "This can cause training slowdown. You may want to consider using optimizer.skip_synchronize() context "
+    "if you use optimizer.synchronize() in your code."
+)
+
+
+class _DistributedOptimizer:
+    """Methods mixed into the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
+
+    _hora_reducer: GradientReducer
+    _hora_should_sync: bool
+    _hora_base: type
+
+    def synchronize(self) -> None:
+        """Finish reducing this step's gradients and write them into ``p.grad``.
+
+        Call it before touching gradients between ``backward()`` and ``step()`` (clipping,
+        ``GradScaler.unscale_``); ``step()`` then does not reduce again.
+        """
+        self._hora_reducer.synchronize()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this block ``step()`` does not call ``synchronize()`` (Horovod's AMP pattern)."""
+        self._hora_should_sync = False
+        try:
+            yield
+        finally:
+            self._hora_should_sync = True
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many ``backward()`` calls accumulate locally before gradients are reduced."""
+        self._hora_reducer.set_backward_passes_per_step(passes)
+
+    def step(self, closure: Any = None) -> Any:
+        reducer = self._hora_reducer
+        if self._hora_should_sync and reducer.synced:
+            warnings.warn(STEP_AFTER_SYNCHRONIZE, UserWarning, stacklevel=2)
+        if reducer.updates_params:  # Adasum: the local steps ran in the hooks; apply the combined update
+            loss = closure() if closure is not None else None
+            if self._hora_should_sync:
+                reducer.synchronize()
+            reducer.stepped()
+            return loss
+        if self._hora_should_sync:
+            if closure is None and not reducer.synced and _overlappable(self):
+                self._hora_step_as_buckets_land()
+                return None
+            reducer.synchronize()
+        reducer.stepped()
+        return super().step(closure)  # type: ignore[misc]
+
+    def _hora_step_as_buckets_land(self) -> None:
+        """One step, applied bucket by bucket: each bucket's parameters are updated as soon as its reduced
+        gradients are written back, while the later buckets are still on the wire; the parameters in no
+        bucket (DDP's, sparse ones) are updated last. Only for optimizers in :data:`PER_PARAMETER`, whose
+        update of a parameter reads nothing but that parameter, its gradient and its own state, so the
+        result is the one step's bit for bit."""
+        done: set[int] = set()
+
+        def apply(params: list[torch.Tensor]) -> None:
+            _step_on(self, params)
+            done.update(id(p) for p in params)
+
+        reducer = self._hora_reducer
+        reducer.synchronize(on_reduced=apply)
+        reducer.stepped()
+        groups = self.param_groups  # type: ignore[attr-defined]
+        rest = [p for group in groups for p in group["params"] if id(p) not in done]
+        if rest:
+            _step_on(self, rest)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._hora_reducer.in_flight():
+            raise ValueError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(): gradients are still being reduced. Call zero_grad() before "
+                "backward() or after step()."
+            )
+        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
+        self._hora_reducer.release()
+
+
+# Built-in optimizers whose update of a parameter reads only that parameter, its gradient and its own state
+# (no norm or statistic over all parameters): a step over some parameters, then over the others, is bit for
+# bit one step over all. tests/distributed/test_step_overlap.py checks each against a single step.
+PER_PARAMETER: frozenset[type] = frozenset(
+    cls for cls in (getattr(torch.optim, name, None) for name in (
+        "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD",
+        "Adafactor"))
+    if isinstance(cls, type)
+)
+
+
+def _overlappable(optimizer: Any) -> bool:
+    """Step bucket by bucket? A per-parameter built-in optimizer with no step hooks (they would run once per
+    bucket), and a reducer with several buckets to overlap (:attr:`GradientReducer.overlaps_step`)."""
+    if optimizer._hora_base not in PER_PARAMETER:
+        return False
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return False
+    if getattr(torch_optimizer, "_global_optimizer_pre_hooks", None) or getattr(
+            torch_optimizer, "_global_optimizer_post_hooks", None):  # register_optimizer_step_*_hook
+        return False
+    return bool(optimizer._hora_reducer.overlaps_step)
+
+
+def _step_on(optimizer: Any, params: list[torch.Tensor]) -> None:
+    """The wrapped optimizer's own step on ``params`` alone: every group keeps only those of its parameters
+    for the call (the others are not looked at), then gets its list back."""
+    keep = {id(p) for p in params}
+    stashed = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["params"] = [q for q in group["params"] if id(q) in keep]
+        super(_DistributedOptimizer, optimizer).step()
+    finally:
+        for group, kept in zip(optimizer.param_groups, stashed):
+            group["params"] = kept
+
+
+def _local_step(optimizer: Any, p: torch.Tensor) -> None:
+    """The wrapped optimizer's own step on parameter ``p`` alone (Horovod's Adasum reduces its update)."""
+    _step_on(optimizer, [p])
+
+
+def _named(optimizer: torch.optim.Optimizer,
+           named_parameters: Iterable[Any] | None) -> tuple[list, list[str], dict[torch.Tensor, str]]:
+    """The optimizer's parameters (deduplicated, in group order), their names, and Horovod's
+    ``_parameter_names`` (every named parameter given, or the optimizer's own under generated names)."""
+    params: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    if named_parameters is None:  # Horovod's names: allreduce.noname.<group index>.<index in the group>
+        noname = {id(p): f"allreduce.noname.{i}.{j}" for i, group in enumerate(optimizer.param_groups)
+                  for j, p in enumerate(group["params"])}
+        names = [noname[id(p)] for p in params]
+        return params, names, dict(zip(params, names))
+    pairs = list(named_parameters)
+    if any(not isinstance(x, tuple) or len(x) != 2 for x in pairs):
+        raise ValueError(
+            "named_parameters should be a sequence of (name, parameter) tuples, usually produced by "
+            "model.named_parameters()"
+        )
+    counts: dict[str, int] = {}
+    for name, _ in pairs:
+        counts[name] = counts.get(name, 0) + 1
+    dups = sorted(n for n, c in counts.items() if c > 1)
+    if dups:
+        raise ValueError(f"parameter names in named_parameters must be unique; duplicates: {', '.join(dups)}")
+    name_of = {id(p): name for name, p in pairs}
+    unnamed = [i for i, p in enumerate(params) if id(p) not in name_of]
+    if unnamed:
+        raise ValueError(
+            f"named_parameters was given but {len(unnamed)} of the optimizer's parameters are not in it "
+            f"(positions {unnamed[:10]} in the optimizer's parameter list): pass model.named_parameters() "
+            "of the model whose parameters the optimizer holds"
+        )
+    return params, [name_of[id(p)] for p in params], {p: name for name, p in pairs}
+
+
+def _group_of(params: list[torch.Tensor], num_groups: int, groups: Any) -> list[int]:
+    if isinstance(groups, int):  # Horovod also accepted an int here
+        num_groups, groups = groups, None
+    if groups is None:
+        if num_groups < 0:
+            raise ValueError(f"num_groups must be >= 0, got {num_groups}")
+        return split_groups(len(params), num_groups)
+    index_of = {id(p): i for i, p in enumerate(params)}
+    out = [-1] * len(params)
+    for g, members in enumerate(groups):
+        for p in members:
+            if id(p) not in index_of:
+                raise ValueError(f"groups[{g}] holds a tensor that is not one of the optimizer's parameters")
+            out[index_of[id(p)]] = g
+    return out
+
+
+def _validate(optimizer: Any, compression: Any, passes: int, op: Any, predivide: float) -> None:
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError(  # noqa: TRY004 - Horovod raised ValueError here too
+            "this optimizer is already a hora DistributedOptimizer; wrap the plain optimizer once"
+        )
+    if passes < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum for gradients, got {op!r}")
+    if predivide != 1.0 and op is not Average:
+        raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
+    if predivide <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {predivide}")
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise ValueError(f"compression must have compress() and decompress(), got {compression!r}")
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: Compressor = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: Any = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = global_process_set,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients reduced across ``process_set``.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``; the result shares its groups and state and is an
+            instance of its class.
+        named_parameters: ``model.named_parameters()``; names appear in errors and stall reports.
+        compression: ``Compression.none``/``fp16``/``bf16`` or any object with ``compress``/``decompress``.
+        backward_passes_per_step: backward passes accumulated locally before one reduction.
+        op: ``Average`` (default), ``Sum`` or ``Adasum``.
+        gradient_predivide_factor: with Average, divide by this before the sum and by size/this after.
+        num_groups: split the parameters into this many groups, each reduced as one bucket.
+        groups: explicit list of lists of parameters, each reduced as one bucket.
+        sparse_as_dense: reduce sparse gradients as dense tensors instead of by allgather.
+        process_set: the ranks to reduce across.
+
+    Returns:
+        The distributed optimizer.
+    """
+    _validate(optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor)
+    params, names, parameter_names = _named(optimizer, named_parameters)
+    base = type(optimizer)
+    cls = _classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_DistributedOptimizer, base), {"__qualname__": base.__qualname__})
+        _classes[base] = cls
+    wrapped = cls.__new__(cls)  # type: ignore[call-overload]  # no __init__: the groups and state are shared
+    # Share groups, state, defaults and hooks; drop an LR scheduler's instance-level step wrapper so
+    # that our step() runs (a scheduler created after wrapping wraps ours).
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
+    wrapped._hora_should_sync = True
+    wrapped._hora_base = base  # the wrapped class: decides whether step() may go bucket by bucket
+    # Horovod's attribute: {parameter: name}; the names the reducer uses in errors and stall reports
+    wrapped._parameter_names = parameter_names
+    reducer_args: dict[str, Any] = {
+        "compression": compression, "sparse_as_dense": sparse_as_dense, "process_set": process_set,
+        "backward_passes_per_step": backward_passes_per_step,
+    }
+    params_names_groups = (params, names, _group_of(params, num_groups, groups))
+    if op is Adasum:  # chosen once: Adasum reduces each parameter's local update (hora.training.adasum_reducer)
+        wrapped._hora_reducer = AdasumReducer(*params_names_groups, **reducer_args,
+                                              local_step=functools.partial(_local_step, wrapped))
+    else:
+        wrapped._hora_reducer = GradientReducer(*params_names_groups, **reducer_args, op=op,
+                                                gradient_predivide_factor=gradient_predivide_factor)
+    wrapped._hora_reducer.register_hooks()  # buckets are planned at the first backward
+    return wrapped
