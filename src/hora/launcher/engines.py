@@ -29,7 +29,7 @@ def require(module: str, extra: str, feature: str) -> ModuleType:
 
 # What a rank raises because a peer failed first (hora's "rank N ... is gone"): never the root cause while another
 # rank failed otherwise. A CollectiveMismatchError is every rank's own error, not a follow-on.
-FOLLOW_ON_ERRORS = frozenset({"CollectiveError", "WorldMemberLostError", "HorovodInternalError"})
+FOLLOW_ON_ERRORS = frozenset({"CollectiveError", "PeerLostError", "WorldMemberLostError", "HorovodInternalError"})
 FOLLOW_ON_GRACE_S = 5.0  # how long a driver waits for the root cause after seeing a follow-on error first
 
 
