@@ -35,26 +35,26 @@ for its whole life while its rank changes.
 from __future__ import annotations
 
 import logging
-import queue
-import signal
 import threading
 import time
-import uuid
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from hora.common import env as hora_env
-from hora.errors import SetupError
-from hora.launcher import envvars, output, procs
-from hora.launcher.elastic.driver_state import Worker, note
-from hora.launcher.elastic.hosts import DISCOVERY_INTERVAL, Discovery, DiscoveryError
-from hora.launcher.elastic.worlds import ElasticWorlds
+from hora.errors import SetupError, StoreAuthError
+from hora.launcher import envvars, output, procs, store
+from hora.launcher.config import ElasticConfig, RunConfig
+from hora.launcher.elastic.hosts import DISCOVERY_INTERVAL, Absences, Discovery, DiscoveryError, HostManager
+from hora.launcher.elastic.workers import LIMIT_EXIT, Worker, _Failure, _Stats, note
 from hora.launcher.failures import RankState
 from hora.launcher.hosts import HostSpec, SlotInfo
-from hora.launcher.output_lock import OutputLock, lock_paths
-from hora.launcher.remote.agent_handle import PING_INTERVAL, AgentHandle, split_returncode, start_pumps
-from hora.launcher.remote.transport import SSH_FAILED, agent_argv
+from hora.launcher.job_loop import JobLoop, record_exit
+from hora.launcher.remote.agent_handle import AgentHandle, split_returncode
+from hora.launcher.remote.transport import SSH_FAILED, Transport
+from hora.launcher.stall_watch import StallWatch
 from hora.protocol import elastic as ep
 from hora.protocol import messages as protocol
+from hora.protocol import network
+from hora.protocol.signedstore import SignedStore
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +65,13 @@ TICK = 0.05  # seconds between two looks at the store (ready keys) when nothing 
 # Events (a worker's exit, discovery, output) still wake the loop at once; only a reset nobody announced
 # (a stall shutdown, a broken link) is seen up to this much later.
 STEADY_TICK = 0.5
+LEAVE_GRACE = 10.0  # a removed worker that has not exited this long after the world without it is stopped
 
 
-class ElasticDriver(ElasticWorlds):
-    """Runs an elastic job: see the module docstring. The state and the job's end are in
-    :mod:`hora.launcher.elastic.driver_state`, the worlds' bookkeeping in :mod:`hora.launcher.elastic.worlds`.
+class ElasticDriver(JobLoop):
+    """Runs an elastic job: see the module docstring. The loop, Ctrl-C and the end are :class:`JobLoop`'s; this
+    class is its steps for a job whose worlds change, made of its parts: the hosts (:class:`HostManager`,
+    :class:`Discovery`, :class:`Absences`), the workers (:class:`Worker`, by number) and the worlds it publishes.
 
     Args:
         cfg: the checked job (``cfg.elastic`` set).
@@ -78,30 +80,451 @@ class ElasticDriver(ElasticWorlds):
             function through it).
     """
 
-    # --- running ---------------------------------------------------------------------------------------
-    def run(self) -> int:
-        """Run the job to the end; return the exit status for the ``hora run`` process."""
-        self.job_id = uuid.uuid4().hex[:12]
-        outputs = OutputLock.hold(lock_paths(self.cfg.output_filename, self.cfg.timeline_filename), self.job_id)
-        previous = {}
+    noun = "worker"
+
+    def __init__(self, cfg: RunConfig, *, transport_for: Callable[[str, bool], Transport] | None = None,
+                 store_ready: Callable[[Any], None] | None = None) -> None:
+        super().__init__(cfg, transport_for=transport_for, store_ready=store_ready)
+        assert cfg.elastic is not None
+        self.ecfg: ElasticConfig = cfg.elastic
+        self.hostman = HostManager(self.ecfg.cooldown)
+        self.workers: dict[int, Worker] = {}  # by number
+        self.world: ep.World | None = None
+        self.member_numbers: set[int] = set()  # the worker processes of the newest world
+        self.updates = 0  # the value of the store's ``updates`` counter
+        self._discovered = 0  # the value of the store's ``discovered`` counter
+        self.stalls = StallWatch(None, "", {})  # the newest world's board (see _watch_stalls)
+        self.failure: _Failure | None = None
+        self.finishing = False  # a member returned: no more worlds, the others finish too
+        self.stats = _Stats()
+        self._reset_since: float | None = None
+        self._lost_member = False  # a member of the newest world died or left: a reset is due
+        self._handing_over = False  # the members left are on removed hosts and wait for newcomers (said once)
+        self.discovery: Discovery | None = None  # the --host-discovery-script, when the job has one
+        self.absences = Absences()  # hosts discovery left out, until their removal is confirmed
+        self._unlisted_since: float | None = None  # discovery lists no host of the newest world's workers
+        self._published_ts = 0.0  # wall-clock time the newest world was published
+        self._short_since: float | None = None  # since when fewer than --min-np slots are available
+        self._start_deadline = 0.0
+        self._stopping = threading.Event()
+        self._last: Worker | None = None  # the last worker that failed (the root cause of a job failure)
+
+    # --- the newest world and its members --------------------------------------------------------------
+    def _key(self, key: str, **fields: object) -> str:
+        return ep.elastic_key(self.job_id, key, **fields)
+
+    def _members(self) -> list[Worker]:
+        """The live workers of the newest world that will be in the next one."""
+        if self.world is None:
+            return []
+        return [w for w in self.workers.values() if w.alive and not w.leaving and self._member(w)]
+
+    def _member(self, w: Worker) -> bool:
+        """``w`` (this process, not an earlier one with its id) is in the newest world."""
+        return w.number in self.member_numbers
+
+    def _previous(self, keep: list[Worker]) -> ep.World | None:
+        """The newest world reduced to the members in ``keep``: what new ranks are ordered by (a new process
+        that reuses the id of a member that died is new, never the holder of the state)."""
+        if self.world is None:
+            return None
+        ids = {w.wid for w in keep if self._member(w)}
+        return ep.World(self.world.gen, {k: v for k, v in self.world.workers.items() if k in ids}, self.world.updates)
+
+    def _newcomers(self) -> list[Worker]:
+        """Live workers not in the newest world that posted ready and may join."""
+        return [w for w in self.workers.values()
+                if w.alive and not w.leaving and w.ready is not None and not self._member(w)]
+
+    def _steady(self) -> bool:
+        """Nothing is under way: every live worker is a member of the newest world and has not posted ready for
+        the next one, no member was lost, no announced host change waits for its world, nobody is leaving."""
+        world = self.world
+        if world is None or self.finishing or self._lost_member or self._stop_deadline is not None:
+            return False
+        if self.updates > world.updates:
+            return False
+        return all(self._member(w) and not w.leaving and w.leave_by is None and w.ready != world.gen
+                   for w in self.workers.values() if w.alive)
+
+    def _member_at(self, rank: int) -> Worker | None:
+        """The live worker with rank ``rank`` in the newest world."""
+        if self.world is None:
+            return None
+        return next((w for w in self._members() if self.world.rank_of(w.wid) == rank), None)
+
+    def _last_failed(self) -> Worker | None:
+        return self._last
+
+    # --- failing and stopping the job ------------------------------------------------------------------
+    def _watch_stalls(self) -> None:
+        """The newest world's board, as the fixed driver reads it (:mod:`hora.launcher.stall_watch`): the silent peers
+        of waiting ranks are probed by their agents; a member that the stall shutdown time gave up on (frozen in
+        a data transfer, or named by the ranks that stopped waiting for it and reset) is stopped as a failed
+        worker: its host is blacklisted and the next world goes on without it."""
+        if self.world is None:
+            return
+        probe, notes = self.stalls.poll()
+        for line in notes:
+            output.note(line)
+        for rank in probe:
+            w = self._member_at(rank)
+            if w is not None:
+                w.agent.send({"t": protocol.PROBE, "r": [w.number]})
+        found = self.stalls.shutdown_due("hora run stopped it; the others go on without it")
+        if found is None and any(w.ready == self.world.gen for w in self._members()):
+            found = self.stalls.culprit()  # the others reset after their stall shutdown: is it the late one?
+            w = self._member_at(found.rank) if found is not None else None
+            if w is None or w.ready == self.world.gen:
+                found = None
+        if found is not None:
+            self._stop_stalled(found.rank, found.how)
+
+    def _stop_stalled(self, rank: int, how: str) -> None:
+        w = self._member_at(rank)
+        if w is None or w.stalled:
+            return
+        w.stalled = how
+        note(f"worker {w.wid} (process [{w.number}], rank {rank}) on host {w.host}: {how}; stopping it")
+        w.agent.send({"t": protocol.STOP, "grace": 0, "r": [w.number]})
+
+    def _post_ended(self, w: Worker, how: str) -> None:
+        """Tell the newest world's ranks that ``w`` is gone (their collectives with it fail at once)."""
+        if self.world is None or not self._member(w) or self.store is None:
+            return
+        job = ep.world_job_id(self.job_id, self.world.gen)
+        rank = self.world.rank_of(w.wid)
         try:
-            hosts = self._first_hosts()
-            self._start_store(hosts)
-            if threading.current_thread() is threading.main_thread():
-                previous = {s: signal.signal(s, self._on_signal) for s in procs.stop_signals()}
+            self.store.set(protocol.board_key(job, protocol.ENDED, rank=rank), how)
+            self.store.add(protocol.board_key(job, protocol.ENDS), 1)
+        except Exception as exc:
+            log.debug("board: cannot post the end of rank %s: %s", rank, exc)
+
+    def _fail(self, summary: str, worker: Worker | None = None, code: int | None = None) -> None:
+        """End the job: ``summary`` is its last line, ``worker`` the failure whose report explains it, ``code`` the
+        exit status (default: that worker's, else 1)."""
+        if self.failure is not None or self._stop_deadline is not None:
+            return
+        if code is None:
+            code = procs.exit_status(worker.state.code, worker.state.sig) if worker is not None else 1
+        self.failure = _Failure(summary, worker, code or 1)
+        if worker is not None:
+            how = worker.state.how or procs.describe_exit(worker.state.code, worker.state.sig)
+            self.console.flush()
+            lines = output.failure_report(worker.number, worker.host, how, list(self.console.tails[worker.number]),
+                                          sum(1 for w in self.workers.values() if w.alive))
+            lines[0] = (f"hora run: the last failure: worker {worker.wid} (process [{worker.number}]) on host "
+                        f"{worker.host}: {how}")
+            output.print_lines(lines)
+        if self.stats.failures:
+            note(f"failures: {'; '.join(self.stats.failures[-10:])}")
+        self._stop_all()
+
+    # --- the rendezvous store --------------------------------------------------------------------------
+    def _start_store(self, hosts: list[HostSpec]) -> None:
+        remote = [h.name for h in hosts if not h.is_local]
+        self.addr = network.store_address(remote, self.cfg.network_interfaces)
+        raw = store.listen(self.addr, max(self.cfg.start_timeout, 60))  # on the job's address only
+        self.port = int(raw.port)
+        self.store = SignedStore(raw, self.secret, self.job_id, f"{self.addr}:{self.port}")
+        if self.store_ready is not None:
+            self.store_ready(self.store)
+        log.info("rendezvous store on %s:%d (job %s)", self.addr, self.port, self.job_id)
+
+    def _read_ready(self) -> None:
+        for w in self.workers.values():
+            if not w.alive or (w.leaving and not self._member(w)):  # a removed member may hand the state over
+                continue
+            want = self.world.gen if self.world is not None and self._member(w) else None
+            if w.ready is not None and (want is None or w.ready == want):
+                continue  # nothing new can be in the key until the next world
+            key = self._key(ep.READY, worker_id=w.wid)
             try:
-                self._loop()
-            finally:
-                self._stopping.set()
-                if self.discovery is not None:
-                    self.discovery.stop()
-                self._shutdown_agents()
-                self.console.close()
-            return self._exit_status()
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-            outputs.release()
+                if self.store.check([key]):
+                    w.ready = int(self.store.get(key).decode())
+            except StoreAuthError as exc:  # a stranger wrote it: which world the worker waits for is unknown
+                self._fail(str(exc))
+                return
+            except Exception as exc:  # our own store: fails only while shutting down
+                log.debug("cannot read %s: %s", key, exc)
+
+    def _post_discovery(self, change: ep.Update) -> None:
+        """Tell rank 0 at once what discovery found (Horovod's ``state._host_messages``)."""
+        self._discovered += 1
+        self.store.set(self._key(ep.DISCOVERY, n=self._discovered), change.to_json())
+
+    def _post_update(self, update: ep.Update) -> None:
+        n = self.updates + 1
+        self.store.set(self._key(ep.UPDATE, n=n), update.to_json())
+        self.updates = n
+        log.info("update %d: %s", n, update)
+
+    # --- slots -----------------------------------------------------------------------------------------
+    def _slots_wanted(self, now: float) -> list[tuple[str, int]]:
+        """``(host, slot)`` of every slot that should hold a worker now: the slots of the running workers that
+        stay (a blacklisted host's healthy workers keep theirs: the blacklist decides where new workers start,
+        not who is stopped), then the free slots of the available hosts, in order; at most --max-np (running
+        workers first, so a cap never evicts one)."""
+        running = [(w.host, ep.parse_worker_id(w.wid)[1]) for w in self.workers.values() if w.alive and not w.leaving]
+        held = set(running)
+        free = [(h.name, s) for h in self.hostman.available(now) for s in range(h.slots) if (h.name, s) not in held]
+        cap = self.ecfg.max_np
+        return (running + free) if cap is None else (running + free)[:cap]
+
+    def _check_hopeless(self, now: float) -> bool:
+        """Fail the job when it cannot go on; True when it failed."""
+        alive = [w for w in self.workers.values() if w.alive and not w.leaving]
+        if self.hostman.all_blacklisted_for_good(now) and not alive:
+            self._fail(f"every host is blacklisted ({', '.join(self.hostman.hosts)}): a worker failed on each of "
+                       "them" + ("" if self.ecfg.cooldown else " (give --blacklist-cooldown-range to let hosts "
+                                 "come back)"), self._last)
+            return True
+        first = self.stats.started == 0
+        need, flag = (self.cfg.np, "-np") if first else (self.ecfg.min_np, "--min-np")
+        have = len(self._slots_wanted(now))
+        if have >= need:
+            self._short_since = None
+            return False
+        if self._short_since is None:
+            self._short_since = now
+            note(f"{have} slot{'s' if have != 1 else ''} available, fewer than the {need} of {flag}; waiting up "
+                 f"to --elastic-timeout {self.ecfg.elastic_timeout:g}s for hosts")
+        if now - self._short_since > self.ecfg.elastic_timeout:
+            blacklisted = [n for n in self.hostman.hosts if self.hostman.is_blacklisted(n, now)]
+            extra = f"; blacklisted: {', '.join(blacklisted)}" if blacklisted else ""
+            self._fail(f"fewer than {need} slots ({flag}) for --elastic-timeout {self.ecfg.elastic_timeout:g}s: "
+                       f"{have} available (hosts: {', '.join(self.hostman.hosts) or 'none'}{extra})", self._last,
+                       LIMIT_EXIT)
+            return True
+        return False
+
+    # --- hosts -----------------------------------------------------------------------------------------
+    def _confirmed(self, found: tuple[HostSpec, ...], now: float) -> tuple[HostSpec, ...]:
+        """A discovery answer, with the hosts it left out kept until their removal is confirmed: left out of
+        :data:`~hora.launcher.elastic.hosts.REMOVAL_ANSWERS` answers in a row, and, for the hosts of every worker of
+        the newest world (they hold the only copy of the training state), not before other hosts can take the
+        state over: until then they go on training, up to --elastic-timeout."""
+        listed = {h.name for h in found}
+        confirmed = set(self.absences.look(listed, list(self.hostman.hosts)))
+        kept = [HostSpec(n, s) for n, s in self.hostman.hosts.items() if n not in listed and n not in confirmed]
+        carriers = sorted({w.host for w in self._members()}) if not self.finishing else []
+        others = [h for h in found if h.name not in carriers and not self.hostman.is_blacklisted(h.name, now)]
+        if carriers and set(carriers) <= confirmed and not others:
+            if self._unlisted_since is None:
+                self._unlisted_since = now
+                note(f"discovery lists none of the hosts of world {self.world.gen if self.world else 0}'s workers "
+                     f"({', '.join(carriers)}), which hold the training state: they go on until discovery lists "
+                     "their hosts again or other hosts can take the state over (up to --elastic-timeout "
+                     f"{self.ecfg.elastic_timeout:g}s)")
+            elif now - self._unlisted_since > self.ecfg.elastic_timeout:
+                self._fail(f"discovery has listed none of the hosts of the workers that hold the training state "
+                           f"({', '.join(carriers)}) and no other host for --elastic-timeout "
+                           f"{self.ecfg.elastic_timeout:g}s; check the --host-discovery-script", code=LIMIT_EXIT)
+            kept += [HostSpec(n, self.hostman.hosts[n]) for n in carriers]
+        elif self._unlisted_since is not None:
+            self._unlisted_since = None
+            back = [n for n in carriers if n in listed]
+            if back:
+                note(f"discovery lists {', '.join(back)} again: their workers go on")
+        return tuple(found) + tuple(kept)
+
+    def _on_hosts(self, found: tuple[HostSpec, ...]) -> None:
+        found = self._confirmed(found, time.monotonic())
+        old_slots = dict(self.hostman.hosts)
+        added, removed = self.hostman.update(found)
+        shrunk = [h.name for h in found if h.name in old_slots and h.slots < old_slots[h.name]]
+        if added:
+            note(f"hosts added: {', '.join(added)}")
+        if removed:
+            note(f"hosts removed: {', '.join(removed)}")
+        if added or removed:
+            self._post_discovery(ep.Update(added=tuple(added), removed=tuple(removed)))
+        gone = set(removed)
+        leaving_members = []
+        for w in self.workers.values():
+            if not w.alive or w.leaving:
+                continue
+            host, slot = ep.parse_worker_id(w.wid)
+            if host in gone or (host in shrunk and slot >= self.hostman.hosts[host]):
+                self._let_go(w)
+                if self._member(w):
+                    leaving_members.append(w.host)
+        if leaving_members and not self.finishing:
+            self._post_update(ep.Update(removed=tuple(dict.fromkeys(leaving_members))))
+
+    def _let_go(self, w: Worker) -> None:
+        """No world will hold ``w`` again: it exits 0 when it sees the next world (or is stopped)."""
+        w.leaving = True
+        if not self._member(w):
+            w.leave_by = time.monotonic()  # not a member: nothing to wait for
+        else:
+            self._lost_member = True
+
+    # --- publishing worlds -----------------------------------------------------------------------------
+    def _publish_if_due(self, now: float) -> None:
+        if self.world is None:
+            self._publish_first(now)
+            return
+        members = self._members()
+        resetting = self._lost_member or any(w.ready == self.world.gen for w in members)
+        newcomers = self._newcomers()
+        if not resetting:
+            fresh = [w for w in newcomers if not w.announced]
+            # workers started together join together (one reset, not one per worker), unless some take longer
+            # than --start-timeout to get ready
+            starting = [w for w in self.workers.values() if w.alive and not w.leaving and w.ready is None
+                        and now - w.started_at < self.cfg.start_timeout]
+            if fresh and not starting:
+                self._post_update(ep.Update(added=tuple(dict.fromkeys(w.host for w in fresh))))
+                for w in fresh:
+                    w.announced = True
+            return
+        if self._reset_since is None:
+            self._reset_since = now
+        carriers = [] if members else self._carriers()
+        if not members and not carriers:
+            self._fail(f"no worker of world {self.world.gen} is left to carry the training state "
+                       f"(hosts {', '.join(self.world.hosts())} all failed or were removed); a new world must keep "
+                       "at least one worker of the old one", self._last_failed())
+            return
+        late = [w for w in members or carriers if w.ready != self.world.gen]
+        if late:
+            if now - self._reset_since > self.ecfg.elastic_timeout:
+                names = ", ".join(f"rank {self.world.rank_of(w.wid)} ({w.wid})" for w in late)
+                self._fail(f"{names} did not reset within --elastic-timeout {self.ecfg.elastic_timeout:g}s "
+                           "(stuck outside hvd.elastic.run's reset?)")
+            return
+        if carriers and not self._ready_to_take_over(now, carriers, newcomers):
+            return
+        chosen = (members + newcomers)[:self.ecfg.max_np]  # handing over: the newcomers (carriers added below)
+        if len(chosen) < self.ecfg.min_np:
+            return  # more workers may come; _check_hopeless applies the elastic timeout
+        if carriers:
+            chosen = carriers + chosen
+        if self.ecfg.reset_limit is not None and self.stats.resets >= self.ecfg.reset_limit:
+            self._reset_limit_reached()
+            return
+        self._publish(chosen)
+        if carriers:  # they leave at the world's first commit, once the newcomers hold the state
+            self._post_update(ep.Update(removed=tuple(dict.fromkeys(w.host for w in carriers))))
+
+    def _reset_limit_reached(self) -> None:
+        """Another reset is due and the job has had --reset-limit of them: it ends, with the limit's exit status
+        and, when a failure made the reset due, that failure's report."""
+        done, limit = self.stats.resets, self.ecfg.reset_limit
+        last = self._last_failed()
+        trigger = last if last is not None and last.state.exit_ts >= self._published_ts else None
+        why = f"worker {trigger.wid} failed" if trigger is not None else "the hosts changed"
+        self._fail(f"--reset-limit {limit} reached: the job has reset {done} time{'s' if done != 1 else ''} and "
+                   f"{why}, which needs another reset; it stops here (exit code {LIMIT_EXIT})", trigger, LIMIT_EXIT)
+
+    def _carriers(self) -> list[Worker]:
+        """The live workers of the newest world on hosts that discovery removed (they leave gracefully)."""
+        return [w for w in self.workers.values() if w.alive and w.leaving and self._member(w)]
+
+    def _ready_to_take_over(self, now: float, carriers: list[Worker], newcomers: list[Worker]) -> bool:
+        """Every member left is on a removed host: its workers hand the training state over before they leave.
+        True once new workers are ready to take it (those started together, unless some take longer than
+        --start-timeout); the job fails if none is within --elastic-timeout of the removal."""
+        starting = [w for w in self.workers.values() if w.alive and not w.leaving and w.ready is None
+                    and now - w.started_at < self.cfg.start_timeout]
+        if newcomers and not starting:
+            return True
+        assert self._reset_since is not None
+        if not self._handing_over:
+            self._handing_over = True
+            note(f"hosts {', '.join(dict.fromkeys(w.host for w in carriers))} removed: their workers hold the training "
+                 f"state and wait for new workers to take it (up to --elastic-timeout {self.ecfg.elastic_timeout:g}s)")
+        if now - self._reset_since > self.ecfg.elastic_timeout:
+            self._fail(f"the workers of removed hosts ({', '.join(w.wid for w in carriers)}) hold the only copy of "
+                       f"the training state and no new worker was ready to take it within --elastic-timeout "
+                       f"{self.ecfg.elastic_timeout:g}s; add hosts sooner, or give a longer --elastic-timeout")
+        return False
+
+    def _publish_first(self, now: float) -> None:
+        """World 1: every started worker once all posted ready; after --start-timeout, those that did (if
+        they are --min-np or more: the late ones join at a later world)."""
+        waiting = [w for w in self.workers.values() if w.alive and not w.leaving]
+        ready = [w for w in waiting if w.ready is not None]
+        if not ready or (len(ready) < len(waiting) and now < self._start_deadline):
+            return
+        if len(ready) < self.ecfg.min_np:
+            if now > self._start_deadline + self.ecfg.elastic_timeout:
+                late = ", ".join(w.wid for w in waiting if w.ready is None)
+                self._fail(f"only {len(ready)} of the {len(waiting)} workers called hvd.init() within --start-timeout "
+                           f"{self.cfg.start_timeout:g}s + --elastic-timeout {self.ecfg.elastic_timeout:g}s "
+                           f"(--min-np {self.ecfg.min_np}); late: {late}")
+            return
+        self._publish(ready[:self.ecfg.max_np] if self.ecfg.max_np else ready)
+
+    def _publish(self, chosen: list[Worker]) -> None:
+        previous = self.world
+        gen = (previous.gen if previous else 0) + 1
+        world = ep.assign_world(self._previous(chosen), gen, [(w.wid, w.host) for w in chosen], updates=self.updates)
+        self.store.set(self._key(ep.WORLD, gen=gen), world.to_json())
+        self.store.set(self._key(ep.GEN), str(gen))
+        self.world = world
+        self.member_numbers = {w.number for w in chosen}
+        self.stalls = StallWatch(self.store, ep.world_job_id(self.job_id, gen),
+                                 {p.rank: p.hostname for p in world.workers.values()})
+        self._reset_since, self._lost_member, self._handing_over = None, False, False
+        self._published_ts = time.time()
+        if previous is not None:
+            self.stats.resets += 1
+        for w in chosen:
+            w.announced = False
+        leave_by = time.monotonic() + LEAVE_GRACE
+        for w in self.workers.values():
+            if w.alive and w.leaving and w.leave_by is None and w.number not in self.member_numbers:
+                w.leave_by = leave_by
+        old = previous.worker_ids() if previous else []  # in rank order, so the line reads the same every time
+        joined = [wid for wid in world.worker_ids() if wid not in old]
+        left = [wid for wid in old if wid not in world.workers]
+        what = f"world {gen}: {world.size} worker{'s' if world.size != 1 else ''} on {', '.join(world.hosts())}"
+        if previous is not None:
+            what += "".join([f"; joined: {', '.join(joined)}" if joined else "",
+                             f"; left: {', '.join(left)}" if left else ""])
+        note(what)
+
+    # --- the loop's steps ----------------------------------------------------------------------------------
+    def set_up(self) -> None:
+        self._start_store(self._first_hosts())
+        self._start_deadline = time.monotonic() + self.cfg.start_timeout
+        self._short_since = time.monotonic()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self.discovery is not None:
+            self.discovery.stop()
+
+    def wait_s(self) -> float:
+        return STEADY_TICK if self._steady() else TICK
+
+    def over(self) -> bool:
+        dead = all(not w.alive for w in self.workers.values())
+        if self._stop_deadline is not None:
+            return dead and all(a.finished for a in self.agents)
+        return self.finishing and dead
+
+    def look(self, now: float) -> None:
+        if self._stop_deadline is not None:
+            return
+        if not self.finishing:
+            self._step(now)
+        self.console.release_stale([w.number for w in self.workers.values() if not w.alive])
+
+    def on_event(self, kind: str, value: Any) -> None:
+        if kind == "hosts":
+            self._on_hosts(value)
+        elif kind == "discovery_error":
+            log.warning("%s (keeping the last hosts)", value)
+
+    def processes(self) -> Iterable[RankState]:
+        return (w.state for w in self.workers.values())
+
+    def killed_label(self, state: RankState) -> str:
+        w = next(w for w in self.workers.values() if w.state is state)
+        return f"worker {w.wid} (process [{w.number}]) on host {w.host}"
 
     def _first_hosts(self) -> list[HostSpec]:
         """The hosts known before the store starts (it must listen on an address they reach)."""
@@ -127,56 +550,6 @@ class ElasticDriver(ElasticWorlds):
             except DiscoveryError as exc:
                 self.events.put(("discovery_error", -1, str(exc)))
             self._stopping.wait(max(0.0, DISCOVERY_INTERVAL - (time.monotonic() - began)))
-
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        self._signals += 1
-        self.events.put(("signal", -1, signum))
-
-    def _loop(self) -> None:
-        last_ping = time.monotonic()
-        self._start_deadline = time.monotonic() + self.cfg.start_timeout
-        self._short_since = time.monotonic()
-        while True:
-            try:
-                kind, index, value = self.events.get(timeout=STEADY_TICK if self._steady() else TICK)
-                self._handle(kind, index, value)
-                while True:  # a burst of output: drain it before looking at the store again
-                    kind, index, value = self.events.get_nowait()
-                    self._handle(kind, index, value)
-            except queue.Empty:
-                self.console.flush()
-            now = time.monotonic()
-            if self._stop_deadline is not None:
-                if all(not w.alive for w in self.workers.values()) and all(a.finished for a in self.agents):
-                    return
-                if now > self._stop_deadline:
-                    self._force_kill()
-                    return
-                continue
-            if self.finishing and all(not w.alive for w in self.workers.values()):
-                return
-            if not self.finishing:
-                self._step(now)
-            self.console.release_stale([w.number for w in self.workers.values() if not w.alive])
-            if now - last_ping >= PING_INTERVAL:
-                last_ping = now
-                for agent in self.agents:
-                    if not agent.finished:
-                        agent.send({"t": protocol.PING})
-
-    def _handle(self, kind: str, index: int, value: Any) -> None:
-        if kind == "msg":
-            self._on_message(self.agents[index], value)
-        elif kind == "eof":
-            self._on_agent_gone(self.agents[index], value)
-        elif kind == "agent_err":
-            output.note(f"host {self.agents[index].host}: {value}")
-        elif kind == "hosts":
-            self._on_hosts(value)
-        elif kind == "discovery_error":
-            log.warning("%s (keeping the last hosts)", value)
-        elif kind == "signal":
-            self._on_interrupt(value)
 
     def _step(self, now: float) -> None:
         """One look at everything: stop leavers, read ready keys, start workers, publish, check deadlines."""
@@ -233,56 +606,26 @@ class ElasticDriver(ElasticWorlds):
                 log.debug("cannot clear the ready key of %s: %s", wid, exc)
             spec_workers.append({"rank": number, "env": env})
             placed.append((wid, number, info))
-        spec = self._spec(host, spec_workers)
-        is_local = HostSpec(host, 1).is_local
-        try:
-            proc = self.transport_for(host, is_local).start(host, agent_argv(self.cfg.python), self.cfg.cwd)
-        except OSError as exc:
-            raise SetupError(f"host {host}: cannot start its agent ({exc.strerror or exc}); "
-                             "install openssh-client or check the Python path") from None
-        agent = AgentHandle(len(self.agents), host, proc, [number for _, number, _ in placed])
-        self.agents.append(agent)
+        spec = self.agent_spec(host, spec_workers, unset=(ep.ELASTIC_ENV, ep.WORKER_ID_ENV))
+        agent = self.start_agent(len(self.agents), host, HostSpec(host, 1).is_local,
+                                 [number for _, number, _ in placed], spec)
         new = [Worker(wid, host, number, agent, RankState(info)) for wid, number, info in placed]
         for w in new:
             self.workers[w.number] = w
             if self.cfg.output_filename:
                 self.console.open_logs(range(w.number, w.number + 1), strict=False)
-        agent.send(spec)
-        start_pumps(agent, self.events)
         log.info("host %s: starting workers %s", host, ", ".join(w.wid for w in new))
 
-    def _spec(self, host: str, workers: list[dict[str, Any]]) -> dict[str, Any]:
-        base = envvars.forwarded(hora_env.launcher_environ(), self.cfg.env)
-        if self.cfg.network_interfaces:
-            base.setdefault("GLOO_SOCKET_IFNAME", ",".join(self.cfg.network_interfaces))
-            base.setdefault("NCCL_SOCKET_IFNAME", ",".join(self.cfg.network_interfaces))
-        return {"t": "spec", "command": list(self.cfg.command), "cwd": self.cfg.cwd, "env": base,
-                "unset": [*envvars.RANK_VARIABLES, ep.ELASTIC_ENV, ep.WORKER_ID_ENV], "workers": workers,
-                "store_addr": self.addr, "secret": self.secret.hex(), "heartbeat_timeout": self.cfg.heartbeat_timeout,
-                "host": host, "progress_interval": 0.25 if self.console.live else 1.0}
-
     # --- agents and workers ----------------------------------------------------------------------------
-    def _on_message(self, agent: AgentHandle, message: dict[str, Any]) -> None:
+    def on_message(self, agent: AgentHandle, message: dict[str, Any]) -> None:
         kind = message["t"]
-        if kind == protocol.OUT:
-            self.console.worker_line(int(message["r"]), message["s"], message["l"], message.get("ts"),
-                                     message.get("k", protocol.LINE))
-        elif kind == protocol.EXIT:
+        if kind == protocol.EXIT:
             w = self.workers[int(message["r"])]
             state = w.state
-            state.done, state.code, state.sig = True, message.get("code"), message.get("sig")
-            state.stopped = bool(message.get("stopped"))
-            state.killed = float(message.get("killed") or 0.0)
-            if message.get("oom"):  # the agent found the kernel's OOM killer behind the SIGKILL
-                state.how = f"{message['oom']}, {procs.describe_exit(state.code, state.sig)}"
-            state.exit_ts = float(message.get("ts") or time.time())
+            record_exit(state, message)
             if w.stalled and self._stop_deadline is None:  # the stall inspector's stop: a failure
                 state.stopped, state.how = False, w.stalled
             self._on_exit(w)
-        elif kind == protocol.STARTED:
-            agent.started = True
-        elif kind == protocol.DONE:
-            agent.finished = True
         elif kind == protocol.PROBE and self._stop_deadline is None and self.world is not None:
             w = self.workers[int(message["r"])]
             rank = self.world.rank_of(w.wid) if self._member(w) else None
@@ -333,8 +676,7 @@ class ElasticDriver(ElasticWorlds):
             self._lost_member = True
         self._last = w
 
-    def _on_agent_gone(self, agent: AgentHandle, code: int) -> None:
-        agent.finished = True
+    def on_agent_gone(self, agent: AgentHandle, code: int) -> None:
         lost = [self.workers[n] for n in agent.ranks if self.workers[n].alive]
         if not lost:
             return
@@ -350,46 +692,13 @@ class ElasticDriver(ElasticWorlds):
             self._on_exit(w)
 
     # --- the end ---------------------------------------------------------------------------------------
-    def _on_interrupt(self, signum: int) -> None:
-        running = sum(1 for w in self.workers.values() if w.alive)
-        if self.interrupted is not None or self._stop_deadline is not None:
-            self.interrupted = self.interrupted or signum
-            output.note(f"interrupted again: killing the {running} worker(s) still running now (SIGKILL)")
-            self._force_kill()
-            return
-        self.interrupted = signum
-        again = "; press Ctrl-C again to kill them now" if signum == signal.SIGINT else ""
-        output.note(f"interrupted ({procs.stop_reason(signum)}): stopping {running} worker(s) "
-                    f"(SIGTERM, SIGKILL after {self.cfg.grace:g}s{again})")
-        self._stop_all()
+    def failed_status(self) -> int | None:
+        if self.failure is None:
+            return None
+        output.note(f"job failed: {self.failure.summary}")
+        return self.failure.code
 
-    def _shutdown_agents(self) -> None:
-        for agent in self.agents:
-            agent.close_stdin()
-        signals = self._signals
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and any(a.proc.poll() is None for a in self.agents):
-            if self._signals != signals:
-                break
-            time.sleep(0.05)
-        for agent in self.agents:
-            if agent.proc.poll() is None:
-                procs.signal_groups([agent.proc.pid], signal.SIGKILL)
-                agent.proc.wait()
-
-    def _exit_status(self) -> int:
-        killed = [w for w in self.workers.values() if w.state.killed]
-        if killed:
-            output.note(output.grace_ran_out([f"worker {w.wid} (process [{w.number}]) on host {w.host}"
-                                              for w in killed], max(w.state.killed for w in killed)))
-        if self.failure is not None:
-            output.note(f"job failed: {self.failure.summary}")
-            return self.failure.code
-        if self.interrupted is not None:
-            status = 128 + self.interrupted
-            output.note(f"stopped after {procs.signal_name(self.interrupted)}: no worker is running; "
-                        f"exit code {status}")
-            return status
+    def final_status(self) -> int:
         final = [w for w in self.workers.values() if self._member(w) and not w.leaving]
         bad = [w for w in final if w.state.failed]
         if bad:
