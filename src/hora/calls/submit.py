@@ -22,14 +22,13 @@ import torch
 
 from hora.datapath import streams
 from hora.datapath.c10d import dtype_name
-from hora.datapath.call import REDUCTIONS, Call, Kind
+from hora.datapath.call import REDUCTIONS, Call, Kind, Op, Request
 from hora.datapath.compression import Compression
 from hora.datapath.kinds import KINDS
 from hora.datapath.reduce_ops import ReduceOp
 from hora.diagnostics import callsite, timeline
 from hora.engine.dispatch import LocalOp
 from hora.engine.handles import Handle
-from hora.engine.table import Request
 from hora.errors import InvalidCallError, UnsupportedCallError, UnsupportedDtypeError
 from hora.runtime import lifecycle as runtime
 from hora.runtime import newcomer
@@ -168,15 +167,15 @@ def _member_ranks(ps: Any, rt: Any) -> tuple[int, ...] | None:
 
 
 def _local_op(call: Call, neg: Any) -> LocalOp:
-    kind = KINDS[call.kind]
+    op = Op(call, KINDS[call.kind])
     call.members = len(call.ps.ranks)
     tl = timeline.active()
     t0 = time.perf_counter() if tl is not None else 0.0
-    kind.prepare(call)
+    op.steps.prepare(call)
     if tl is not None and call.wire is not call.tensor:  # a copy or compression happened (diagnostics)
         phase = "copy_in" if call.compression is Compression.none else "compress"
         tl.span(call.name, phase, t0, time.perf_counter(), kind=call.kind.wire, bytes=call.wire.nbytes)
-    handle = Handle(call.name, call.kind.wire, lambda: kind.finish(call), neg.done, neg.drive)
+    handle = Handle(call.name, call.kind.wire, op.finish, neg.done, neg.drive)
     event = streams.producer_event(call.wire) if call.wire.is_cuda else None
     fusable = call.wire if call.kind is Kind.ALLREDUCE else None
-    return LocalOp(_request(call), handle, lambda launch: kind.launch(call, launch), wire=fusable, event=event)
+    return LocalOp(_request(call), handle, op, wire=fusable, event=event)

@@ -5,10 +5,10 @@ holds that kind's steps:
 
 - ``prepare(call)``: on the caller's thread at submit, build the wire buffer (compress, prescale, cast a
   dtype the backend lacks, copy when the caller's tensor must stay untouched);
-- ``launch(call, launch)``: on the thread that ran the negotiation round, once every member has submitted,
+- ``launch(call, peers)``: on the thread that ran the negotiation round, once every member has submitted,
   issue the c10d call (:mod:`hora.datapath.c10d`, or :func:`hora.datapath.hierarchical.allreduce`; a large 16-bit CPU
   allreduce: one per piece, its casts beside the wire, :func:`_launch_pieces`); returns its Work;
-- ``launch_joined(launch)``: the same collective for a rank that has called ``join()``: zeros or no rows;
+- ``launch_joined(peers)``: the same collective for a rank that has called ``join()``: zeros or no rows;
 - ``finish(call)``: on the caller's thread in ``synchronize()``, after the Work completed: average,
   postscale, decompress, copy out; returns what the user gets.
 
@@ -25,7 +25,7 @@ from hora.datapath import c10d as dataplane
 from hora.datapath import hierarchical, streams
 from hora.datapath.adasum import adasum_tree
 from hora.datapath.c10d import Work, to_dtype
-from hora.datapath.call import Call, Kind, Launch, Steps
+from hora.datapath.call import Call, Kind, Peers, Steps
 from hora.datapath.compression import WIRE_BUFFERS, cast_scaled, lease_wire, pipeline_ranges
 from hora.datapath.reduce_ops import AVERAGE_WIRE, ReduceOp, finish_sum, float_factor, scale_integers
 
@@ -64,9 +64,9 @@ def _copy_out(call: Call, result: torch.Tensor) -> torch.Tensor:
     return call.tensor
 
 
-def _zeros_like_request(launch: Launch, rows: int | None = None) -> torch.Tensor:
+def _zeros_like_request(peers: Peers, rows: int | None = None) -> torch.Tensor:
     """What a joined rank contributes: zeros of the members' dtype and shape (``rows`` rows, if given)."""
-    req = launch.entry.first
+    req = peers.agreed
     device = torch.device(req.device, torch.cuda.current_device()) if req.device == "cuda" else torch.device("cpu")
     shape = req.shape if rows is None else (rows, *req.shape[1:])
     return torch.zeros(shape, dtype=to_dtype(req.dtype), device=device)
@@ -152,17 +152,17 @@ class Allreduce:
     prepare = staticmethod(_prepare_reduction)
 
     @staticmethod
-    def launch(call: Call, launch: Launch) -> Work | None:
+    def launch(call: Call, peers: Peers) -> Work | None:
         if call.wire.numel() == 0:  # the same shape everywhere: every rank skips it
             return None
-        return _launch_pieces(call.wire, call.op, launch.group, call if call.lease is not None else None)
+        return _launch_pieces(call.wire, call.op, peers.group, call if call.lease is not None else None)
 
     @staticmethod
-    def launch_joined(launch: Launch) -> Work | None:
-        req = launch.entry.first
+    def launch_joined(peers: Peers) -> Work | None:
+        req = peers.agreed
         if torch.Size(req.shape).numel() == 0:
             return None  # the members skip empty tensors too
-        return _launch_pieces(_zeros_like_request(launch), req.op, launch.group)
+        return _launch_pieces(_zeros_like_request(peers), req.op, peers.group)
 
     @staticmethod
     def finish(call: Call) -> torch.Tensor:
@@ -173,15 +173,15 @@ class Reducescatter:
     prepare = staticmethod(_prepare_reduction)
 
     @staticmethod
-    def launch(call: Call, launch: Launch) -> Work:
-        call.out, work = dataplane.scatter_rows(call.wire, call.members, call.index, call.op, launch.group)
+    def launch(call: Call, peers: Peers) -> Work:
+        call.out, work = dataplane.scatter_rows(call.wire, call.members, call.index, call.op, peers.group)
         return work
 
     @staticmethod
-    def launch_joined(launch: Launch) -> Work:
-        req = launch.entry.first
-        index = list(req.ps).index(launch.rank)
-        return dataplane.scatter_rows(_zeros_like_request(launch), len(req.ps), index, req.op, launch.group)[1]
+    def launch_joined(peers: Peers) -> Work:
+        req = peers.agreed
+        index = list(req.ps).index(peers.rank)
+        return dataplane.scatter_rows(_zeros_like_request(peers), len(req.ps), index, req.op, peers.group)[1]
 
     @staticmethod
     def finish(call: Call) -> torch.Tensor:
@@ -201,12 +201,12 @@ class Adasum:
         call.wire = _to_wire(flat, copy=False)
 
     @staticmethod
-    def launch(call: Call, launch: Launch) -> Work:
-        call.out, work = dataplane.gather_rows(call.wire, [call.wire.shape[0]] * call.members, launch.group)
+    def launch(call: Call, peers: Peers) -> Work:
+        call.out, work = dataplane.gather_rows(call.wire, [call.wire.shape[0]] * call.members, peers.group)
         return work
 
     @staticmethod
-    def launch_joined(launch: Launch) -> None:
+    def launch_joined(peers: Peers) -> None:
         return None  # never runs: the negotiation table fails Adasum while a rank has joined (plan.JOIN_OK)
 
     @staticmethod
@@ -221,32 +221,20 @@ class Adasum:
 
 
 # --- data movement: allgather, broadcast, alltoall ----------------------------------------------------------
-def member_rows(launch: Launch) -> list[int]:
-    """Rows each member contributes to an allgather (a joined rank contributes none)."""
-    reqs = launch.entry.requests
-    return [reqs[r].shape[0] if r in reqs else 0 for r in launch.entry.first.ps]
-
-
-def received_rows(launch: Launch, index: int) -> list[int]:
-    """Rows member ``index`` of an alltoall receives from each member (a joined rank sends none)."""
-    reqs = launch.entry.requests
-    return [reqs[r].splits[index] if r in reqs else 0 for r in launch.entry.first.ps]  # type: ignore[index]
-
-
 class Allgather:
     @staticmethod
     def prepare(call: Call) -> None:
         call.wire = _to_wire(call.tensor, copy=False)
 
     @staticmethod
-    def launch(call: Call, launch: Launch) -> Work:
-        call.rows = rows = member_rows(launch)
-        call.out, work = dataplane.gather_rows(call.wire, rows, launch.group)
+    def launch(call: Call, peers: Peers) -> Work:
+        call.rows = rows = peers.rows()
+        call.out, work = dataplane.gather_rows(call.wire, rows, peers.group)
         return work
 
     @staticmethod
-    def launch_joined(launch: Launch) -> Work:
-        return dataplane.gather_rows(_zeros_like_request(launch, rows=0), member_rows(launch), launch.group)[1]
+    def launch_joined(peers: Peers) -> Work:
+        return dataplane.gather_rows(_zeros_like_request(peers, rows=0), peers.rows(), peers.group)[1]
 
     @staticmethod
     def finish(call: Call) -> torch.Tensor:
@@ -260,17 +248,17 @@ class Broadcast:
         call.wire = _to_wire(call.tensor, copy=not call.inplace)
 
     @staticmethod
-    def launch(call: Call, launch: Launch) -> Work | None:
+    def launch(call: Call, peers: Peers) -> Work | None:
         if call.wire.numel() == 0:
             return None
-        return dataplane.broadcast(call.wire, call.root, launch.group)
+        return dataplane.broadcast(call.wire, call.root, peers.group)
 
     @staticmethod
-    def launch_joined(launch: Launch) -> Work | None:
-        req = launch.entry.first
+    def launch_joined(peers: Peers) -> Work | None:
+        req = peers.agreed
         if torch.Size(req.shape).numel() == 0:
             return None  # the members skip empty tensors too
-        return dataplane.broadcast(_zeros_like_request(launch), req.root, launch.group)
+        return dataplane.broadcast(_zeros_like_request(peers), req.root, peers.group)
 
     @staticmethod
     def finish(call: Call) -> torch.Tensor:
@@ -283,19 +271,19 @@ class Alltoall:
         call.wire = _to_wire(call.tensor, copy=False)
 
     @staticmethod
-    def launch(call: Call, launch: Launch) -> Work:
-        call.rows = recv = received_rows(launch, call.index)
+    def launch(call: Call, peers: Peers) -> Work:
+        call.rows = recv = peers.received_rows(call.index)
         rest = tuple(call.wire.shape[1:])
         call.out = torch.empty((sum(recv), *rest), dtype=call.wire.dtype, device=call.wire.device)
-        return dataplane.alltoall(call.out, call.wire, recv, list(call.splits or ()), launch.group)
+        return dataplane.alltoall(call.out, call.wire, recv, list(call.splits or ()), peers.group)
 
     @staticmethod
-    def launch_joined(launch: Launch) -> Work:
+    def launch_joined(peers: Peers) -> Work:
         """Sends no rows; receives (and drops) the rows the members send it."""
-        req = launch.entry.first
-        recv = received_rows(launch, list(req.ps).index(launch.rank))
-        out = _zeros_like_request(launch, rows=sum(recv))
-        return dataplane.alltoall(out, _zeros_like_request(launch, rows=0), recv, [0] * len(req.ps), launch.group)
+        req = peers.agreed
+        recv = peers.received_rows(list(req.ps).index(peers.rank))
+        out = _zeros_like_request(peers, rows=sum(recv))
+        return dataplane.alltoall(out, _zeros_like_request(peers, rows=0), recv, [0] * len(req.ps), peers.group)
 
     @staticmethod
     def finish(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,12 +298,12 @@ class Barrier:
         call.wire = call.tensor
 
     @staticmethod
-    def launch(call: Call, launch: Launch) -> Work:
-        return dataplane.barrier(launch.group)
+    def launch(call: Call, peers: Peers) -> Work:
+        return dataplane.barrier(peers.group)
 
     @staticmethod
-    def launch_joined(launch: Launch) -> Work:
-        return dataplane.barrier(launch.group)
+    def launch_joined(peers: Peers) -> Work:
+        return dataplane.barrier(peers.group)
 
     @staticmethod
     def finish(call: Call) -> None:
@@ -330,12 +318,11 @@ class Join:
         call.wire = call.tensor
 
     @staticmethod
-    def launch(call: Call, launch: Launch) -> None:
-        arrival = launch.entry.arrival  # rank -> the round its join arrived in; ties: the highest rank
-        call.last_joined = max(arrival, key=lambda r: (arrival[r], r))
+    def launch(call: Call, peers: Peers) -> None:
+        call.last_joined = peers.last_joined()
 
     @staticmethod
-    def launch_joined(launch: Launch) -> None:
+    def launch_joined(peers: Peers) -> None:
         return None
 
     @staticmethod
@@ -348,7 +335,13 @@ KINDS: dict[str, Steps] = {Kind.ALLREDUCE: Allreduce, Kind.ADASUM: Adasum, Kind.
                            Kind.BARRIER: Barrier, Kind.JOIN: Join}
 
 
-def launch_joined(launch: Launch) -> Work | None:
+def launch_joined(peers: Peers) -> Work | None:
     """Take part in a ready collective for a rank that has called ``join()``: contribute zeros or nothing."""
-    steps = KINDS.get(launch.entry.first.kind)
-    return steps.launch_joined(launch) if steps is not None else None
+    steps = KINDS.get(peers.agreed.kind)
+    return steps.launch_joined(peers) if steps is not None else None
+
+
+def allreduce_flat(wire: torch.Tensor, op: int, group: Any) -> Work:
+    """Allreduce ``wire`` in place on ``group``, in the pieces a single allreduce of it would take: the launch
+    path of single ops, fused batches and gradient buckets alike."""
+    return _launch_pieces(wire, op, group)

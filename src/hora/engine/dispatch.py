@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from hora.datapath import call as calltypes
 from hora.datapath import fusion, kinds, streams
+from hora.datapath.call import Op, Peers
 from hora.diagnostics import inflight
 from hora.diagnostics import timeline as timeline_mod
 from hora.engine.handles import Handle
@@ -29,11 +29,12 @@ from hora.errors import CollectiveError
 
 @dataclass(eq=False)
 class LocalOp:
-    """An op this rank submitted: its request, its handle, and how to issue it once ready."""
+    """An op this rank submitted: its request, its handle, and the op (the call and its kind's steps) to launch
+    once ready (None: nothing to launch, e.g. the engine's own shutdown request)."""
 
     req: Request
     handle: Handle
-    launch: Callable[[calltypes.Launch], Any]  # issues the c10d call on the round's thread; returns a Work or None
+    op: Op | None
     wire: torch.Tensor | None = None  # the buffer an allreduce sends: fusion may copy it into a fused buffer
     event: Any = None  # CUDA event recorded at submit on the stream that produced the tensor
     submitted_at: float = 0.0
@@ -67,8 +68,8 @@ class Dispatcher:
             if entry.inline and self.rank in entry.first.ps:
                 self._finish_inline(entry)
         on_wire = [e for e in ready if not e.inline]
-        for batch in fusion.plan_batches(on_wire, self._fused.threshold):
-            members = [e for e in batch if self.rank in e.first.ps]
+        for batch in fusion.plan_batches([e.first for e in on_wire], self._fused.threshold):
+            members = [on_wire[i] for i in batch if self.rank in on_wire[i].first.ps]
             if not members:
                 continue
             if len(members) > 1:
@@ -84,7 +85,7 @@ class Dispatcher:
             return  # a joined rank: nothing to return
         t_launch = time.perf_counter()
         try:
-            op.wire.copy_(fusion.reduce_inline(entry))  # type: ignore[union-attr]
+            op.wire.copy_(fusion.reduce_inline(entry.first, entry.inline))  # type: ignore[union-attr]
         except Exception as e:  # report on the handle, keep negotiating
             op.handle.fail(CollectiveError(f"allreduce {entry.name!r} failed on rank {self.rank}: {e}"))
             return
@@ -94,17 +95,17 @@ class Dispatcher:
     def _launch_one(self, entry: Entry, joined: frozenset[int]) -> None:
         op = self._take(entry.name)
         group = self._group_of(entry)
-        launch = calltypes.Launch(entry, group, self.rank)
+        peers = Peers(group, self.rank, entry.first, entry.requests, entry.arrival)
         kind = entry.first.kind
         if op is None:  # this rank has joined: contribute zeros / nothing
-            work = kinds.launch_joined(launch)
+            work = kinds.launch_joined(peers)
             if work is not None:
                 self._joined_works.append(work)
             return
         try:
             self._wait_cuda(op)
             t_launch = time.perf_counter()
-            work = op.launch(launch)
+            work = op.op.launch(peers) if op.op is not None else None
         except Exception as e:  # report on the handle, keep negotiating
             op.handle.fail(CollectiveError(f"{kind} {entry.name!r} could not start on rank {self.rank}: {e}"))
             return
@@ -121,7 +122,8 @@ class Dispatcher:
         t_launch = time.perf_counter()
         inflight.blocking(entries, [e.first for e in entries])  # this thread waits for it below
         try:
-            self._fused.allreduce([op.wire if op is not None else None for op in ops_], entries, group)
+            self._fused.allreduce([op.wire if op is not None else None for op in ops_], [e.first for e in entries],
+                                  group)
         except Exception as e:
             err = CollectiveError(f"fused allreduce of {len(entries)} tensors failed on rank {self.rank}: {e}")
             for op in ops_:

@@ -253,7 +253,7 @@ class Negotiator:
         h = Handle(SHUTDOWN_NAME, SHUTDOWN, lambda: None, self.done)
         req = Request(SHUTDOWN_NAME, SHUTDOWN, "", (), ps=tuple(range(self.size)))
         try:
-            self.submit_many([LocalOp(req, h, lambda launch: None)])
+            self.submit_many([LocalOp(req, h, None)])
         except CollectiveError:
             return
         deadline = time.monotonic() + timeout

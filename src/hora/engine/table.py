@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple
 
 from hora.common.names import JOIN_NAME, SHUTDOWN_NAME, UNNAMED_PREFIX
-from hora.datapath.call import Kind
+from hora.datapath.call import Kind, Request
 from hora.datapath.reduce_ops import ReduceOp
 from hora.diagnostics.where import describe_op
 from hora.errors import CollectiveError, CollectiveMismatchError, HoraError, PeerRejectedCallError
@@ -26,30 +25,6 @@ UNNAMED = UNNAMED_PREFIX  # prefix of the sequence names of unnamed ops: noname.
 # and receives broadcasts (every kind Horovod has; not Adasum, whose tree needs every member's vector)
 JOIN_OK = frozenset({Kind.ALLREDUCE, Kind.ALLGATHER, Kind.BROADCAST, Kind.BARRIER, Kind.REDUCESCATTER,
                      Kind.ALLTOALL, JOIN, SHUTDOWN})
-
-
-class Request(NamedTuple):
-    """What a rank says about one op it submitted. Every field up to ``device`` must agree across ranks
-    (for allgather/alltoall only the trailing dimensions of ``shape`` must agree), and so must ``site``
-    where every rank sent one (unnamed ops; 0 = not checked).
-
-    A request with ``error`` set announces a call this rank rejected before sending anything (a
-    non-contiguous tensor, a bad root...): it still takes its place, and the op fails on every member."""
-
-    name: str
-    kind: str
-    dtype: str
-    shape: tuple[int, ...]
-    op: int = 0
-    root: int = -1
-    prescale: float = 1.0
-    postscale: float = 1.0
-    ps: tuple[int, ...] = ()  # member ranks of the process set
-    device: str = "cpu"
-    splits: tuple[int, ...] | None = None
-    site: int = 0  # call-site fingerprint of an unnamed op (hora.diagnostics.callsite); 0: not checked
-    where: str = ""  # that call site as file:line, for messages
-    error: str = ""  # set: this rank rejected the call (the reason)
 
 
 _FIELDS = ("kind", "dtype", "shape", "op", "root", "prescale", "postscale", "process_set", "device")
