@@ -42,7 +42,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 # torch._dynamo is imported once here, in the parent: each forked rank that builds its first torch.optim
-# optimizer would otherwise import it itself (torch.optim does, lazily), 2-10 s per rank on a loaded 2-core machine
+# optimizer would otherwise import it itself (torch.optim does, lazily), seconds per rank
 import torch
 import torch._dynamo  # noqa: F401
 import torch.distributed as dist
@@ -168,8 +168,8 @@ def run_ranks(
 def _start(fn: Callable[..., Any], nprocs: int, args: tuple, job_env: Mapping[str, str | None], init: bool,
            threads: int | None, stacks: str) -> tuple[list, list[Connection]]:
     ctx = multiprocessing.get_context("fork")
-    # what every rank's init() would compute the same way (hora's code fingerprint and version, ~50 ms of reads
-    # and allocations) is computed once here: a forked child that allocates much may collect garbage it
+    # what every rank's init() would compute the same way (hora's code fingerprint and version: reads and
+    # allocations) is computed once here: a forked child that allocates much may collect garbage it
     # inherited, whose finalizers can wait forever on a lock some thread of this process held at fork time
     code_fingerprint()
     installed_version()
@@ -212,7 +212,7 @@ def _child(fn: Callable[..., Any], rank: int, size: int, args: tuple, env: Mappi
     os.setpgrp()  # the deadline kills this rank's whole process group
     # Everything inherited from the parent (a pytest process: torch, the test modules) is never garbage here:
     # frozen, a full collection (hora.shutdown() runs one) skips it instead of touching every object, which
-    # copied the whole inherited heap page by page (1.3 s per rank and test, measured on 2 cores)
+    # would copy the whole inherited heap page by page
     gc.freeze()
     code = 0
     dump = open(stack_file, "w")  # noqa: SIM115 - must stay open for faulthandler until os._exit

@@ -136,9 +136,8 @@ def chunk_bounds(numel: int, element_size: int, slot_bytes: int = SLOT_BYTES) ->
 
 # The copies and sums run single-threaded in numpy (which lets go of the GIL meanwhile), not as torch ops:
 # torch's would run on its intra-op (OpenMP) threads, and with several ranks per host those threads
-# oversubscribe the cores and spin at their barriers (measured: 1.22x flat instead of 1.16x with the cores
-# 48% busy instead of 76%, 3 hosts x 2 ranks on 2 cores). float16 and bfloat16 sums, which numpy lacks or
-# does slowly, stay with torch.
+# oversubscribe the cores and spin at their barriers (docs/performance.md, "The measurements behind design choices").
+# float16 and bfloat16 sums, which numpy lacks or does slowly, stay with torch.
 _NUMPY_SUMS = {torch.float32, torch.float64, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
 _UFUNCS: dict[str, Any] = {"sum": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
 _TORCH_FNS: dict[str, Any] = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum, "product": torch.mul}

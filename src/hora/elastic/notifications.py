@@ -7,8 +7,8 @@ records read in order until one is missing, each checked against the job's secre
 
 * host updates (``update/<n>``): the changes a world must reset for (hosts removed; new workers ready to join).
   The thread announces a new count through the negotiator (``Negotiator.announce``); every
-  ``check_host_updates()`` is a negotiator checkpoint (a lock and a counter), and the engine hands the
-  announcement out at the same checkpoint on every rank, agreed in two negotiation rounds
+  ``check_host_updates()`` is a notice point (a lock and a counter), and the engine hands the
+  announcement out at the same notice point on every rank, agreed in two negotiation rounds
   (:mod:`hora.engine.notices` has the proof), so every rank raises ``HostsUpdatedInterrupt`` at the same check.
 * host discoveries (``discovered/<n>``): every change of the hosts the launcher found, as soon as it found it. The
   thread tells the states that ``hvd.elastic.run`` runs (Horovod's ``notification_manager``), whose
@@ -98,7 +98,7 @@ class _UpdateWatch:
             return None
         if rt.topo.rank == 0 and (self._watched is None or self._watched() is not rt):
             self._start(rt)
-        notices = rt.negotiator.checkpoint()
+        notices = rt.negotiator.notice_point()
         if not notices:
             return None
         return min(n[0] for n in notices), max(n[1] for n in notices), all(n[2] for n in notices)

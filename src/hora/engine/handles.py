@@ -32,8 +32,8 @@ def _released(handle: Handle) -> None:
 class Latch:
     """A one-shot gate: closed until :meth:`open` (from any thread, any number of times), then open for good.
 
-    A bare lock held while closed: making one costs 1.4 us against 9.5 us for a ``threading.Event`` (timeit);
-    one is made per op, whose whole cost is ~200 us in ``benchmarks/op_overhead.py``."""
+    A bare lock held while closed, not a ``threading.Event``: one is made per op, so it must cost next to
+    nothing to make (docs/performance.md, "The measurements behind design choices")."""
 
     __slots__ = ("_lock", "is_open")
 

@@ -8,20 +8,19 @@ the *scheduling*: who runs the next round, when, and why.
 States: :class:`~hora.engine.phases.Phase` (ROUND, IDLE, DEFERRING, CLOSING, BROKEN, STOPPED), changed only
 under the negotiator's lock; :mod:`hora.engine.phases` says what each means and which moves are allowed.
 
-Besides ops, a round carries flags: stall queries and answers, and notices (``announce`` / ``checkpoint``,
-:mod:`hora.engine.notices`: a value every rank gets at the same checkpoint, agreed in two rounds).
+Besides ops, a round carries flags: stall queries and answers, and notices (``announce`` / ``notice_point``,
+:mod:`hora.engine.notices`: a value every rank gets at the same notice point, agreed in two rounds).
 
 A round also runs on a caller's thread (``drive``, mesh only) while the negotiator thread stays parked;
 rounds run on one thread at a time (the round lock). Threads: the negotiator's, one timer thread
 (:mod:`hora.engine.timers`: stall check, listen timer), and on the Gloo plane the death watch and rank 0's
 bell janitor.
 
-Latency tricks, each kept because switching it off slows its benchmark's op (2 runs, docs/architecture.md):
-``drive`` (rounds on the caller's thread, no hand-off to this thread): ``benchmarks/op_overhead.py``'s
-synchronous op 1.4-1.9x slower without it, the 2-rank tiny op of ``allreduce_bench.py`` 1.2-1.3x.
-DEFERRING (one round per op when ranks arrive apart) and the deaf spell after a round run on the caller's
-thread (``_listen_after_round``): the 2-rank tiny op 1.3-1.4x and 1.1-1.6x slower without. From 4 KB on the
-data transfer dominates and none of the three shows outside the noise.
+Latency tricks, for tiny synchronous ops: ``drive`` (a round on the caller's thread, no hand-off to this
+thread), DEFERRING (one round per op when ranks arrive apart) and the deaf spell after a round run on the
+caller's thread (``_listen_after_round``). Each is kept because ``benchmarks/op_overhead.py`` and
+``benchmarks/allreduce_bench.py`` (1 element) are slower without it
+(docs/performance.md, "The measurements behind design choices").
 """
 
 from __future__ import annotations
@@ -163,7 +162,7 @@ class Negotiator:
         return [op.handle for op in ops]
 
     def announce(self, value: Any) -> None:
-        """Give ``value`` to every rank at the same checkpoint (:meth:`checkpoint`, :mod:`hora.engine.notices`):
+        """Give ``value`` to every rank at the same notice point (:meth:`notice_point`, :mod:`hora.engine.notices`):
         it goes out in this rank's next round. Any thread; does nothing once negotiation is over.
 
         Raises:
@@ -176,10 +175,10 @@ class Negotiator:
             self._pending.flags.setdefault(NOTICE, []).append(value)
             self._ring_if_parked()
 
-    def checkpoint(self) -> list[Any]:
-        """Pass one checkpoint: every rank calls this the same number of times; an announced value comes out
+    def notice_point(self) -> list[Any]:
+        """Pass one notice point: every rank calls this the same number of times; an announced value comes out
         at the same call on every rank (usually []: no message, no wait). See :mod:`hora.engine.notices`."""
-        return self._notices.checkpoint()
+        return self._notices.notice_point()
 
     def done(self, handle: Handle) -> None:
         """Called when a handle is synchronized: its name may be used again."""

@@ -1,27 +1,27 @@
-"""Notices: a value one rank announces, handed to every rank at the same numbered checkpoint.
+"""Notices: a value one rank announces, handed to every rank at the same numbered notice point.
 
-A *checkpoint* is a call every rank makes the same number of times, in the same order relative to its
+A *notice point* is a call every rank makes the same number of times, in the same order relative to its
 collectives (``hvd.elastic``'s ``commit()`` / ``check_host_updates()``). It costs a lock and a counter: no
 message, no store read. A rank *announces* a value (``Negotiator.announce``; in an elastic job rank 0's
 watcher of the launcher's host updates does); the value rides in that rank's next round's flags, and
-:meth:`Notices.checkpoint` returns it on every rank at the same checkpoint.
+:meth:`Notices.notice_point` returns it on every rank at the same notice point.
 
 The agreement takes two rounds. Round numbers and every round's gathered frames are the same on every rank.
 
 1. Round A carries the announcement. Processing it, every rank *arms*: under the lock, it stops letting
-   checkpoints pass and puts ``p_r``, the number of checkpoints it has passed, in its frame of round A+1.
+   notice points pass and puts ``p_r``, the number of notice points it has passed, in its frame of round A+1.
 2. Round A+1 carries every rank's ``p_r`` (each rank sends the flags pending after round A in its next
    round, which is A+1 everywhere; flags make it start at once). Every rank computes the same target
    ``T = max(p_0, ..., p_n-1, last target) + 1`` and disarms.
 
-Proof that every rank returns the value at its checkpoint number ``T`` and at no other: a checkpoint passes
+Proof that every rank returns the value at its notice point number ``T`` and at no other: a notice point passes
 (adds one to the count) only under the lock and only while the rank is not armed, and arming reads ``p_r``
-under the same lock, so no rank passes a checkpoint between arming and the decision: when ``T`` is decided
-each rank has passed ``p_r <= T - 1`` checkpoints. Later passes count ``p_r + 1, p_r + 2, ...`` one by one,
+under the same lock, so no rank passes a notice point between arming and the decision: when ``T`` is decided
+each rank has passed ``p_r <= T - 1`` notice points. Later passes count ``p_r + 1, p_r + 2, ...`` one by one,
 so exactly one of them is number ``T``: there every rank gets the value (every rank makes the same calls;
-a rank that makes no more checkpoints never gets it, nor does any other). Targets only grow, so notices
-come out in the order they were decided. A checkpoint reached while armed waits for round A+1 (one round
-trip; in a training loop round A+1 is usually over before the next checkpoint); if negotiation breaks
+a rank that makes no more notice points never gets it, nor does any other). Targets only grow, so notices
+come out in the order they were decided. A notice point reached while armed waits for round A+1 (one round
+trip; in a training loop round A+1 is usually over before the next notice point); if negotiation breaks
 meanwhile, it raises the negotiator's error.
 
 Example:
@@ -33,9 +33,9 @@ Example:
     >>> pending.flags["passed"]
     0
     >>> notices.on_round([pending.flags])            # round A+1: every rank's count; target 1
-    >>> notices.checkpoint()
+    >>> notices.notice_point()
     ['hello']
-    >>> notices.checkpoint()
+    >>> notices.notice_point()
     []
 """
 
@@ -49,8 +49,8 @@ from hora.engine.pending import Pending
 from hora.errors import CollectiveError
 
 NOTICE = "notice"  # round flag: values this rank announces
-PASSED = "passed"  # round flag: how many checkpoints this rank had passed when it armed
-_WAIT_S = 1.0  # a waiting checkpoint looks at the negotiator's state this often
+PASSED = "passed"  # round flag: how many notice points this rank had passed when it armed
+_WAIT_S = 1.0  # a waiting notice point looks at the negotiator's state this often
 
 
 class Notices:
@@ -58,24 +58,24 @@ class Notices:
 
     Args:
         pending: the rank's pending ops; its lock guards the notices too, and its flags carry them.
-        wake: rings the negotiator thread (called with ``pending.lock`` held) when a checkpoint waits.
+        wake: rings the negotiator thread (called with ``pending.lock`` held) when a notice point waits.
     """
 
     def __init__(self, pending: Pending, wake: Callable[[], None]) -> None:
         self._pending = pending
         self._cond = threading.Condition(pending.lock)
         self._wake = wake
-        self._passed = 0  # checkpoints this rank has passed
+        self._passed = 0  # notice points this rank has passed
         self._armed: list[Any] | None = None  # values announced in round A, while round A+1 is due
-        self._due: list[tuple[int, list[Any]]] = []  # (checkpoint number, values), targets increasing
+        self._due: list[tuple[int, list[Any]]] = []  # (notice point number, values), targets increasing
         self._last_target = 0
         self._error: BaseException | None = None
 
-    def checkpoint(self) -> list[Any]:
-        """Pass one checkpoint (a caller's thread): the values whose agreed checkpoint this is ([] mostly).
+    def notice_point(self) -> list[Any]:
+        """Pass one notice point (a caller's thread): the values whose agreed notice point this is ([] mostly).
 
         Raises:
-            CollectiveError: negotiation broke while this checkpoint waited for an agreement.
+            CollectiveError: negotiation broke while this notice point waited for an agreement.
         """
         with self._cond:
             while self._armed is not None:
@@ -94,7 +94,7 @@ class Notices:
         with self._cond:
             if self._armed is not None:
                 if any(PASSED not in f for f in flags):  # the two-round rule is broken: a bug, say where
-                    raise AssertionError(f"the round after a notice lacks checkpoint counts: {list(flags)}")
+                    raise AssertionError(f"the round after a notice lacks notice point counts: {list(flags)}")
                 target = max(max(int(f[PASSED]) for f in flags), self._last_target) + 1
                 self._due.append((target, self._armed))
                 self._last_target, self._armed = target, None
@@ -105,7 +105,7 @@ class Notices:
                 self._pending.flags[PASSED] = self._passed
 
     def fail(self, error: BaseException) -> None:
-        """Negotiation is over: a checkpoint waiting for an agreement raises ``error``."""
+        """Negotiation is over: a notice point waiting for an agreement raises ``error``."""
         with self._cond:
             self._error = error
             self._cond.notify_all()

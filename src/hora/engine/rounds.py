@@ -7,7 +7,7 @@ launches, in the agreed order, what it takes part in (:class:`~hora.engine.dispa
 
 A name seen before with identical metadata travels as a small integer (the response cache), so
 steady-state frames are a few bytes. Stall queries and answers, and notices (values every rank gets at the
-same checkpoint, :mod:`hora.engine.notices`), ride in the frames' flags.
+same notice point, :mod:`hora.engine.notices`), ride in the frames' flags.
 """
 
 from __future__ import annotations

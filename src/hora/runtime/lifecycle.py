@@ -319,8 +319,8 @@ def _shutdown(peer_wait_s: float, collect: int | None = 2) -> None:
     # A failed op's error keeps, in its traceback, frames that refer to the engine, and the handle that holds
     # the error is in those frames: a cycle only the collector frees. Collect now, so a runtime gone closes
     # its sockets and process groups at once, not whenever the collector next runs (shutdown/init loops).
-    # A full collection of a process with torch loaded takes 0.1-0.3 s (seconds on a busy machine): an
-    # elastic reset collects only the young generations (see reset()).
+    # A full collection of a process with torch loaded is slow (docs/performance.md, "The measurements behind
+    # design choices"): an elastic reset collects only the young generations (see reset()).
     if collect is not None:
         gc.collect(collect)
 

@@ -313,10 +313,10 @@ class GradientReducer:
                 cast_scaled(src, p.grad, scale)  # cast back and scale in the one copy
         if tl is not None:
             tl.span(bucket.name, "copy_out", t0, time.perf_counter(), kind="allreduce", bytes=out.nbytes)
-        # Handing out slices saves a copy back (13 ms per ResNet-50 step on CPU), but freeing autograd's
-        # gradient tensors here, mid-step, made glibc return their memory to the OS and the next backward
-        # page-fault all 97.5 MB again (+24k faults, +30 ms). So they are kept (_retired) until zero_grad()
-        # frees them, when the copy-back design would have: the allocator then reuses them as before.
+        # Handing out slices saves a copy back, but freeing autograd's gradient tensors here, mid-step, lets
+        # glibc return their memory to the OS and the next backward page-faults it all again. So they are kept
+        # (_retired) until zero_grad() frees them, when a copy back would have: the allocator then reuses them
+        # (docs/performance.md, "The measurements behind design choices").
 
     def release(self) -> None:
         """zero_grad() ran: free autograd's gradient tensors that bucket slices replaced as p.grad."""

@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 TICK = 0.05  # seconds between two looks at the store (ready keys) when nothing else happens
 # ... while nothing is under way (every worker trains in the newest world, no update or loss pending): as the
 # fixed driver's. A look costs two store round trips per worker, and in a job whose workers fill every core
-# the launcher's CPU comes out of their steps (about 2.5 % of a core at TICK with 4 workers, measured).
+# the launcher's CPU comes out of their steps (docs/performance.md, "The measurements behind design choices").
 # Events (a worker's exit, discovery, output) still wake the loop at once; only a reset nobody announced
 # (a stall shutdown, a broken link) is seen up to this much later.
 STEADY_TICK = 0.5
