@@ -9,4 +9,5 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="${PYTHON:-$root/.venv/bin/python}"
 [ -x "$python" ] || python="$(command -v python3)"
-exec "$python" "$root/tests/cluster/up.py" "$@"
+cd "$root"
+exec "$python" -m tests.cluster.up "$@"

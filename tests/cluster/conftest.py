@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import atexit
 import signal
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import FrameType
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import netns
+from tests.cluster import netns
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from netns import Cluster, Host, Proc
+from tests.cluster.netns import Cluster, Host, Proc
 
 HORA = [str(Path(sys.executable).parent / "hora")]
 PYTHON = sys.executable

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
-import netns
 import pytest
+
+from tests.cluster import netns
 
 pytestmark = pytest.mark.cluster
 

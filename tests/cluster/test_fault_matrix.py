@@ -13,9 +13,9 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import jobs
-import netns
 import pytest
+
+from tests.cluster import jobs, netns
 
 pytestmark = pytest.mark.cluster
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jobs
-import netns
 import pytest
+
+from tests.cluster import jobs, netns
 
 pytestmark = pytest.mark.cluster
 

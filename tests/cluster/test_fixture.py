@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import subprocess
 
-import netns
 import pytest
+
+from tests.cluster import netns
 
 pytestmark = pytest.mark.cluster
 

@@ -16,12 +16,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import jobs
-import netns
 import pytest
 
 from hora.engine.listener import HANDSHAKE_S
 from hora.protocol.jobsecret import JobSecret
+from tests.cluster import jobs, netns
 
 pytestmark = pytest.mark.cluster
 

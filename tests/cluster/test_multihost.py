@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jobs
-import netns
 import pytest
+
+from tests.cluster import jobs, netns
 
 pytestmark = pytest.mark.cluster
 

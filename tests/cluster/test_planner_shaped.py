@@ -14,11 +14,10 @@ import json
 import sys
 from pathlib import Path
 
-import jobs
-import netns
 import pytest
 
 from hora.bench import planner
+from tests.cluster import jobs, netns
 
 pytestmark = pytest.mark.cluster
 

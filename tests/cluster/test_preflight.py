@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
-import jobs
-import netns
 import pytest
+
+from tests.cluster import jobs, netns
 
 pytestmark = pytest.mark.cluster
 

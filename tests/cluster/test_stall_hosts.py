@@ -7,9 +7,9 @@ import json
 import re
 from pathlib import Path
 
-import jobs
-import netns
 import pytest
+
+from tests.cluster import jobs, netns
 
 pytestmark = pytest.mark.cluster
 

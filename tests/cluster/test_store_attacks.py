@@ -15,9 +15,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-import jobs
-import netns
 import pytest
+
+from tests.cluster import jobs, netns
 
 pytestmark = pytest.mark.cluster
 

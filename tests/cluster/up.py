@@ -1,16 +1,14 @@
-"""Bring the simulated hosts up by hand; Ctrl-C or SIGTERM tears them down (see scripts/cluster.sh)."""
+"""Bring the simulated hosts up by hand (``python -m tests.cluster.up`` from the repository root, or
+scripts/cluster.sh); Ctrl-C or SIGTERM tears them down."""
 
 from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from netns import Cluster, clean_stale, missing_requirements
+from tests.cluster.netns import Cluster, clean_stale, missing_requirements
 
 
 def main(argv: Sequence[str] | None = None) -> int:

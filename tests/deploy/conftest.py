@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import podman as pm
+from tests.deploy import podman as pm
+from tests.deploy.podman import Pair, make_keys
 
 
 @pytest.fixture(scope="session")
@@ -21,26 +17,6 @@ def image() -> str:
         pytest.skip(reason)
     pm.clean_stale()
     return pm.ensure_image()
-
-
-@dataclass
-class Pair:
-    """Two containers running sshd on one user network, sharing a host directory as /data."""
-
-    network: str
-    nodes: list[pm.Container]
-    data: Path
-    keys: Path
-
-
-def make_keys(where: Path) -> Path:
-    """An SSH key pair and authorized_keys as a mounted secret would give them (loose permissions on purpose)."""
-    where.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(where / "id_ed25519")], check=True)
-    (where / "authorized_keys").write_text((where / "id_ed25519.pub").read_text())
-    for f in where.iterdir():
-        f.chmod(0o666 if f.name == "authorized_keys" else 0o644)  # the entrypoint must fix these
-    return where
 
 
 @pytest.fixture(scope="session")

@@ -145,3 +145,23 @@ def run_container(name: str, image: str, args: Sequence[str], *, network: str | 
         opts += ["-e", f"{k}={v}"]
     podman("run", "-d", *opts, image, *args)
     return Container(full)
+
+
+@dataclass
+class Pair:
+    """Two containers running sshd on one user network, sharing a host directory as /data."""
+
+    network: str
+    nodes: list[Container]
+    data: Path
+    keys: Path
+
+
+def make_keys(where: Path) -> Path:
+    """An SSH key pair and authorized_keys as a mounted secret would give them (loose permissions on purpose)."""
+    where.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(where / "id_ed25519")], check=True)
+    (where / "authorized_keys").write_text((where / "id_ed25519.pub").read_text())
+    for f in where.iterdir():
+        f.chmod(0o666 if f.name == "authorized_keys" else 0o644)  # the entrypoint must fix these
+    return where

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from tests.distributed.harness import run_ranks
 
 from hora import checkpoint
+from tests.distributed.harness import run_ranks
 
 
 def _save_steps(rank: int, size: int, directory: str) -> list[str | None]:

@@ -13,8 +13,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import podman as pm
 import pytest
+
+from tests.deploy import podman as pm
 
 pytestmark = pytest.mark.containers
 

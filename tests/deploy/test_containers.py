@@ -16,10 +16,10 @@ import urllib.request
 from pathlib import Path
 
 import nbformat
-import podman as pm
 import pytest
 
-from conftest import Pair
+from tests.deploy import podman as pm
+from tests.deploy.podman import Pair
 
 pytestmark = pytest.mark.containers
 

@@ -23,11 +23,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import podman as pm
 import pytest
 import yaml
 
-from conftest import make_keys
+from tests.deploy import podman as pm
+from tests.deploy.podman import make_keys
 
 pytestmark = pytest.mark.containers
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import subprocess
 
-import podman as pm
 import pytest
+
+from tests.deploy import podman as pm
 
 pytestmark = pytest.mark.containers
 

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import slurm
+
+from tests.deploy import slurm
 
 pytestmark = pytest.mark.slurm
 

@@ -329,19 +329,18 @@ def test_sparse_gradients_stay_sparse_so_sparse_adam_works_as_horovod(sparse_as_
 # --- 11.7: init / use / error / shutdown cycles -----------------------------------------------------------
 def _fresh_runtime() -> list[str]:
     """What must not survive a shutdown(): anything left here came from the previous runtime."""
-    neg = runtime.state().negotiator
-    pending = neg._pending
+    snap = runtime.state().negotiator.snapshot()
     leftovers = []
-    if pending._seq:
-        leftovers.append(f"sequence counters {pending._seq}")
-    if len(neg._rounds.cache):
-        leftovers.append(f"{len(neg._rounds.cache)} cached templates")
-    if neg.table.entries or neg.table.tombstones:
-        leftovers.append(f"names {list(neg.table.entries)} {list(neg.table.tombstones)}")
-    if pending.rejected:
-        leftovers.append(f"rejected calls to announce {pending.rejected}")
-    if pending._mine or pending.outbox or pending._in_flight:
-        leftovers.append(f"pending ops {list(pending._mine)} {list(pending._in_flight)}")
+    if snap.sequence:
+        leftovers.append(f"sequence counters {snap.sequence}")
+    if snap.cached:
+        leftovers.append(f"{snap.cached} cached templates")
+    if snap.entries or snap.tombstones:
+        leftovers.append(f"names {snap.entries} {snap.tombstones}")
+    if snap.rejected:
+        leftovers.append(f"rejected calls to announce {snap.rejected}")
+    if snap.submitted or snap.outbox or snap.in_flight:
+        leftovers.append(f"pending ops {snap.submitted} {snap.in_flight}")
     if set(runtime.state().process_sets) != {0}:
         leftovers.append(f"process sets {runtime.state().process_sets}")
     if hierarchical.active() is not None:
@@ -558,3 +557,23 @@ def test_a_horovod_style_suite_in_one_process_per_rank_does_not_cascade_after_fa
         for name, outcome in outcomes:
             failing = name in FAILING and (name != "_case_fails_on_one_rank" or rank == 1)
             assert outcome.startswith("AssertionError") if failing else outcome == "ok", (rank, name, outcome)
+
+
+def _snapshot_of_a_pending_op(rank: int, size: int) -> dict:
+    """A named op submitted on rank 0 only waits in the engine; the snapshot shows it, then shows it gone."""
+    neg = runtime.state().negotiator
+    handle = hvd.allreduce_async(torch.ones(2), name="late") if rank == 0 else None
+    before = neg.snapshot()
+    hvd.barrier()
+    if rank == 1:
+        hvd.allreduce(torch.ones(2), name="late")
+    if handle is not None:
+        hvd.synchronize(handle)
+    after = neg.snapshot()
+    return {"before": (before.in_flight, before.submitted), "after": (after.in_flight, after.submitted)}
+
+
+def test_the_engine_snapshot_shows_what_waits() -> None:
+    r0, r1 = run_ranks(_snapshot_of_a_pending_op, 2, timeout=60)
+    assert r0["before"] == (["late"], ["late"]) and r1["before"] == ([], [])
+    assert r0["after"] == ([], []) and r1["after"] == ([], [])

@@ -1,57 +1,16 @@
-"""Helpers for end-to-end ``hora run`` tests on localhost: run the real CLI as a subprocess."""
+"""Fixtures for end-to-end ``hora run`` tests on localhost (helpers: tests/launcher/helpers.py)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
-import textwrap
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-PYTHON = sys.executable
-HORA = [PYTHON, "-m", "hora"]
-
-
-def write_script(tmp_path: Path, name: str, body: str) -> str:
-    """Write a worker script into ``tmp_path`` and return its path."""
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body))
-    return str(path)
-
-
-def hora_run(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """``hora run ARGS`` to completion, capturing what the user sees."""
-    return subprocess.run([*HORA, "run", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          check=False)
-
-
-def alive(pid: int) -> bool:
-    """True if ``pid`` is a live (not zombie) process."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            state = fh.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
-def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as fh:
-        return int(fh.read().rsplit(")", 1)[1].split()[1])
-
-
-def wait_until(predicate, timeout: float, step: float = 0.05) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return predicate()
+from tests.launcher.helpers import HORA
 
 
 @dataclass

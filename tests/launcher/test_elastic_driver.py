@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from conftest import HORA, PYTHON, alive
+from tests.launcher.helpers import HORA, PYTHON, alive
 
 WORKER = str(Path(__file__).with_name("elastic_protocol_worker.py"))
 WAIT_S = 120.0  # a loaded 2-core machine imports torch in 10-20 s; nothing here is timed

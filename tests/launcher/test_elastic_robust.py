@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conftest import HORA, PYTHON, alive
+from tests.launcher.helpers import HORA, PYTHON, alive
 
 WORKER = str(Path(__file__).resolve().parents[2] / "benchmarks" / "elastic_worker.py")
 WAIT_S = 120.0  # a loaded 2-core machine imports torch in 10-20 s; nothing here is timed

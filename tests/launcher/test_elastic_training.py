@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from conftest import HORA, PYTHON, alive
+from tests.launcher.helpers import HORA, PYTHON, alive
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).with_name("elastic_sampler_worker.py"))

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, alive, hora_run, parent_of, wait_until, write_script
+from tests.launcher.helpers import PYTHON, alive, hora_run, parent_of, write_script
+from tests.polling import wait_until
 
 ENV_WORKER = """
 import json, os, socket, sys

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HORA, PYTHON, wait_until, write_script
 from hora.launcher.remote import oom
+from tests.launcher.helpers import HORA, PYTHON, write_script
+from tests.polling import wait_until
 
 HOG = """
 import os, sys, time

@@ -7,7 +7,8 @@ import json
 import re
 from pathlib import Path
 
-from conftest import PYTHON, hora_run, wait_until, write_script
+from tests.launcher.helpers import PYTHON, hora_run, write_script
+from tests.polling import wait_until
 
 # Each rank says it started, waits for DIR/go, then prints its lines through one timed allreduce (a timeline
 # event) and exits 0.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HORA, PYTHON, write_script
+from tests.launcher.helpers import HORA, PYTHON, write_script
 
 pytest.importorskip("tqdm")
 

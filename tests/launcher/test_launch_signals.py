@@ -13,7 +13,8 @@ import termios
 import threading
 from pathlib import Path
 
-from conftest import HORA, PYTHON, alive, wait_until, write_script
+from tests.launcher.helpers import HORA, PYTHON, alive, write_script
+from tests.polling import wait_until
 
 # Each rank writes its pid once its SIGTERM handler is in place. Rank 0's handler saves (writes a file, after
 # SAVE_S seconds) and exits 0; with STUBBORN set, rank 1's handler ignores SIGTERM (a save that never ends).

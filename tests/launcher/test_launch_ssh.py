@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, hora_run
 from hora.protocol.network import interface_addresses
+from tests.launcher.helpers import PYTHON, hora_run
 
 SSHD = "/usr/sbin/sshd"
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HORA, PYTHON
 from hora.launcher.cli import main
+from tests.launcher.helpers import HORA, PYTHON
 
 P = sys.executable
 OK = [P, "ok.py"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, hora_run, write_script
+from tests.launcher.helpers import PYTHON, hora_run, write_script
 
 MISMATCH = """
 import torch

@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from tests.launcher.conftest import PYTHON, hora_run
+
+from tests.launcher.helpers import PYTHON, hora_run
 
 WORKER = str(Path(__file__).with_name("secret_worker.py"))
 

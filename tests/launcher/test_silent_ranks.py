@@ -15,7 +15,8 @@ import re
 import signal
 from pathlib import Path
 
-from conftest import PYTHON, alive, hora_run, wait_until, write_script
+from tests.launcher.helpers import PYTHON, alive, hora_run, write_script
+from tests.polling import wait_until
 
 FAST_STALL = ["--stall-check-warning-time-seconds", "2", "--stall-check-shutdown-time-seconds", "4"]
 

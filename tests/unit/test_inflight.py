@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from tests.polling import wait_until
 from torch.distributed import HashStore
 
 from hora.diagnostics import inflight
@@ -35,13 +36,6 @@ def _post(store: HashStore, rank: int = 0) -> dict[str, object] | None:
     return json.loads(store.get(key)) if store.check([key]) else None
 
 
-def _until(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.fixture
@@ -58,7 +52,7 @@ def test_a_transfer_past_the_deadlines_is_posted_then_withdrawn_when_it_finishes
     work, handle = Transfer(), object()
     with caplog.at_level(logging.WARNING, logger="hora.diagnostics.inflight"):
         inflight.launched(handle, (req,), work)
-        assert _until(lambda: (_post(store) or {}).get("ops"))
+        assert wait_until(lambda: (_post(store) or {}).get("ops"))
     post = _post(store)
     assert post is not None and post["expired"] is False
     assert post["ops"] == [{"kind": "allreduce", "name": "big", "op": "allreduce 'big'", "ps": [0, 1, 2],
@@ -66,9 +60,9 @@ def test_a_transfer_past_the_deadlines_is_posted_then_withdrawn_when_it_finishes
     assert "hora stall: rank 0: allreduce 'big' (4.0 MB on ranks 0-2) has been in the communication backend" \
         in caplog.text
     assert int(store.add(protocol.board_key("job", protocol.WAITS), 0)) >= 1
-    assert _until(lambda: (_post(store) or {}).get("expired"))  # past the shutdown time: posted again
+    assert wait_until(lambda: (_post(store) or {}).get("expired"))  # past the shutdown time: posted again
     work.done.set()  # it finished after all (nobody synchronized it): the post is withdrawn
-    assert _until(lambda: (_post(store) or {}).get("ops") == [])
+    assert wait_until(lambda: (_post(store) or {}).get("ops") == [])
 
 
 def test_a_synchronized_op_is_forgotten_and_nothing_is_posted(store: HashStore) -> None:

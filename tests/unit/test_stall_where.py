@@ -6,6 +6,8 @@ import re
 import threading
 import time
 
+from tests.polling import wait_until
+
 from hora.diagnostics.where import describe_location, set_waiting, waiting_in
 
 
@@ -28,20 +30,12 @@ def wait_in_collective(done: threading.Event) -> None:
         set_waiting(None)
 
 
-def _until(pred, timeout: float = 5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.01)
-    return pred()
 
 
 def test_names_the_function_a_busy_thread_is_in():
     t, done = _in_thread(load_batch_slowly)
     try:
-        where = _until(lambda: "load_batch_slowly" in describe_location(t.ident) and describe_location(t.ident))
+        where = wait_until(lambda: "load_batch_slowly" in describe_location(t.ident) and describe_location(t.ident))
     finally:
         done.set()
         t.join()
@@ -52,7 +46,7 @@ def test_names_the_function_a_busy_thread_is_in():
 def test_says_which_collective_a_thread_waits_in():
     t, done = _in_thread(wait_in_collective)
     try:
-        where = _until(lambda: waiting_in(t.ident) and describe_location(t.ident))
+        where = wait_until(lambda: waiting_in(t.ident) and describe_location(t.ident))
     finally:
         done.set()
         t.join()

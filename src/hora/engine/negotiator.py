@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,6 +54,21 @@ log = logging.getLogger(__name__)
 
 _DEFER_MAX_S = 1.0
 _IDLE_WAIT_S = 3600.0  # store waits time out noisily in c10d's C++ log: wake only when rung
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """See :meth:`Negotiator.snapshot`."""
+
+    phase: str
+    sequence: dict[int | None, int]  # process set id -> the next unnamed op's number
+    submitted: list[str]  # submitted, not yet launched or failed
+    in_flight: list[str]  # handles not yet synchronized
+    outbox: list[str]  # not yet sent in a round
+    rejected: list[str]  # rejected here, to be announced
+    cached: int  # requests the response cache knows
+    entries: list[str]  # names in the table, waiting for members
+    tombstones: list[str]  # names that failed, remembered for late members
 
 
 class Negotiator:
@@ -107,6 +123,17 @@ class Negotiator:
     @property
     def table(self) -> Table:  # read it under the round lock
         return self._rounds.table
+
+    def snapshot(self) -> EngineSnapshot:
+        """What this rank's engine holds now, as plain values, for tests and debugging: the phase, the unnamed
+        ops' sequence numbers per process set, the names submitted / in flight / queued / rejected, the
+        response cache's size, and the table's pending names and tombstones (as of the last round: a round
+        running meanwhile may change them)."""
+        with self._pending.lock:
+            pending = self._pending.snapshot()
+        return EngineSnapshot(phase=self._phase.name, cached=len(self._rounds.cache),
+                              entries=sorted(self._rounds.table.entries),
+                              tombstones=sorted(self._rounds.table.tombstones), **pending)
 
     def _move(self, to: Phase) -> bool:
         """Change phase (lock held); True when it changed. Once CLOSING or BROKEN the thread still runs and

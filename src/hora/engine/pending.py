@@ -27,6 +27,11 @@ class Pending:
         self._in_flight: set[str] = set()  # names whose handle has not been synchronized
         self._seq: dict[int | None, int] = {}  # process set id -> the next unnamed op's number
 
+    def snapshot(self) -> dict[str, Any]:
+        """What is pending, as plain values (caller holds ``lock``): see :meth:`Negotiator.snapshot`."""
+        return {"sequence": dict(self._seq), "submitted": sorted(self._mine), "in_flight": sorted(self._in_flight),
+                "outbox": [op.req.name for op in self.outbox], "rejected": [r.name for r in self.rejected]}
+
     def has_outgoing(self) -> bool:
         """Something to send in the next round (caller holds ``lock``)."""
         return bool(self.outbox or self.flags or self.rejected)
