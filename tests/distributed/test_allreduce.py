@@ -9,8 +9,8 @@ import torch
 
 import hora as hvd
 from hora.calls import submit as collectives
-from hora.datapath.call import Call, Kind
 from hora.datapath.compression import POOL_MIN_BYTES, WIRE_BUFFERS, CastCompressor
+from hora.datapath.kinds import Call, Kind
 from tests.distributed.expect import ALL, FLOATS, close, ops_for, rank_input, reduce
 from tests.distributed.harness import run_ranks
 

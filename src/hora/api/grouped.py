@@ -23,8 +23,8 @@ from hora.calls.from_args import (
 )
 from hora.calls.submit import submit_many
 from hora.common.process_sets import ProcessSet, global_process_set
-from hora.datapath.call import Call
 from hora.datapath.compression import Compression, Compressor
+from hora.datapath.kinds import Call
 from hora.datapath.reduce_ops import ReduceOp
 from hora.engine.handles import GroupHandle
 

@@ -1,6 +1,6 @@
 """Horovod's collectives on one tensor: sync, ``_async`` (a handle) and in-place ``_`` variants.
 
-Every function here builds a :class:`~hora.datapath.call.Call` (:mod:`hora.calls.from_args`) and submits it
+Every function here builds a :class:`~hora.datapath.kinds.Call` (:mod:`hora.calls.from_args`) and submits it
 (:func:`hora.calls.submit.submit`); the sync forms of ops on tensors that record autograd history go through
 an autograd Function whose backward is again a collective. Grouped variants are in :mod:`hora.api.grouped`,
 ``sparse_allreduce_async`` in :mod:`hora.api.sparse`. Ops are matched across ranks by ``name``; leave it out
@@ -33,8 +33,8 @@ from hora.calls.from_args import (
 from hora.calls.submit import submit
 from hora.common.names import JOIN_NAME
 from hora.common.process_sets import ProcessSet, global_process_set
-from hora.datapath.call import Call, Kind
 from hora.datapath.compression import Compression, Compressor
+from hora.datapath.kinds import Call, Kind
 from hora.datapath.reduce_ops import ReduceOp
 from hora.engine.handles import Handle
 from hora.runtime import lifecycle as runtime

@@ -14,7 +14,7 @@ import torch
 from hora.calls.from_args import resolved_op
 from hora.calls.submit import submit_many
 from hora.common.process_sets import ProcessSet, global_process_set
-from hora.datapath.call import Call, Kind
+from hora.datapath.kinds import Call, Kind
 from hora.datapath.reduce_ops import ReduceOp, average_values
 from hora.diagnostics import callsite
 from hora.engine.handles import GroupHandle

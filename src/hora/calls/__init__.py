@@ -1,3 +1,3 @@
-"""From a user's call to the engine: a :class:`~hora.datapath.call.Call` built from Horovod's arguments
+"""From a user's call to the engine: a :class:`~hora.datapath.kinds.Call` built from Horovod's arguments
 (:mod:`.from_args`), validated, named and handed to the negotiator (:mod:`.submit`).
 """

@@ -1,4 +1,4 @@
-"""Building a :class:`~hora.datapath.call.Call` from Horovod's arguments, for the public ops (:mod:`hora.api.ops`,
+"""Building a :class:`~hora.datapath.kinds.Call` from Horovod's arguments, for the public ops (:mod:`hora.api.ops`,
 :mod:`hora.api.grouped`, :mod:`hora.api.sparse`).
 
 An argument that cannot work (an unknown op, alltoall splits that do not add up) does not raise here: the
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from hora.common.process_sets import ProcessSet
-from hora.datapath.call import Call, Kind
 from hora.datapath.compression import Compression, Compressor
+from hora.datapath.kinds import Call, Kind
 from hora.datapath.reduce_ops import ReduceOp, resolve_op
 from hora.errors import InvalidCallError
 from hora.runtime import lifecycle as runtime

@@ -1,7 +1,7 @@
 """Submitting collectives: validate -> prepare -> hand to the engine. The layer between :mod:`hora.api.ops` (the
 public API) and the negotiation engine.
 
-``submit()`` validates a :class:`~hora.datapath.call.Call` on this rank, gives an unnamed call its sequence name,
+``submit()`` validates a :class:`~hora.datapath.kinds.Call` on this rank, gives an unnamed call its sequence name,
 runs its kind's *prepare* on the caller's thread (:mod:`hora.datapath.kinds`) and hands the engine a
 :class:`~hora.engine.dispatch.LocalOp`: its request (what the peers must agree on) and its handle. Once every member
 has submitted the name, the engine runs the kind's *launch* (the c10d call); ``synchronize()`` runs its
@@ -22,9 +22,8 @@ import torch
 
 from hora.datapath import streams
 from hora.datapath.c10d import dtype_name
-from hora.datapath.call import REDUCTIONS, Call, Kind, Op, Request
 from hora.datapath.compression import Compression
-from hora.datapath.kinds import KINDS
+from hora.datapath.kinds import KINDS, REDUCTIONS, Call, Kind, Op, Request
 from hora.datapath.reduce_ops import ReduceOp
 from hora.diagnostics import callsite, timeline
 from hora.engine.dispatch import LocalOp

@@ -14,8 +14,7 @@ import torch
 
 from hora.datapath import streams
 from hora.datapath.c10d import to_dtype, wire_op
-from hora.datapath.call import Kind, Request
-from hora.datapath.kinds import allreduce_flat
+from hora.datapath.kinds import Kind, Request, allreduce_flat
 from hora.datapath.reduce_ops import ReduceOp
 
 MAX_FUSED_TENSOR_BYTES = 1 << 20  # larger tensors run alone: fusion would only add copies

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from hora.datapath import fusion, kinds, streams
-from hora.datapath.call import Op, Peers
+from hora.datapath.kinds import Op, Peers
 from hora.diagnostics import inflight
 from hora.diagnostics import timeline as timeline_mod
 from hora.engine.handles import Handle

@@ -27,7 +27,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hora.datapath.call import Kind
+from hora.datapath.kinds import Kind
 from hora.engine import codec as wire
 from hora.engine.codec import FrameError
 from hora.engine.notices import NOTICE, PASSED

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from hora.common.names import JOIN_NAME, SHUTDOWN_NAME, UNNAMED_PREFIX
-from hora.datapath.call import Kind, Request
+from hora.datapath.kinds import Kind, Request
 from hora.datapath.reduce_ops import ReduceOp
 from hora.diagnostics.where import describe_op
 from hora.errors import CollectiveError, CollectiveMismatchError, HoraError, PeerRejectedCallError

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from hora.calls import submit as collectives
-from hora.datapath.call import Call, Kind
 from hora.datapath.compression import Compressor
+from hora.datapath.kinds import Call, Kind
 from hora.datapath.reduce_ops import Adasum, ReduceOp
 from hora.errors import UnsupportedCallError
 from hora.training.buckets import FlatBucket

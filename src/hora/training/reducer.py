@@ -28,22 +28,23 @@ import enum
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from hora.api.sparse import sparse_allreduce_async
 from hora.calls import submit as collectives
-from hora.datapath.call import Call, Kind
 from hora.datapath.compression import CastCompressor, Compressor, NoneCompressor, cast_scaled, wire_dtype
+from hora.datapath.kinds import Call, Kind
 from hora.datapath.reduce_ops import ReduceOp, Sum, bucket_scales
 from hora.diagnostics import timeline
 from hora.engine import handles
 from hora.runtime import lifecycle as runtime
 from hora.training.bucket_names import BucketNames
 from hora.training.buckets import FlatBucket, ParamSpec, plan_buckets
-from hora.training.ddp_watch import DdpWatch, ddp_reduced, undo_ddp_average
 
 log = logging.getLogger(__name__)
 
@@ -400,3 +401,56 @@ class GradientReducer:
     def _scale_ddp_sums(self) -> None:
         if self.op is Sum and self._ddp:
             undo_ddp_average(self.params, self._ddp)  # DDP averaged; the user asked for a sum
+
+
+# --- DDP: noticing a model also wrapped in DistributedDataParallel -------------------------------------------------
+log = logging.getLogger(__name__)
+
+
+class DdpWatch:
+    """Collects the DDP modules that run forward until :meth:`stop`."""
+
+    def __init__(self) -> None:
+        self._seen: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+        seen = self._seen  # the hook holds the set, not the watch: a dropped watch is collected
+
+        def note(module: torch.nn.Module, _inputs: Any) -> None:
+            if isinstance(module, DistributedDataParallel):
+                seen.add(module)
+
+        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(note)
+        weakref.finalize(self, self._handle.remove)
+
+    def stop(self) -> list[DistributedDataParallel]:
+        """Remove the hook; the DDP modules seen so far."""
+        self._handle.remove()
+        return list(self._seen)
+
+
+def ddp_reduced(modules: list[DistributedDataParallel], params: Sequence[torch.Tensor]) -> dict[int, int]:
+    """Which of ``params`` (by position) the DDP ``modules`` already average, each with its DDP world size;
+    logs a warning naming how many when there are some."""
+    index_of = {id(p): i for i, p in enumerate(params)}
+    owned: dict[int, int] = {}
+    for module in modules:
+        world = module.process_group.size() if module.process_group is not None else 1
+        for p in getattr(module, "_module_parameters", None) or list(module.module.parameters()):
+            if id(p) in index_of:
+                owned[index_of[id(p)]] = world
+    if owned:
+        log.warning(
+            "the model is wrapped in DistributedDataParallel and its optimizer in hora's "
+            "DistributedOptimizer: DDP already averages %d of %d parameters' gradients, so hora does not "
+            "reduce them again (drop one of the two wrappers to silence this)",
+            len(owned), len(params),
+        )
+    return owned
+
+
+def undo_ddp_average(params: Sequence[torch.Tensor], owned: dict[int, int]) -> None:
+    """Turn DDP's averages back into sums (the DistributedOptimizer was asked for ``op=Sum``)."""
+    with torch.no_grad():
+        for index, world in owned.items():
+            grad = params[index].grad
+            if grad is not None:
+                grad.mul_(world)
