@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from hora.engine import codec as wire
-from hora.engine import handshake
+from hora.engine import codec, handshake
 from hora.engine.handshake import HandshakeFailed, Identity, IncompatiblePeer
 from hora.engine.listener import PeerListener
 from hora.errors import CollectiveError
@@ -116,7 +115,7 @@ def _refusal(answer: bytes) -> str:
         magic, _version, kind, n = struct.unpack_from("<4sHBI", answer)
         body = answer[11 : 11 + n]
         if kind == handshake.REFUSE:
-            reasons.append(wire.decode(body))
+            reasons.append(codec.decode(body))
         answer = answer[11 + n :]
     return reasons[-1]
 
@@ -150,8 +149,8 @@ def test_a_replayed_listener_answer_does_not_fool_a_dialer() -> None:
 
 
 def _hello_bytes(who: Identity, to: int = 0) -> bytes:
-    body = wire.encode(who.hello(to, b"n" * handshake.NONCE_BYTES))
-    return struct.pack("<4sHBI", handshake.MAGIC, wire.WIRE_VERSION, handshake.HELLO, len(body)) + body
+    body = codec.encode(who.hello(to, b"n" * handshake.NONCE_BYTES))
+    return struct.pack("<4sHBI", handshake.MAGIC, codec.WIRE_VERSION, handshake.HELLO, len(body)) + body
 
 
 def _messages(data: bytes) -> int:
@@ -174,8 +173,8 @@ def test_a_stranger_sending_a_made_up_proof_is_refused(listener: PeerListener,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING), connect(listener) as s:
         s.sendall(_hello_bytes(me(2)))
-        body = wire.encode(b"\0" * 32)
-        s.sendall(struct.pack("<4sHBI", handshake.MAGIC, wire.WIRE_VERSION, handshake.PROOF, len(body)) + body)
+        body = codec.encode(b"\0" * 32)
+        s.sendall(struct.pack("<4sHBI", handshake.MAGIC, codec.WIRE_VERSION, handshake.PROOF, len(body)) + body)
         s.settimeout(5)
         got = b""
         while chunk := s.recv(4096):
@@ -237,23 +236,23 @@ def test_a_stranger_claiming_other_code_cannot_fail_the_listener(listener: PeerL
 
 def test_another_wire_version_is_refused_naming_both_versions(listener: PeerListener) -> None:
     with connect(listener) as s:
-        body = wire.encode({"anything": "a later version sends"})
-        s.sendall(struct.pack("<4sHBI", handshake.MAGIC, wire.WIRE_VERSION + 1, handshake.HELLO, len(body)) + body)
+        body = codec.encode({"anything": "a later version sends"})
+        s.sendall(struct.pack("<4sHBI", handshake.MAGIC, codec.WIRE_VERSION + 1, handshake.HELLO, len(body)) + body)
         s.settimeout(5)
         head = s.recv(11)
-    assert struct.unpack("<4sHBI", head)[:3] == (handshake.MAGIC, wire.WIRE_VERSION, handshake.REFUSE)
+    assert struct.unpack("<4sHBI", head)[:3] == (handshake.MAGIC, codec.WIRE_VERSION, handshake.REFUSE)
     fake = socket.create_server(("127.0.0.1", 0))  # and a dialer meeting a listener of a later version
 
     def later_listener() -> None:
         conn, _ = fake.accept()
         conn.recv(4096)
-        body = wire.encode("no")
-        conn.sendall(struct.pack("<4sHBI", handshake.MAGIC, wire.WIRE_VERSION + 1, handshake.REFUSE, len(body)) + body)
+        body = codec.encode("no")
+        conn.sendall(struct.pack("<4sHBI", handshake.MAGIC, codec.WIRE_VERSION + 1, handshake.REFUSE, len(body)) + body)
         time.sleep(0.5)
         conn.close()
 
     threading.Thread(target=later_listener, daemon=True).start()
-    both = f"wire version {wire.WIRE_VERSION + 1}, this rank wire version {wire.WIRE_VERSION}"
+    both = f"wire version {codec.WIRE_VERSION + 1}, this rank wire version {codec.WIRE_VERSION}"
     with socket.create_connection(fake.getsockname()) as s, pytest.raises(IncompatiblePeer, match=both):
         handshake.dial(s, me(1), 0, time.monotonic() + 5)
     fake.close()
@@ -270,7 +269,7 @@ def test_an_oversized_or_garbage_handshake_message_is_refused_before_reading_it(
         listener: PeerListener, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         with connect(listener) as s:
-            s.sendall(struct.pack("<4sHBI", handshake.MAGIC, wire.WIRE_VERSION, handshake.HELLO, 1 << 30))
+            s.sendall(struct.pack("<4sHBI", handshake.MAGIC, codec.WIRE_VERSION, handshake.HELLO, 1 << 30))
             assert hung_up(s)
         with connect(listener) as s:
             s.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64)  # a TLS ClientHello

@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 from hora.datapath.reduce_ops import ReduceOp
-from hora.engine import codec as wire
-from hora.engine import frames
+from hora.engine import codec, frames
 from hora.engine.codec import MAX_DEPTH, WIRE_VERSION, FrameError, decode, encode
 from hora.engine.frames import decode_round, encode_round
 from hora.engine.table import Request
@@ -163,4 +162,4 @@ def test_a_count_of_requests_beyond_the_frame_is_refused() -> None:
 
 
 def test_the_bound_on_frames_is_named() -> None:
-    assert wire.MAX_FRAME_BYTES == 64 << 20
+    assert codec.MAX_FRAME_BYTES == 64 << 20

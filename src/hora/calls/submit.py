@@ -45,7 +45,7 @@ def _validate(call: Call, rank: int) -> None:
     script's ``except`` catches it whichever of the two Horovod raised); a bad dtype is also a ``TypeError``.
     """
     t = call.tensor
-    where = f"{call.kind.wire} {call.name or '(unnamed)'!r} on rank {rank}"
+    where = f"{call.kind.tag} {call.name or '(unnamed)'!r} on rank {rank}"
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _SUPPORTED:
@@ -94,7 +94,7 @@ def _validate_adasum(call: Call, where: str) -> None:
 
 def _request(call: Call) -> Request:
     t = call.wire
-    return Request(call.name, call.kind.wire, dtype_name(t.dtype), tuple(call.tensor.shape), int(call.op), call.root,
+    return Request(call.name, call.kind.tag, dtype_name(t.dtype), tuple(call.tensor.shape), int(call.op), call.root,
                    float(call.prescale), float(call.postscale), tuple(call.ps.ranks), t.device.type, call.splits,
                    call.site.fingerprint, call.site.where)
 
@@ -113,7 +113,7 @@ def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
     the reason instead of pairing with this rank's next op, or waiting for it."""
     if not calls:
         return []
-    rt = newcomer.join(f"hvd.{calls[0].kind.wire}()")  # a new elastic worker joins the job here
+    rt = newcomer.join(f"hvd.{calls[0].kind.tag}()")  # a new elastic worker joins the job here
     neg = rt.negotiator
     if neg.site_check and not calls[0].name and calls[0].site is callsite.UNKNOWN and calls[0].kind is not Kind.BARRIER:
         site = callsite.current()  # a barrier carries no data to mix up, and has no name= to opt out with
@@ -150,7 +150,7 @@ def _announce(calls: list[Call], rt: Any, error: Exception) -> None:
     for call in calls:
         if not call.name:
             call.name = neg.unnamed(rt.process_sets.sequence_id(call.ps))
-        reqs.append(Request(call.name, call.kind.wire, "", (), ps=ranks, site=site.fingerprint, where=site.where,
+        reqs.append(Request(call.name, call.kind.tag, "", (), ps=ranks, site=site.fingerprint, where=site.where,
                             error=reason))
     neg.reject(reqs)
 
@@ -173,8 +173,8 @@ def _local_op(call: Call, neg: Any) -> LocalOp:
     op.steps.prepare(call)
     if tl is not None and call.wire is not call.tensor:  # a copy or compression happened (diagnostics)
         phase = "copy_in" if call.compression is Compression.none else "compress"
-        tl.span(call.name, phase, t0, time.perf_counter(), kind=call.kind.wire, bytes=call.wire.nbytes)
-    handle = Handle(call.name, call.kind.wire, op.finish, neg.done, neg.drive)
+        tl.span(call.name, phase, t0, time.perf_counter(), kind=call.kind.tag, bytes=call.wire.nbytes)
+    handle = Handle(call.name, call.kind.tag, op.finish, neg.done, neg.drive)
     event = streams.producer_event(call.wire) if call.wire.is_cuda else None
     fusable = call.wire if call.kind is Kind.ALLREDUCE else None
     return LocalOp(_request(call), handle, op, wire=fusable, event=event)

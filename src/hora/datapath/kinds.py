@@ -54,16 +54,16 @@ class Kind(str, enum.Enum):
     JOIN = "join"
     SHUTDOWN = "shutdown"  # the engine's own request when a rank calls shutdown(): no data, no steps here
 
-    wire: str  # the plain string requests carry (set below: ``.value`` is an enum property, slow per op)
+    tag: str  # the plain string requests carry (set below: ``.value`` is an enum property, slow per op)
 
     __hash__ = str.__hash__  # a plain "allreduce" finds Kind.ALLREDUCE in a dict or set, and the reverse
 
     def __str__(self) -> str:
-        return self.wire
+        return self.tag
 
 
 for _kind in Kind:
-    _kind.wire = _kind._value_
+    _kind.tag = _kind._value_
 
 
 REDUCTIONS = frozenset({Kind.ALLREDUCE, Kind.REDUCESCATTER})  # the kinds that take op= and scale factors

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hora.datapath.kinds import Kind
-from hora.engine import codec as wire
+from hora.engine import codec
 from hora.engine.codec import FrameError
 from hora.engine.notices import NOTICE, PASSED
 from hora.engine.table import Request
@@ -40,13 +40,13 @@ _ENTRY = struct.Struct("<BI")  # form, cache id
 _NAMED = struct.Struct("<BII")  # form, cache id, name length
 _LEN = struct.Struct("<I")
 _CACHED, _CACHED_NAMED, _FULL, _INLINE = 0, 1, 2, 0x80
-_NO_FLAGS = wire.encode({})
-_KINDS = frozenset(k.wire for k in Kind)
+_NO_FLAGS = codec.encode({})
+_KINDS = frozenset(k.tag for k in Kind)
 
 
 def encode_round(sent: Sequence[Item], inline: Sequence[bytes | None], flags: dict[str, Any]) -> bytes:
     """The frame of one round: ``sent[i]`` with its inline data ``inline[i]`` (or None), and ``flags``."""
-    parts = [_HEAD.pack(wire.WIRE_VERSION, len(sent))]
+    parts = [_HEAD.pack(codec.WIRE_VERSION, len(sent))]
     for item, data in zip(sent, inline):
         mark = 0 if data is None else _INLINE
         if type(item) is int:
@@ -55,10 +55,10 @@ def encode_round(sent: Sequence[Item], inline: Sequence[bytes | None], flags: di
             name = item[1].encode()
             parts += (_NAMED.pack(_CACHED_NAMED | mark, item[0], len(name)), name)
         else:
-            parts += (_ENTRY.pack(_FULL | mark, 0), wire.encode(tuple(item)))  # type: ignore[arg-type]
+            parts += (_ENTRY.pack(_FULL | mark, 0), codec.encode(tuple(item)))  # type: ignore[arg-type]
         if data is not None:
             parts += (_LEN.pack(len(data)), data)
-    parts.append(wire.encode(flags) if flags else _NO_FLAGS)
+    parts.append(codec.encode(flags) if flags else _NO_FLAGS)
     return b"".join(parts)
 
 
@@ -72,9 +72,9 @@ def decode_round(data: bytes) -> tuple[list[Item], list[bytes | None], dict[str,
         version, count = _HEAD.unpack_from(data, 0)
     except struct.error:
         raise FrameError(f"a round frame of {len(data)} bytes is shorter than its header") from None
-    if version != wire.WIRE_VERSION:
+    if version != codec.WIRE_VERSION:
         raise FrameError(f"a round frame of wire version {version}; this rank speaks wire version "
-                         f"{wire.WIRE_VERSION}")
+                         f"{codec.WIRE_VERSION}")
     if count > len(data):
         raise FrameError(f"a round frame claims {count} requests in {len(data)} bytes")
     at = _HEAD.size
@@ -96,7 +96,7 @@ def decode_round(data: bytes) -> tuple[list[Item], list[bytes | None], dict[str,
                     raise FrameError(f"an op name of {n} bytes runs past the frame's end ({end} bytes)")
                 items.append((ident, data[at - n : at].decode()))
             elif kind == _FULL:
-                fields, at = wire.decode_from(data, at)
+                fields, at = codec.decode_from(data, at)
                 items.append(_request(fields))
             else:
                 raise FrameError(f"unknown request form {form} at byte {at - 5}")
@@ -115,7 +115,7 @@ def decode_round(data: bytes) -> tuple[list[Item], list[bytes | None], dict[str,
         raise FrameError(f"the name of request {len(items) + 1} is not UTF-8") from None
     if len(data) - at == len(_NO_FLAGS) and data.endswith(_NO_FLAGS):  # most rounds carry no flags
         return items, inline, {}
-    return items, inline, _flags(wire.decode(memoryview(data)[at:]))
+    return items, inline, _flags(codec.decode(memoryview(data)[at:]))
 
 
 def _ints(value: Any) -> bool:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hora.datapath.c10d import all_gather_into
-from hora.engine import codec as wire
+from hora.engine import codec
 from hora.engine.context import EngineContext
 from hora.engine.handshake import Identity, IncompatiblePeer
 from hora.engine.mesh import BadFrame, connect_mesh
@@ -81,8 +81,8 @@ class Exchange:
         for r, (n_r, t_r) in enumerate(heads):
             if t_r != self._seal.tag_bytes:
                 raise self._mismatch(r, t_r)
-            if n_r > wire.MAX_FRAME_BYTES:
-                raise self._bad(r, f"announced a {n_r}-byte frame, more than the {wire.MAX_FRAME_BYTES} bytes allowed "
+            if n_r > codec.MAX_FRAME_BYTES:
+                raise self._bad(r, f"announced a {n_r}-byte frame, more than the {codec.MAX_FRAME_BYTES} bytes allowed "
                                    "(hora.engine.codec.MAX_FRAME_BYTES)")
         big = max(n_r for n_r, _ in heads)
         if big <= _SLOT - self._head:
@@ -127,18 +127,18 @@ def greet(exchange: Exchange, me: Identity) -> None:
         IncompatiblePeer: some rank runs another wire version or other hora code (named, with its host).
         CollectiveError: some rank holds another secret, or none where this rank has one.
     """
-    body = wire.encode({"code": me.code, "hora": me.hora, "host": me.host})
-    hellos = exchange.allgather(_HELLO_HEAD.pack(_HELLO_MAGIC, wire.WIRE_VERSION) + body)
+    body = codec.encode({"code": me.code, "hora": me.hora, "host": me.host})
+    hellos = exchange.allgather(_HELLO_HEAD.pack(_HELLO_MAGIC, codec.WIRE_VERSION) + body)
     for rank, hello in enumerate(hellos):
         magic, version = _HELLO_HEAD.unpack_from(hello) if len(hello) >= _HELLO_HEAD.size else (b"", -1)
-        if magic != _HELLO_MAGIC or version != wire.WIRE_VERSION:
+        if magic != _HELLO_MAGIC or version != codec.WIRE_VERSION:
             raise IncompatiblePeer(f"rank {rank} speaks control wire version {version}, rank {me.rank} on {me.host} "
-                                   f"wire version {wire.WIRE_VERSION} (Gloo control plane): install the same hora on "
+                                   f"wire version {codec.WIRE_VERSION} (Gloo control plane): install the same hora on "
                                    "every host")
         try:
-            them = wire.decode(hello[_HELLO_HEAD.size :])
+            them = codec.decode(hello[_HELLO_HEAD.size :])
             code, hora, host = them["code"], them["hora"], them["host"]
-        except (wire.FrameError, TypeError, KeyError):
+        except (codec.FrameError, TypeError, KeyError):
             raise IncompatiblePeer(f"rank {rank}'s hello on the Gloo control plane is malformed") from None
         if (code, hora) != (me.code, me.hora):
             raise IncompatiblePeer(

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
-from hora.engine import codec as wire
+from hora.engine import codec
 from hora.errors import CollectiveError
 from hora.protocol.code_fingerprint import short
 from hora.protocol.jobsecret import JobSecret
@@ -97,15 +97,15 @@ def dial(sock: socket.socket, me: Identity, peer: int, deadline: float) -> Peer:
     """
     where = _address(sock)
     who = f"rank {peer} at {where}"
-    hello_c = wire.encode(me.hello(peer, os.urandom(NONCE_BYTES)))
+    hello_c = codec.encode(me.hello(peer, os.urandom(NONCE_BYTES)))
     _send(sock, HELLO, hello_c)
     kind, hello_l = _receive(sock, deadline, who)
     if kind != HELLO:
         _refused(kind, hello_l, who, me)
     try:
-        them = wire.decode(hello_l)
+        them = codec.decode(hello_l)
         problem = _check_hello(them, me, claimed=peer)
-    except wire.FrameError as e:
+    except codec.FrameError as e:
         problem = f"its HELLO is malformed ({e})"
     if problem is not None:
         raise CollectiveError(f"rank {me.rank}: the process at {where} is not rank {peer} of this job: {problem}")
@@ -117,7 +117,7 @@ def dial(sock: socket.socket, me: Identity, peer: int, deadline: float) -> Peer:
         raise CollectiveError(f"rank {me.rank}: the process at {where} is not rank {peer} of this job: it could "
                               "not prove that it holds the job's secret (a stranger at that address, or a process "
                               "of another job)")
-    _send(sock, PROOF, wire.encode(me.proof(b"dialer", hello_c, hello_l)))
+    _send(sock, PROOF, codec.encode(me.proof(b"dialer", hello_c, hello_l)))
     _same_code(me, them, peer, where)
     kind, body = _receive(sock, deadline, who)
     if kind != ACCEPT:
@@ -154,9 +154,9 @@ def answer(sock: socket.socket, me: Identity, seats: Seats, deadline: float) -> 
     if kind != HELLO:
         raise HandshakeFailed(f"it sent a {_NAMES.get(kind, kind)} message first, not a HELLO")
     try:
-        fields = wire.decode(hello_c)
+        fields = codec.decode(hello_c)
         problem = _check_hello(fields, me, claimed=None)
-    except wire.FrameError as e:
+    except codec.FrameError as e:
         problem = f"its HELLO is malformed ({e})"
     if problem is None and not seats.wants(fields["rank"]):
         problem = f"it claims rank {fields['rank']}, which is connected already or not one this rank waits for"
@@ -169,9 +169,9 @@ def answer(sock: socket.socket, me: Identity, seats: Seats, deadline: float) -> 
     except HandshakeFailed as e:
         _refuse(sock, str(e))
         raise
-    hello_l = wire.encode(me.hello(claimed, os.urandom(NONCE_BYTES)))
+    hello_l = codec.encode(me.hello(claimed, os.urandom(NONCE_BYTES)))
     _send(sock, HELLO, hello_l)
-    _send(sock, PROOF, wire.encode(me.proof(b"listener", hello_c, hello_l)))
+    _send(sock, PROOF, codec.encode(me.proof(b"listener", hello_c, hello_l)))
     kind, proof = _receive(sock, deadline, f"it (claiming rank {claimed})")
     if kind != PROOF:
         raise HandshakeFailed(f"it (claiming rank {claimed}) answered with a {_NAMES.get(kind, kind)}, not its "
@@ -189,7 +189,7 @@ def answer(sock: socket.socket, me: Identity, seats: Seats, deadline: float) -> 
         _refuse(sock, f"rank {claimed} is connected already")
         raise HandshakeFailed(f"it claimed rank {claimed}, which is connected already")
     try:
-        _send(sock, ACCEPT, wire.encode(None))
+        _send(sock, ACCEPT, codec.encode(None))
     except HandshakeFailed:
         seats.release(claimed)
         raise
@@ -204,8 +204,8 @@ _HELLO_TYPES = {"rank": int, "to": int, "world": str, "purpose": str, "nonce": b
 def _proven(body: bytes, expected: bytes) -> bool:
     """Whether a PROOF message's body is ``expected`` (constant time)."""
     try:
-        proof = wire.decode(body)
-    except wire.FrameError:
+        proof = codec.decode(body)
+    except codec.FrameError:
         return False
     return isinstance(proof, bytes) and hmac.compare_digest(proof, expected)
 
@@ -256,8 +256,8 @@ def _same_code(me: Identity, them: dict[str, Any], peer: int, where: str) -> Non
 def _refused(kind: int, body: bytes, who: str, me: Identity) -> NoReturn:
     if kind == REFUSE:
         try:
-            reason = wire.decode(body)
-        except wire.FrameError:
+            reason = codec.decode(body)
+        except codec.FrameError:
             reason = "(no readable reason)"
         raise CollectiveError(f"rank {me.rank}: {who} refused this rank's control connection: {reason}")
     raise CollectiveError(f"rank {me.rank}: {who} sent a {_NAMES.get(kind, kind)} message out of turn in the "
@@ -267,7 +267,7 @@ def _refused(kind: int, body: bytes, who: str, me: Identity) -> NoReturn:
 # --- messages ----------------------------------------------------------------------------------------------
 def _send(sock: socket.socket, kind: int, body: bytes) -> None:
     try:
-        sock.sendall(_PREFIX.pack(MAGIC, wire.WIRE_VERSION, kind, len(body)) + body)
+        sock.sendall(_PREFIX.pack(MAGIC, codec.WIRE_VERSION, kind, len(body)) + body)
     except OSError as e:
         raise HandshakeFailed(f"the connection broke during the handshake ({e})") from None
 
@@ -275,7 +275,7 @@ def _send(sock: socket.socket, kind: int, body: bytes) -> None:
 def _refuse(sock: socket.socket, reason: str) -> None:
     """Tell the other end why (best effort: a stranger may be gone already)."""
     try:
-        _send(sock, REFUSE, wire.encode(reason[:MAX_MESSAGE_BYTES - 16]))
+        _send(sock, REFUSE, codec.encode(reason[:MAX_MESSAGE_BYTES - 16]))
     except HandshakeFailed:
         pass
 
@@ -287,12 +287,12 @@ def _receive(sock: socket.socket, deadline: float, who: str) -> tuple[int, bytes
     magic, version, kind, n = _PREFIX.unpack(head)
     if magic == OLD_MAGIC:
         raise IncompatiblePeer(f"{who} speaks the control protocol of a hora older than wire version 1 "
-                               f"(this rank: wire version {wire.WIRE_VERSION}); install the same hora on every host")
+                               f"(this rank: wire version {codec.WIRE_VERSION}); install the same hora on every host")
     if magic != MAGIC:
         raise HandshakeFailed(f"{who} is not a hora rank (its first bytes are {head[:8]!r})")
-    if version != wire.WIRE_VERSION:
+    if version != codec.WIRE_VERSION:
         raise IncompatiblePeer(f"{who} speaks control wire version {version}, this rank wire version "
-                               f"{wire.WIRE_VERSION}: install the same hora on every host")
+                               f"{codec.WIRE_VERSION}: install the same hora on every host")
     if n > MAX_MESSAGE_BYTES:
         raise HandshakeFailed(f"{who} announced a {n}-byte handshake message (at most {MAX_MESSAGE_BYTES} are "
                               "allowed)")

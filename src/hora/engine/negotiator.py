@@ -35,7 +35,7 @@ import torch
 
 from hora.common.names import SHUTDOWN_NAME
 from hora.diagnostics import inflight
-from hora.engine import codec as wire
+from hora.engine import codec
 from hora.engine.context import EngineContext
 from hora.engine.death_watch import death_watch
 from hora.engine.dispatch import LocalOp
@@ -195,7 +195,7 @@ class Negotiator:
         Raises:
             FrameError: ``value`` is not made of plain values (:mod:`hora.engine.codec`), so no frame can carry it.
         """
-        wire.encode(value)  # refused here, on the caller's thread, not later in a round every rank waits on
+        codec.encode(value)  # refused here, on the caller's thread, not later in a round every rank waits on
         with self._lock:
             if self._phase in (Phase.BROKEN, Phase.STOPPED):
                 return
