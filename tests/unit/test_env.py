@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hora.common.env import KNOBS, Knobs, WorkerEnv, knobs_markdown
+from hora.common.env import WorkerEnv
+from hora.common.knobs import KNOBS, Knobs, knobs_markdown
 from hora.common.slurm import expand_nodelist, parse_tasks_per_node
 from hora.errors import ConfigError
 

@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from hora.common.env import KNOBS, Knobs, knobs_markdown
+from hora.common.knobs import KNOBS, Knobs, knobs_markdown
 from hora.errors import ConfigError
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "knobs.md"

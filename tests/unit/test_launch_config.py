@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hora.common.env import Knobs
+from hora.common.knobs import Knobs
 from hora.errors import ConfigError
 from hora.launcher import config as run_config
 from hora.launcher import envvars

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from hora.common.env import Knobs
+from hora.common.knobs import Knobs
 from hora.engine import handshake
 from hora.engine.codec import MAX_FRAME_BYTES
 from hora.engine.gloo_plane import make_control_plane

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hora.common.env import Knobs
+from hora.common.knobs import Knobs
 from hora.diagnostics.stall_report import StallAction, StallPolicy, format_ranks, format_stall_report
 from hora.errors import ConfigError
 

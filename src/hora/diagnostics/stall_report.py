@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from hora.common.env import Knobs
+from hora.common.knobs import Knobs
 from hora.diagnostics.where import describe_op
 from hora.errors import ConfigError
 

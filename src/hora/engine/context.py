@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hora.common.env import Knobs
+from hora.common.knobs import Knobs
 from hora.diagnostics.board import Board
 from hora.protocol.jobsecret import JobSecret
 from hora.protocol.signedstore import SignedStore

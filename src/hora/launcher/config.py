@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hora.common import env as hora_env
+from hora.common.knobs import KNOBS
 from hora.errors import ConfigError
 from hora.launcher.hosts import HostSpec, hosts_from
 
@@ -33,8 +34,8 @@ FLAG_KNOBS: tuple[tuple[str, str, object], ...] = (
     ("start_timeout", "HORA_START_TIMEOUT", str),
     ("verbose", "HORA_FULL_TRACEBACKS", lambda v: "1" if v else None),
 )
-_KNOWN_KNOBS = {k.name for k in hora_env.KNOBS}
-assert all(var in _KNOWN_KNOBS for _, var, _ in FLAG_KNOBS), "a flag maps to a knob env.KNOBS lacks"
+_KNOWN_KNOBS = {k.name for k in KNOBS}
+assert all(var in _KNOWN_KNOBS for _, var, _ in FLAG_KNOBS), "a flag maps to a knob knobs.KNOBS lacks"
 
 ELASTIC_FLAGS = ("min_np", "max_np", "slots_per_host", "host_discovery_script", "elastic_timeout",
                  "reset_limit", "blacklist_cooldown_range")

@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from hora.common import env as hora_env
 from hora.common import rendezvous
-from hora.common.env import Knobs, WorkerEnv
+from hora.common.env import WorkerEnv
+from hora.common.knobs import Knobs
 from hora.common.process_sets import ProcessSet, ProcessSetTable, global_process_set
 from hora.datapath import hierarchical
 from hora.diagnostics import timeline, user_errors

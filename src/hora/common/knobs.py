@@ -1,0 +1,149 @@
+"""The tuning knobs: one table (:data:`KNOBS`: name, Horovod alias, type, default, help) and the frozen
+:class:`Knobs` read from it once, at ``hvd.init()``. ``docs/knobs.md`` is generated from the table.
+
+Example:
+    >>> Knobs.from_environ({"HOROVOD_FUSION_THRESHOLD": "1024"}).fusion_threshold
+    1024
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hora.common import env as hora_env
+from hora.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    name: str  # HORA_* variable
+    horovod: str | None  # Horovod's variable with the same meaning, accepted too
+    type: type
+    default: Any
+    help: str
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("HORA_LOG_LEVEL", "HOROVOD_LOG_LEVEL", str, "WARNING", "Log level of hora's loggers in workers."),
+    Knob("HORA_START_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS", float, 60.0,
+         "Seconds init() waits for every rank to reach the rendezvous store."),
+    Knob("HORA_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE", bool, False, "Turn the stall inspector off."),
+    Knob("HORA_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS", float, 60.0,
+         "Seconds a collective may wait for missing ranks before one stall report names them."),
+    Knob("HORA_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", float, 0.0,
+         "Seconds after which a stalled job is stopped with the stall report as root cause (0 = never)."),
+    Knob("HORA_TIMELINE", "HOROVOD_TIMELINE", str, "",
+         "Write a Chrome-trace timeline of every collective to this file (rank files are merged)."),
+    Knob("HORA_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES", bool, False,
+         "Mark each negotiation round in the timeline."),
+    Knob("HORA_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD", int, 64 * 1024 * 1024,
+         "Bytes: allreduces ready in the same round are fused into one buffer up to this size (0 = off)."),
+    Knob("HORA_CYCLE_TIME", "HOROVOD_CYCLE_TIME", float, 0.0,
+         "Accepted for Horovod compatibility; hora's negotiation is event-driven and has no cycle."),
+    Knob("HORA_DISABLE_CACHE", "HOROVOD_CACHE_CAPACITY", bool, False,
+         "Turn the negotiation response cache off (Horovod's HOROVOD_CACHE_CAPACITY=0)."),
+    Knob("HORA_CONTROL_PLANE", None, str, "auto",
+         "How negotiators talk: tcp (a direct connection between every pair of ranks), gloo (an allgather on a "
+         "Gloo group, woken through the store), or auto (tcp up to 256 ranks, gloo beyond)."),
+    Knob("HORA_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE", bool, False,
+         "Allreduce on the global set in three steps: reduce within each host, allreduce across hosts, share "
+         "the result within the host (through shared memory, each local rank carrying 1/p of the tensor, "
+         "where every host runs p ranks on Gloo; else through the host's lowest rank). Pays off with several "
+         "ranks per host on a slow network."),
+    Knob("HORA_CALL_SITE_CHECK", None, bool, True,
+         "Check that ranks reach each unnamed collective from the same line of code (a rank that skipped or "
+         "added a collective is reported, not paired with the wrong op); 0 turns it off for code that calls "
+         "one collective from different lines on purpose. Named collectives are never checked."),
+    Knob("HORA_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT", float, 600.0,
+         "Elastic jobs: seconds a worker waits at a reset for the launcher's next world before it fails."),
+    Knob("HORA_BUCKET_CAP_MB", None, float, 25.0, "DistributedOptimizer bucket size in MB (DDP's default)."),
+    Knob("HORA_FIRST_BUCKET_MB", None, float, 1.0,
+         "Size of the first gradient bucket in MB, small so communication starts early in backward."),
+    Knob("HORA_STEP_OVERLAP", None, bool, True,
+         "DistributedOptimizer.step() with a built-in per-parameter optimizer (SGD, Adam, AdamW, ...): update "
+         "each bucket's parameters as soon as its gradients are reduced, while later buckets are still on the "
+         "wire (the same result bit for bit); 0 waits for every bucket, then steps once."),
+    Knob("HORA_REQUIRE_SECRET", None, bool, False,
+         "Refuse to start a job of several processes that has no job secret (HORA_SECRET_FILE under torchrun, "
+         "srun, mpirun or Kubernetes; hora run and hora.run always make one) instead of warning once that its "
+         "store and control plane are unauthenticated (docs/security.md)."),
+    Knob("HORA_FULL_TRACEBACKS", None, bool, False,
+         "Print hora's own frames in the traceback of an uncaught hora error (hora run --verbose sets it); "
+         "by default only your script's frames and the error in its terms are shown."),
+)
+
+
+_DEFAULTS: dict[str, Any] = {k.name[len("HORA_"):].lower(): k.default for k in KNOBS}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Knobs:
+    """Values of :data:`KNOBS` for this process (attribute = knob name without ``HORA_``, lower case).
+
+    The defaults are the table's (written once, there); the runtime reads the knobs once, at ``init()``,
+    and every part of hora takes them from it (``runtime.state().knobs``).
+    """
+
+    log_level: str = _DEFAULTS["log_level"]
+    start_timeout: float = _DEFAULTS["start_timeout"]
+    stall_check_disable: bool = _DEFAULTS["stall_check_disable"]
+    stall_check_time_seconds: float = _DEFAULTS["stall_check_time_seconds"]
+    stall_shutdown_time_seconds: float = _DEFAULTS["stall_shutdown_time_seconds"]
+    timeline: str = _DEFAULTS["timeline"]
+    timeline_mark_cycles: bool = _DEFAULTS["timeline_mark_cycles"]
+    fusion_threshold: int = _DEFAULTS["fusion_threshold"]
+    cycle_time: float = _DEFAULTS["cycle_time"]
+    disable_cache: bool = _DEFAULTS["disable_cache"]
+    control_plane: str = _DEFAULTS["control_plane"]
+    call_site_check: bool = _DEFAULTS["call_site_check"]
+    elastic_timeout: float = _DEFAULTS["elastic_timeout"]
+    bucket_cap_mb: float = _DEFAULTS["bucket_cap_mb"]
+    first_bucket_mb: float = _DEFAULTS["first_bucket_mb"]
+    step_overlap: bool = _DEFAULTS["step_overlap"]
+    hierarchical_allreduce: bool = _DEFAULTS["hierarchical_allreduce"]
+    full_tracebacks: bool = _DEFAULTS["full_tracebacks"]
+    require_secret: bool = _DEFAULTS["require_secret"]
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Knobs:
+        env = hora_env.environ() if environ is None else environ
+        values: dict[str, Any] = {}
+        for knob in KNOBS:
+            raw = env.get(knob.name)
+            if raw is None and knob.horovod is not None:
+                raw = env.get(knob.horovod)
+                if knob.horovod == "HOROVOD_CACHE_CAPACITY" and raw is not None:
+                    raw = "1" if raw.strip() == "0" else "0"
+            if raw is None or raw == "":
+                continue
+            values[knob.name[len("HORA_"):].lower()] = _convert(knob, raw)
+        return cls(**values)
+
+
+def _convert(knob: Knob, raw: str) -> Any:
+    try:
+        if knob.type is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        return knob.type(raw)
+    except ValueError:
+        raise ConfigError(f"{knob.name}={raw!r} is not a valid {knob.type.__name__}: {knob.help}") from None
+
+
+def knobs_markdown() -> str:
+    """The knob table as Markdown (docs/knobs.md is generated from this)."""
+    rows = ["| variable | Horovod alias | type | default | meaning |", "|---|---|---|---|---|"]
+    for k in KNOBS:
+        rows.append(f"| `{k.name}` | {f'`{k.horovod}`' if k.horovod else ''} | {k.type.__name__} | "
+                    f"`{k.default!r}` | {k.help} |")
+    return "\n".join(rows) + "\n"
+
+
+assert {f.name for f in dataclasses.fields(Knobs)} == {k.name[5:].lower() for k in KNOBS}
