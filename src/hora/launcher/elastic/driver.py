@@ -212,7 +212,7 @@ class ElasticDriver(JobLoop):
             how = worker.state.how or procs.describe_exit(worker.state.code, worker.state.sig)
             self.console.flush()
             lines = output.failure_report(worker.number, worker.host, how, list(self.console.tails[worker.number]),
-                                          sum(1 for w in self.workers.values() if w.alive))
+                                          sum(1 for w in self.workers.values() if w.alive and w is not worker))
             lines[0] = (f"hora run: the last failure: worker {worker.wid} (process [{worker.number}]) on host "
                         f"{worker.host}: {how}")
             output.print_lines(lines)

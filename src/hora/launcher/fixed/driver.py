@@ -209,7 +209,7 @@ class Driver(JobLoop):
             how = f"raised an exception (traceback below); then rank {rank} on host {host} ended with {how}"
             rank, host = culprit, self.ranks[culprit].slot.hostname
             self.summary = f"rank {rank} on host {host} {how}"
-        others = sum(1 for r in self.ranks.values() if not r.done)
+        others = sum(1 for r in self.ranks.values() if not r.done and r.slot.rank != rank)  # not the culprit
         self.console.flush()
         finished = [r.slot.rank for r in self.ranks.values() if r.done and r.code == 0 and not r.sig]
         # the report shows the root cause's traceback once: ranks that raised the same error get one line in it,
