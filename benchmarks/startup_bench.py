@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(Path(__file__).resolve().parent / "startup_worker.py")
 PY = sys.executable
 HORA = str(Path(sys.executable).parent / "hora")
-sys.path.insert(0, str(ROOT / "tests" / "cluster"))
+sys.path.insert(0, str(ROOT))  # the cluster helpers are the package tests.cluster
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"startup benchmark: {args.reps} reps, torch {info['torch']}, {info['cpus']} cpus", flush=True)
     results = run_all(local_cases(args.np), args.reps)
     if not args.no_cluster:
-        import netns
+        from tests.cluster import netns
 
         reason = netns.missing_requirements()
         if reason:
