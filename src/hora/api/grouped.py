@@ -110,9 +110,10 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 class _GroupedAllgatherFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, calls: list[Call], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        outs = _grouped(calls, waiting=True).wait()
+        group = _grouped(calls, waiting=True)
+        outs = group.wait()
         ps = calls[0].ps
-        ctx.rows, ctx.index, ctx.ps = [c.rows for c in calls], ps.rank(), ps
+        ctx.rows, ctx.index, ctx.ps = [h.op.rows for h in group.handles], ps.rank(), ps
         return tuple(outs)
 
     @staticmethod

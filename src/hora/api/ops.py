@@ -100,9 +100,9 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 class _AllgatherFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, ps: ProcessSet) -> torch.Tensor:  # type: ignore[override]
-        call = allgather_call(tensor, name, ps)
-        out = submit(call, waiting=True).wait()
-        ctx.rows, ctx.index, ctx.ps = call.rows, ps.rank(), ps
+        handle = submit(allgather_call(tensor, name, ps), waiting=True)
+        out = handle.wait()
+        ctx.rows, ctx.index, ctx.ps = handle.op.rows, ps.rank(), ps
         return out
 
     @staticmethod

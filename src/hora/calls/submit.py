@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -92,8 +93,8 @@ def _validate_adasum(call: Call, where: str) -> None:
                                    "with 2, 4, 8... ranks or use op=hvd.Average")
 
 
-def _request(call: Call) -> Request:
-    t = call.wire
+def _request(op: Op) -> Request:
+    call, t = op.call, op.wire
     return Request(call.name, call.kind.tag, dtype_name(t.dtype), tuple(call.tensor.shape), int(call.op), call.root,
                    float(call.prescale), float(call.postscale), tuple(call.ps.ranks), t.device.type, call.splits,
                    call.site.fingerprint, call.site.where)
@@ -117,8 +118,7 @@ def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
     neg = rt.negotiator
     if neg.site_check and not calls[0].name and calls[0].site is callsite.UNKNOWN and calls[0].kind is not Kind.BARRIER:
         site = callsite.current()  # a barrier carries no data to mix up, and has no name= to opt out with
-        for call in calls:
-            call.site = site
+        calls = [dataclasses.replace(call, site=site) for call in calls]
     try:
         for call in calls:
             if call.rejected is not None:
@@ -126,9 +126,8 @@ def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
             if call.name and not isinstance(call.name, str):
                 raise TypeError(f"collective names are strings, got {call.name!r}")
             _validate(call, rt.topo.rank)
-        for call in calls:
-            if not call.name:
-                call.name = neg.unnamed(call.ps.process_set_id)
+        calls = [call if call.name else dataclasses.replace(call, name=neg.unnamed(call.ps.process_set_id))
+                 for call in calls]
         ops = [_local_op(call, neg) for call in calls]
     except Exception as e:
         _announce(calls, rt, e)
@@ -148,9 +147,8 @@ def _announce(calls: list[Call], rt: Any, error: Exception) -> None:
     site = calls[0].site if calls[0].site is not callsite.UNKNOWN else callsite.current()  # for the message
     reqs = []
     for call in calls:
-        if not call.name:
-            call.name = neg.unnamed(rt.process_sets.sequence_id(call.ps))
-        reqs.append(Request(call.name, call.kind.tag, "", (), ps=ranks, site=site.fingerprint, where=site.where,
+        name = call.name or neg.unnamed(rt.process_sets.sequence_id(call.ps))
+        reqs.append(Request(name, call.kind.tag, "", (), ps=ranks, site=site.fingerprint, where=site.where,
                             error=reason))
     neg.reject(reqs)
 
@@ -166,15 +164,14 @@ def _member_ranks(ps: Any, rt: Any) -> tuple[int, ...] | None:
 
 
 def _local_op(call: Call, neg: Any) -> LocalOp:
-    op = Op(call, KINDS[call.kind])
-    call.members = len(call.ps.ranks)
+    op = Op(call, KINDS[call.kind], members=len(call.ps.ranks))
     tl = timeline.active()
     t0 = time.perf_counter() if tl is not None else 0.0
-    op.steps.prepare(call)
-    if tl is not None and call.wire is not call.tensor:  # a copy or compression happened (diagnostics)
+    op.prepare()
+    if tl is not None and op.wire is not call.tensor:  # a copy or compression happened (diagnostics)
         phase = "copy_in" if call.compression is Compression.none else "compress"
-        tl.span(call.name, phase, t0, time.perf_counter(), kind=call.kind.tag, bytes=call.wire.nbytes)
-    handle = Handle(call.name, call.kind.tag, op.finish, neg.done, neg.drive)
-    event = streams.producer_event(call.wire) if call.wire.is_cuda else None
-    fusable = call.wire if call.kind is Kind.ALLREDUCE else None
-    return LocalOp(_request(call), handle, op, wire=fusable, event=event)
+        tl.span(call.name, phase, t0, time.perf_counter(), kind=call.kind.tag, bytes=op.wire.nbytes)
+    handle = Handle(call.name, call.kind.tag, op.finish, neg.done, neg.drive, op=op)
+    event = streams.producer_event(op.wire) if op.wire.is_cuda else None
+    fusable = op.wire if call.kind is Kind.ALLREDUCE else None
+    return LocalOp(_request(op), handle, op, wire=fusable, event=event)

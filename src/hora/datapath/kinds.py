@@ -67,12 +67,13 @@ for _kind in Kind:
 
 
 REDUCTIONS = frozenset({Kind.ALLREDUCE, Kind.REDUCESCATTER})  # the kinds that take op= and scale factors
-_NO_WIRE = torch.empty(0)  # a Call's wire until its kind's prepare sets it (never written to)
+_NO_WIRE = torch.empty(0)  # an Op's wire until its kind's prepare sets it (never written to)
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Call:
-    """One validated call: everything its kind's steps need."""
+    """One call as the user made it, validated: its inputs, never changed once submitted (what the steps compute
+    goes into its :class:`Op`)."""
 
     kind: Kind
     tensor: torch.Tensor
@@ -85,14 +86,7 @@ class Call:
     splits: tuple[int, ...] | None = None
     compression: Compressor = Compression.none
     inplace: bool = False
-    wire: torch.Tensor = _NO_WIRE  # set by prepare
-    ctx: Any = None  # compression context
-    out: torch.Tensor = _NO_WIRE  # set by launch when the output is not the wire: the c10d output buffer
-    rows: list[int] | None = None  # set by launch: rows from each member (allgather's sent, alltoall's received)
-    last_joined: int = -1  # set by Join's launch: the rank whose join arrived last
-    members: int = 0  # the process set's size when the call was submitted (Average divides by it)
     site: Site = callsite.UNKNOWN  # where the user called it (unnamed ops, when the check is on)
-    lease: torch.Tensor | None = None  # a reused 16-bit wire buffer (compression.WIRE_BUFFERS), given back at finish
     rejected: Exception | None = None  # found invalid while the call was built (raised at submit)
 
     @property
@@ -153,28 +147,44 @@ class Peers:
 class Steps(Protocol):
     """A kind's four steps (see :mod:`hora.datapath.kinds`)."""
 
-    def prepare(self, call: Call) -> None: ...
+    def prepare(self, op: Op) -> None: ...
 
-    def launch(self, call: Call, peers: Peers) -> Work | None: ...
+    def launch(self, op: Op, peers: Peers) -> Work | None: ...
 
     def launch_joined(self, peers: Peers) -> Work | None: ...
 
-    def finish(self, call: Call) -> Any: ...
+    def finish(self, op: Op) -> Any: ...
 
 
 @dataclass(eq=False)
 class Op:
-    """A submitted call with its kind's steps: what the engine launches and the handle finishes (a stack trace
-    names ``Op.launch`` and the kind's own ``launch``, never a lambda)."""
+    """A submitted call, its kind's steps, and what the steps compute. Owned by one thread at a time: the
+    caller's at submit (prepare), the thread that runs the round at launch, the caller's again in
+    ``synchronize()`` (finish), each hand-over ordered by the handle's latch. The engine launches
+    ``Op.launch`` and the handle finishes with ``Op.finish``: a stack trace names the kind, never a lambda."""
 
     call: Call
     steps: Steps
+    members: int = 0  # the process set's size when the call was submitted (Average divides by it)
+    wire: torch.Tensor = _NO_WIRE  # set by prepare: the buffer the collective sends (and receives in place)
+    ctx: Any = None  # compression context
+    lease: torch.Tensor | None = None  # a reused 16-bit wire buffer (compression.WIRE_BUFFERS), given back at finish
+    out: torch.Tensor = _NO_WIRE  # set by launch when the output is not the wire: the c10d output buffer
+    rows: list[int] | None = None  # set by launch: rows from each member (allgather's sent, alltoall's received)
+    last_joined: int = -1  # set by Join's launch: the rank whose join arrived last
+
+    @property
+    def index(self) -> int:
+        return self.call.ps.rank()
+
+    def prepare(self) -> None:
+        self.steps.prepare(self)
 
     def launch(self, peers: Peers) -> Work | None:
-        return self.steps.launch(self.call, peers)
+        return self.steps.launch(self, peers)
 
     def finish(self) -> Any:
-        return self.steps.finish(self.call)
+        return self.steps.finish(self)
 
 
 # dtypes the backends lack travel as a wider type and are cast back when the op finishes
@@ -221,76 +231,81 @@ def _zeros_like_request(peers: Peers, rows: int | None = None) -> torch.Tensor:
 
 
 # --- reductions: allreduce, reducescatter -------------------------------------------------------------------
-def _prepare_reduction(call: Call) -> None:
+def _prepare_reduction(op: Op) -> None:
+    call = op.call
     tensor = call.tensor.detach()
-    call.lease = lease_wire(call.compression, tensor)
-    if call.lease is not None:  # a built-in cast into a reused buffer: the same as compress(), no allocation
-        call.wire, call.ctx = call.lease.view(tensor.shape), tensor.dtype
+    op.lease = lease_wire(call.compression, tensor)
+    if op.lease is not None:  # a built-in cast into a reused buffer: the same as compress(), no allocation
+        op.wire, op.ctx = op.lease.view(tensor.shape), tensor.dtype
         if call.kind is Kind.ALLREDUCE:
             return  # cast piece by piece when it starts, each piece's cast overlapping another's wire
-        call.wire.copy_(tensor)
+        op.wire.copy_(tensor)
         if call.prescale != 1.0:
-            call.wire.mul_(call.prescale)
+            op.wire.mul_(call.prescale)
         return
-    compressed, call.ctx = call.compression.compress(tensor)
+    compressed, op.ctx = call.compression.compress(tensor)
     # never write into the caller's tensor unless asked to (in-place)
     wide = AVERAGE_WIRE.get(compressed.dtype) if call.op == ReduceOp.AVERAGE else None
     if wide is not None:
-        call.wire = compressed.detach().to(wide)
+        op.wire = compressed.detach().to(wide)
     else:
         shared = compressed.data_ptr() == call.tensor.data_ptr()
         copy = shared and not call.inplace and (call.kind is Kind.ALLREDUCE or call.prescale != 1.0)
-        call.wire = _to_wire(compressed, copy=copy)
+        op.wire = _to_wire(compressed, copy=copy)
     if call.prescale != 1.0:
-        if call.wire.is_floating_point():
-            call.wire.mul_(call.prescale)
+        if op.wire.is_floating_point():
+            op.wire.mul_(call.prescale)
         else:
-            scale_integers(call.wire, call.prescale)
+            scale_integers(op.wire, call.prescale)
 
 
-def _finish_reduction(call: Call, result: torch.Tensor) -> torch.Tensor:
-    if call.lease is None:
-        return _finish_wire(call, result)
+def _finish_reduction(op: Op, result: torch.Tensor) -> torch.Tensor:
+    call = op.call
+    if op.lease is None:
+        return _finish_wire(op, result)
     try:  # an allreduce's pieces were cast back as they arrived (_launch_pieces): its result is ready
-        return call.out if call.kind is Kind.ALLREDUCE else _finish_wire(call, result)
+        return op.out if call.kind is Kind.ALLREDUCE else _finish_wire(op, result)
     finally:
-        WIRE_BUFFERS.give(call.lease)
-        call.lease = None
+        WIRE_BUFFERS.give(op.lease)
+        op.lease = None
 
 
-def _finish_wire(call: Call, result: torch.Tensor) -> torch.Tensor:
+def _finish_wire(op: Op, result: torch.Tensor) -> torch.Tensor:
+    call = op.call
     # in the wire's type: an integer Average divides its wide sum; not call.ps.size(): a handle may be
     # finished after shutdown() unbound the set
-    finish_sum(result, call.op, call.postscale, call.members)
-    if result.dtype != call.tensor.dtype and call.ctx is None:
+    finish_sum(result, call.op, call.postscale, op.members)
+    if result.dtype != call.tensor.dtype and op.ctx is None:
         result = _from_wire(call, result)
-    return _copy_out(call, call.compression.decompress(result, call.ctx))
+    return _copy_out(call, call.compression.decompress(result, op.ctx))
 
 
-def _launch_pieces(wire: torch.Tensor, op: int, group: Any, call: Call | None = None) -> Work:
+def _launch_pieces(wire: torch.Tensor, reduce_op: int, group: Any, state: Op | None = None) -> Work:
     """Allreduce ``wire`` in the pieces :func:`~hora.datapath.compression.pipeline_ranges` gives, one c10d call each.
 
-    With ``call`` (a compressed call whose wire is a reused buffer, :func:`_prepare_reduction`): each piece
+    With ``state`` (a compressed call's op whose wire is a reused buffer, :func:`_prepare_reduction`): each piece
     of the caller's tensor is cast down just before its piece is sent, while the previous piece is on the
     wire, and cast back (with Average's division and postscale) into the result as soon as it arrives, on
     the backend's thread, while the next piece is on the wire."""
     ranges = pipeline_ranges(wire.numel(), wire.dtype, wire.device.type)
-    if call is None and len(ranges) == 1:
-        return hierarchical.allreduce(wire, op, group)
+    if state is None and len(ranges) == 1:
+        return hierarchical.allreduce(wire, reduce_op, group)
     flat = wire.view(-1)
-    if call is None:
-        return dataplane.FuturesWork([hierarchical.allreduce(flat[a:b], op, group).get_future() for a, b in ranges])
+    if state is None:
+        return dataplane.FuturesWork([hierarchical.allreduce(flat[a:b], reduce_op, group).get_future()
+                                      for a, b in ranges])
+    call = state.call
     src = call.tensor.detach().view(-1)  # contiguous: lease_wire's condition
-    call.out = call.tensor if call.inplace else torch.empty(call.tensor.shape, dtype=call.tensor.dtype)
-    dst = call.out.detach().view(-1)
-    factor = float_factor(call.op, call.postscale, call.members)
+    state.out = call.tensor if call.inplace else torch.empty(call.tensor.shape, dtype=call.tensor.dtype)
+    dst = state.out.detach().view(-1)
+    factor = float_factor(call.op, call.postscale, state.members)
     futures = []
     for a, b in ranges:
         piece = flat[a:b]
         piece.copy_(src[a:b])
         if call.prescale != 1.0:
             piece.mul_(call.prescale)
-        work = hierarchical.allreduce(piece, op, group)
+        work = hierarchical.allreduce(piece, reduce_op, group)
         futures.append(work.get_future().then(
             lambda _done, a=a, b=b: cast_scaled(flat[a:b], dst[a:b], factor)))  # type: ignore[misc]
     return dataplane.FuturesWork(futures)
@@ -300,10 +315,11 @@ class Allreduce:
     prepare = staticmethod(_prepare_reduction)
 
     @staticmethod
-    def launch(call: Call, peers: Peers) -> Work | None:
-        if call.wire.numel() == 0:  # the same shape everywhere: every rank skips it
+    def launch(op: Op, peers: Peers) -> Work | None:
+        call = op.call
+        if op.wire.numel() == 0:  # the same shape everywhere: every rank skips it
             return None
-        return _launch_pieces(call.wire, call.op, peers.group, call if call.lease is not None else None)
+        return _launch_pieces(op.wire, call.op, peers.group, op if op.lease is not None else None)
 
     @staticmethod
     def launch_joined(peers: Peers) -> Work | None:
@@ -313,16 +329,17 @@ class Allreduce:
         return _launch_pieces(_zeros_like_request(peers), req.op, peers.group)
 
     @staticmethod
-    def finish(call: Call) -> torch.Tensor:
-        return _finish_reduction(call, call.wire)
+    def finish(op: Op) -> torch.Tensor:
+        return _finish_reduction(op, op.wire)
 
 
 class Reducescatter:
     prepare = staticmethod(_prepare_reduction)
 
     @staticmethod
-    def launch(call: Call, peers: Peers) -> Work:
-        call.out, work = dataplane.scatter_rows(call.wire, call.members, call.index, call.op, peers.group)
+    def launch(op: Op, peers: Peers) -> Work:
+        call = op.call
+        op.out, work = dataplane.scatter_rows(op.wire, op.members, op.index, call.op, peers.group)
         return work
 
     @staticmethod
@@ -332,9 +349,9 @@ class Reducescatter:
         return dataplane.scatter_rows(_zeros_like_request(peers), len(req.ps), index, req.op, peers.group)[1]
 
     @staticmethod
-    def finish(call: Call) -> torch.Tensor:
-        streams.consumed_here(call.out)
-        return _finish_reduction(call, call.out)
+    def finish(op: Op) -> torch.Tensor:
+        streams.consumed_here(op.out)
+        return _finish_reduction(op, op.out)
 
 
 class Adasum:
@@ -342,15 +359,16 @@ class Adasum:
     them with the same tree (:func:`hora.datapath.adasum.adasum_tree`), so every rank ends with the same result."""
 
     @staticmethod
-    def prepare(call: Call) -> None:
+    def prepare(op: Op) -> None:
+        call = op.call
         flat = call.tensor.detach().reshape(-1)  # the allgather only reads it: no copy of the caller's tensor
         if call.prescale != 1.0:
             flat = flat * call.prescale
-        call.wire = _to_wire(flat, copy=False)
+        op.wire = _to_wire(flat, copy=False)
 
     @staticmethod
-    def launch(call: Call, peers: Peers) -> Work:
-        call.out, work = dataplane.gather_rows(call.wire, [call.wire.shape[0]] * call.members, peers.group)
+    def launch(op: Op, peers: Peers) -> Work:
+        op.out, work = dataplane.gather_rows(op.wire, [op.wire.shape[0]] * op.members, peers.group)
         return work
 
     @staticmethod
@@ -358,9 +376,10 @@ class Adasum:
         return None  # never runs: the negotiation table fails Adasum while a rank has joined (plan.JOIN_OK)
 
     @staticmethod
-    def finish(call: Call) -> torch.Tensor:
-        streams.consumed_here(call.out)
-        result = adasum_tree(call.out.view(call.members, -1)).view(call.tensor.shape)  # (W, n) -> the tensor's shape
+    def finish(op: Op) -> torch.Tensor:
+        call = op.call
+        streams.consumed_here(op.out)
+        result = adasum_tree(op.out.view(op.members, -1)).view(call.tensor.shape)  # (W, n) -> the tensor's shape
         if result.dtype != call.tensor.dtype:
             result = result.to(call.tensor.dtype)
         if call.postscale != 1.0:
@@ -371,13 +390,14 @@ class Adasum:
 # --- data movement: allgather, broadcast, alltoall ----------------------------------------------------------
 class Allgather:
     @staticmethod
-    def prepare(call: Call) -> None:
-        call.wire = _to_wire(call.tensor, copy=False)
+    def prepare(op: Op) -> None:
+        call = op.call
+        op.wire = _to_wire(call.tensor, copy=False)
 
     @staticmethod
-    def launch(call: Call, peers: Peers) -> Work:
-        call.rows = rows = peers.rows()
-        call.out, work = dataplane.gather_rows(call.wire, rows, peers.group)
+    def launch(op: Op, peers: Peers) -> Work:
+        op.rows = rows = peers.rows()
+        op.out, work = dataplane.gather_rows(op.wire, rows, peers.group)
         return work
 
     @staticmethod
@@ -385,21 +405,24 @@ class Allgather:
         return dataplane.gather_rows(_zeros_like_request(peers, rows=0), peers.rows(), peers.group)[1]
 
     @staticmethod
-    def finish(call: Call) -> torch.Tensor:
-        streams.consumed_here(call.out)
-        return _from_wire(call, dataplane.unpad_rows(call.out, call.rows))  # type: ignore[arg-type]
+    def finish(op: Op) -> torch.Tensor:
+        call = op.call
+        streams.consumed_here(op.out)
+        return _from_wire(call, dataplane.unpad_rows(op.out, op.rows))  # type: ignore[arg-type]
 
 
 class Broadcast:
     @staticmethod
-    def prepare(call: Call) -> None:
-        call.wire = _to_wire(call.tensor, copy=not call.inplace)
+    def prepare(op: Op) -> None:
+        call = op.call
+        op.wire = _to_wire(call.tensor, copy=not call.inplace)
 
     @staticmethod
-    def launch(call: Call, peers: Peers) -> Work | None:
-        if call.wire.numel() == 0:
+    def launch(op: Op, peers: Peers) -> Work | None:
+        call = op.call
+        if op.wire.numel() == 0:
             return None
-        return dataplane.broadcast(call.wire, call.root, peers.group)
+        return dataplane.broadcast(op.wire, call.root, peers.group)
 
     @staticmethod
     def launch_joined(peers: Peers) -> Work | None:
@@ -409,21 +432,24 @@ class Broadcast:
         return dataplane.broadcast(_zeros_like_request(peers), req.root, peers.group)
 
     @staticmethod
-    def finish(call: Call) -> torch.Tensor:
-        return _copy_out(call, _from_wire(call, call.wire))
+    def finish(op: Op) -> torch.Tensor:
+        call = op.call
+        return _copy_out(call, _from_wire(call, op.wire))
 
 
 class Alltoall:
     @staticmethod
-    def prepare(call: Call) -> None:
-        call.wire = _to_wire(call.tensor, copy=False)
+    def prepare(op: Op) -> None:
+        call = op.call
+        op.wire = _to_wire(call.tensor, copy=False)
 
     @staticmethod
-    def launch(call: Call, peers: Peers) -> Work:
-        call.rows = recv = peers.received_rows(call.index)
-        rest = tuple(call.wire.shape[1:])
-        call.out = torch.empty((sum(recv), *rest), dtype=call.wire.dtype, device=call.wire.device)
-        return dataplane.alltoall(call.out, call.wire, recv, list(call.splits or ()), peers.group)
+    def launch(op: Op, peers: Peers) -> Work:
+        call = op.call
+        op.rows = recv = peers.received_rows(op.index)
+        rest = tuple(op.wire.shape[1:])
+        op.out = torch.empty((sum(recv), *rest), dtype=op.wire.dtype, device=op.wire.device)
+        return dataplane.alltoall(op.out, op.wire, recv, list(call.splits or ()), peers.group)
 
     @staticmethod
     def launch_joined(peers: Peers) -> Work:
@@ -434,19 +460,21 @@ class Alltoall:
         return dataplane.alltoall(out, _zeros_like_request(peers, rows=0), recv, [0] * len(req.ps), peers.group)
 
     @staticmethod
-    def finish(call: Call) -> tuple[torch.Tensor, torch.Tensor]:
-        streams.consumed_here(call.out)
-        return _from_wire(call, call.out), torch.tensor(call.rows, dtype=torch.int32)
+    def finish(op: Op) -> tuple[torch.Tensor, torch.Tensor]:
+        call = op.call
+        streams.consumed_here(op.out)
+        return _from_wire(call, op.out), torch.tensor(op.rows, dtype=torch.int32)
 
 
 # --- synchronisation: barrier, join ----------------------------------------------------------------------------
 class Barrier:
     @staticmethod
-    def prepare(call: Call) -> None:
-        call.wire = call.tensor
+    def prepare(op: Op) -> None:
+        call = op.call
+        op.wire = call.tensor
 
     @staticmethod
-    def launch(call: Call, peers: Peers) -> Work:
+    def launch(op: Op, peers: Peers) -> Work:
         return dataplane.barrier(peers.group)
 
     @staticmethod
@@ -454,7 +482,7 @@ class Barrier:
         return dataplane.barrier(peers.group)
 
     @staticmethod
-    def finish(call: Call) -> None:
+    def finish(op: Op) -> None:
         return None
 
 
@@ -462,20 +490,21 @@ class Join:
     """No data: ready once every rank has joined; the result is the rank whose join arrived last."""
 
     @staticmethod
-    def prepare(call: Call) -> None:
-        call.wire = call.tensor
+    def prepare(op: Op) -> None:
+        call = op.call
+        op.wire = call.tensor
 
     @staticmethod
-    def launch(call: Call, peers: Peers) -> None:
-        call.last_joined = peers.last_joined()
+    def launch(op: Op, peers: Peers) -> None:
+        op.last_joined = peers.last_joined()
 
     @staticmethod
     def launch_joined(peers: Peers) -> None:
         return None
 
     @staticmethod
-    def finish(call: Call) -> int:
-        return call.last_joined
+    def finish(op: Op) -> int:
+        return op.last_joined
 
 
 KINDS: dict[str, Steps] = {Kind.ALLREDUCE: Allreduce, Kind.ADASUM: Adasum, Kind.ALLGATHER: Allgather,  # type: ignore[dict-item]

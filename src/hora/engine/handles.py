@@ -65,12 +65,13 @@ class Latch:
 class Handle:
     """One submitted collective. Thread-safe: launched by the negotiator, finished by the user's thread."""
 
-    __slots__ = ("_drive", "_error", "_finish", "_gate", "_lock", "_on_done", "_result", "_work", "kind", "name")
+    __slots__ = ("_drive", "_error", "_finish", "_gate", "_lock", "_on_done", "_result", "_work", "kind", "name", "op")
 
     def __init__(self, name: str, kind: str, finish: Callable[[], Any], on_done: Callable[[Handle], None],
-                 drive: Callable[[Handle], None] | None = None) -> None:
+                 drive: Callable[[Handle], None] | None = None, op: Any = None) -> None:
         self.name = name
         self.kind = kind
+        self.op = op  # the op it finishes: what its kind computed (an allgather's rows) is there after wait()
         self._gate = Latch()  # opens once the op is launched or failed
         self._work: Any = None
         self._error: BaseException | None = None
