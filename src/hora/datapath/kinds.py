@@ -388,11 +388,13 @@ class Adasum:
 
 
 # --- data movement: allgather, broadcast, alltoall ----------------------------------------------------------
+def _prepare_rows(op: Op) -> None:
+    """The caller's rows as they are (an int16 is widened): a gather or an exchange only reads them."""
+    op.wire = _to_wire(op.call.tensor, copy=False)
+
+
 class Allgather:
-    @staticmethod
-    def prepare(op: Op) -> None:
-        call = op.call
-        op.wire = _to_wire(call.tensor, copy=False)
+    prepare = staticmethod(_prepare_rows)
 
     @staticmethod
     def launch(op: Op, peers: Peers) -> Work:
@@ -438,10 +440,7 @@ class Broadcast:
 
 
 class Alltoall:
-    @staticmethod
-    def prepare(op: Op) -> None:
-        call = op.call
-        op.wire = _to_wire(call.tensor, copy=False)
+    prepare = staticmethod(_prepare_rows)
 
     @staticmethod
     def launch(op: Op, peers: Peers) -> Work:
