@@ -76,7 +76,21 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, how: str) ->
                 opt.step()
         else:
             for p in reversed(list(model.parameters())):
-                hopt._step_on(opt, [p])
+                _step_on(opt, p)
+
+
+def _step_on(opt: torch.optim.Optimizer, p: torch.Tensor) -> None:
+    """The wrapped torch optimizer's own step on parameter ``p`` alone: every group keeps only ``p`` (if it
+    holds it) for the call, then gets its list back."""
+    base = next(cls for cls in type(opt).__mro__ if cls in hopt.PER_PARAMETER)
+    stashed = [group["params"] for group in opt.param_groups]
+    try:
+        for group in opt.param_groups:
+            group["params"] = [q for q in group["params"] if q is p]
+        base.step(opt)
+    finally:
+        for group, kept in zip(opt.param_groups, stashed):
+            group["params"] = kept
 
 
 def _state_tensors(opt: torch.optim.Optimizer, model: nn.Module) -> list[torch.Tensor]:
@@ -84,28 +98,18 @@ def _state_tensors(opt: torch.optim.Optimizer, model: nn.Module) -> list[torch.T
     return [v for p in model.parameters() for _, v in sorted(opt.state[p].items()) if torch.is_tensor(v)]
 
 
-def _counting_steps() -> list[int]:
-    """Count the optimizer's steps on a subset of its parameters (the bucket-by-bucket path)."""
-    calls = [0]
-    inner = hopt._step_on
-
-    def counted(optimizer: Any, params: list[torch.Tensor]) -> None:
-        calls[0] += 1
-        inner(optimizer, params)
-
-    hopt._step_on = counted  # this rank's process only (forked)
-    return calls
+def _by_bucket(opt: torch.optim.Optimizer) -> int:
+    """The updates ``step()`` applied to part of the parameters (the bucket-by-bucket path)."""
+    return hopt.snapshot(opt).updates_by_bucket
 
 
 def _compare_all(rank: int, size: int) -> dict[str, Any]:
-    calls = _counting_steps()
     out: dict[str, Any] = {}
     for name in OPTIMIZERS:
         nets = {k: _net() for k in ("overlap", "once", "subsets")}
         opts = {k: _make(name, net) for k, net in nets.items()}
-        before = calls[0]
         _train(nets["overlap"], opts["overlap"], rank, "overlap")
-        partial = calls[0] - before
+        partial = _by_bucket(opts["overlap"])
         for how in ("once", "subsets"):
             _train(nets[how], opts[how], rank, how)
         params = {k: list(net.parameters()) for k, net in nets.items()}
@@ -135,7 +139,6 @@ class _OwnSGD(torch.optim.SGD):
 
 
 def _not_overlapped(rank: int, size: int) -> dict[str, int]:
-    calls = _counting_steps()
     hooked_net, own_net = _net(), _net()
     hooked = _make("sgd", hooked_net)
     ran = [0]
@@ -143,9 +146,8 @@ def _not_overlapped(rank: int, size: int) -> dict[str, int]:
     own = hvd.DistributedOptimizer(_OwnSGD(own_net.parameters(), lr=0.1), named_parameters=own_net.named_parameters())
     seen: dict[str, int] = {}
     for key, opt, model in (("hook", hooked, hooked_net), ("subclass", own, own_net)):
-        before = calls[0]
         _train(model, opt, rank, "overlap")
-        seen[key] = calls[0] - before
+        seen[key] = _by_bucket(opt)
     seen["hook_runs"] = ran[0]
     return seen
 
@@ -156,31 +158,30 @@ def test_step_hooks_and_unknown_optimizer_classes_step_once() -> None:
 
 
 def _knob_off(rank: int, size: int) -> int:
-    calls = _counting_steps()
     model = _net()
-    _train(model, _make("adam_amsgrad", model), rank, "overlap")
-    return calls[0]
+    opt = _make("adam_amsgrad", model)
+    _train(model, opt, rank, "overlap")
+    return _by_bucket(opt)
 
 
 def test_knob_off_steps_once() -> None:
     assert run_ranks(_knob_off, 2, env={**ONE_BUCKET_PER_PARAM, "HORA_STEP_OVERLAP": "0"}) == [0, 0]
 
 
+class _RefusedRate(float):
+    """A learning rate SGD cannot apply: its update of a parameter raises (SGD steps by ``-lr``)."""
+
+    def __neg__(self) -> float:
+        raise RuntimeError("update failed")
+
+
 def _failing_step(rank: int, size: int) -> tuple[str, bool, bool]:
-    """An update that raises on the first bucket(s): the error reaches the caller after every bucket is back
-    (nothing left in flight: zero_grad() and the next step work)."""
+    """An update that raises on the first group's bucket(s): the error reaches the caller after every bucket is
+    back (nothing left in flight: zero_grad() and the next step work)."""
     model = _net()
     opt = _make("sgd", model)
-    inner = hopt._step_on
-    count = [0]
-
-    def fail_first(optimizer: Any, params: list[torch.Tensor]) -> None:
-        count[0] += 1
-        if count[0] == 1:
-            raise RuntimeError("update failed")
-        inner(optimizer, params)
-
-    hopt._step_on = fail_first
+    good = opt.param_groups[0]["lr"]
+    opt.param_groups[0]["lr"] = _RefusedRate(good)
     x, y = torch.randn(5, 6), torch.randn(5, 3)
     nn.functional.mse_loss(model(x), y).backward()
     try:
@@ -188,8 +189,8 @@ def _failing_step(rank: int, size: int) -> tuple[str, bool, bool]:
         message = ""
     except RuntimeError as exc:
         message = str(exc)
-    in_flight = opt._hora_reducer.in_flight()  # type: ignore[attr-defined]
-    hopt._step_on = inner
+    in_flight = hopt.snapshot(opt).in_flight
+    opt.param_groups[0]["lr"] = good
     opt.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()
     opt.step()

@@ -20,6 +20,7 @@ import functools
 import logging
 import warnings
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,12 +46,31 @@ STEP_AFTER_SYNCHRONIZE = (
 )
 
 
+@dataclass(frozen=True)
+class OptimizerSnapshot:
+    """See :func:`snapshot`."""
+
+    in_flight: bool  # some bucket was submitted and not yet synchronized
+    updates_by_bucket: int  # optimizer updates applied to part of the parameters as their buckets landed
+
+
+def snapshot(optimizer: torch.optim.Optimizer) -> OptimizerSnapshot:
+    """What a :func:`DistributedOptimizer` holds now, as plain values, for tests and debugging: whether
+    gradients are still being reduced, and how many updates ``step()`` has applied bucket by bucket since the
+    optimizer was wrapped (0 when every step was one update over all the parameters)."""
+    if not isinstance(optimizer, _DistributedOptimizer):
+        raise TypeError(f"snapshot() takes an optimizer made by hvd.DistributedOptimizer, got {type(optimizer)}")
+    return OptimizerSnapshot(in_flight=optimizer._hora_reducer.in_flight(),
+                             updates_by_bucket=optimizer._hora_updates_by_bucket)
+
+
 class _DistributedOptimizer:
     """Methods mixed into the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
 
     _hora_reducer: GradientReducer
     _hora_should_sync: bool
     _hora_base: type
+    _hora_updates_by_bucket: int
 
     def synchronize(self) -> None:
         """Finish reducing this step's gradients and write them into ``p.grad``.
@@ -100,6 +120,7 @@ class _DistributedOptimizer:
         done: set[int] = set()
 
         def apply(params: list[torch.Tensor]) -> None:
+            self._hora_updates_by_bucket += 1
             _step_on(self, params)
             done.update(id(p) for p in params)
 
@@ -109,6 +130,7 @@ class _DistributedOptimizer:
         groups = self.param_groups  # type: ignore[attr-defined]
         rest = [p for group in groups for p in group["params"] if id(p) not in done]
         if rest:
+            self._hora_updates_by_bucket += 1
             _step_on(self, rest)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -280,6 +302,7 @@ def DistributedOptimizer(
     # that our step() runs (a scheduler created after wrapping wraps ours).
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     wrapped._hora_should_sync = True
+    wrapped._hora_updates_by_bucket = 0
     wrapped._hora_base = base  # the wrapped class: decides whether step() may go bucket by bucket
     # Horovod's attribute: {parameter: name}; the names the reducer uses in errors and stall reports
     wrapped._parameter_names = parameter_names
