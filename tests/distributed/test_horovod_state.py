@@ -7,7 +7,6 @@ Each test states the Horovod behaviour it checks; all run real ranks (the fork h
 from __future__ import annotations
 
 import threading
-import time
 import warnings
 
 import pytest
@@ -15,12 +14,14 @@ import torch
 import torch._dynamo  # noqa: F401 - imported by an optimizer's first construction: once here, not per rank
 
 import hora as hvd
+from hora.common.names import SHUTDOWN_NAME
 from hora.datapath import hierarchical
 from hora.runtime import lifecycle as runtime
 from hora.training.optimizer import STEP_AFTER_SYNCHRONIZE
 from tests.distributed.expect import close, rank_input, reduce
 from tests.distributed.harness import rank_store, run_ranks
 from tests.distributed.test_optimizer import Net, shard
+from tests.polling import wait_until
 
 
 # --- 11.6: join with every collective kind ---------------------------------------------------------------
@@ -80,15 +81,14 @@ def _pending_at_shutdown(rank: int, size: int) -> list[str]:
     else:
         store.get("leaving")
         neg = runtime.state().negotiator
-        while "__shutdown__" not in neg.table.entries:  # rank 1's shutdown request reached this rank
-            time.sleep(0.01)
+        assert wait_until(lambda: SHUTDOWN_NAME in neg.snapshot().entries)  # rank 1's shutdown reached this rank
         # make this rank's op and its own shutdown travel in one round (a busy rank's usual case): hold the
         # round while both are queued
         with neg._round_lock:
             mine = hvd.allreduce_async(torch.ones(4), name="only-on-0")
             leaving = threading.Thread(target=hvd.shutdown)
             leaving.start()
-            time.sleep(0.5)
+            assert wait_until(lambda: neg.snapshot().outbox == ["only-on-0", SHUTDOWN_NAME])
         leaving.join()
     with pytest.raises(hvd.HorovodInternalError) as error:
         hvd.synchronize(mine)  # raises on both ranks, now and bounded, instead of waiting forever

@@ -95,6 +95,7 @@ def test_shutdown_init_20_times_with_ops_in_flight_and_ctrl_c(plane: str) -> Non
 
 def _peer_dies_each_time(rank: int, size: int) -> list[dict[str, object]]:
     seen = []
+    store = rank_store() if rank == 0 else None  # rank 1's are made in its forked children
     for cycle in range(CYCLES):
         if rank == 1:  # this cycle's rank 1 is a new process that dies (no shutdown) while rank 0 waits for it
             pid = os.fork()
@@ -103,7 +104,7 @@ def _peer_dies_each_time(rank: int, size: int) -> list[dict[str, object]]:
                     runtime._generation = cycle  # its init is the peer's (cycle+1)-th: the same store prefix
                     hvd.init()
                     hvd.allreduce(torch.ones(1), name=f"both.{cycle}")
-                    time.sleep(0.2)  # rank 0 submits the ops it will wait for in vain
+                    rank_store().get(f"submitted.{cycle}")  # rank 0 submitted the ops it will wait for in vain
                 finally:
                     os._exit(0)
             os.waitpid(pid, 0)
@@ -111,6 +112,8 @@ def _peer_dies_each_time(rank: int, size: int) -> list[dict[str, object]]:
         hvd.init()
         hvd.allreduce(torch.ones(1), name=f"both.{cycle}")
         waiting = [hvd.allreduce_async(torch.ones(2), name=f"never.{cycle}.{i}") for i in range(3)]
+        assert store is not None
+        store.set(f"submitted.{cycle}", "1")
         for h in waiting:
             with pytest.raises(hvd.HorovodInternalError, match="rank 1 on host .* is gone"):
                 hvd.synchronize(h)

@@ -137,7 +137,7 @@ def test_a_horovod_elastic_script_grows_and_shrinks_with_the_discovery_script(jo
     last = max(s["step"] for s in j.steps())
     j.hold()
     hosts.write_text("127.0.0.1:2\n")
-    time.sleep(3)  # the launcher reads the hosts about once a second and announces the removal
+    j.wait_log("hosts removed: 127.0.0.2")  # the launcher read the hosts and announces the removal
     j.release()
     assert j.wait_size(2, since=last) == {"127.0.0.1:0", "127.0.0.1:1"}
     code, log = j.finish()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 
 from tests.polling import wait_until
 
@@ -55,19 +54,22 @@ def test_says_which_collective_a_thread_waits_in():
     assert waiting_in(t.ident) is None  # cleared after the wait
 
 
-def sleeping_main_step() -> None:
-    time.sleep(0.5)
+def sleeping_main_step(entered: threading.Event, asked: threading.Event) -> None:
+    entered.set()
+    asked.wait(10)
 
 
 def test_default_describes_the_main_thread_from_another_thread():
     seen: list[str] = []
+    entered, asked = threading.Event(), threading.Event()
 
     def ask(done: threading.Event) -> None:
-        time.sleep(0.1)
+        entered.wait(10)  # the main thread is in its step
         seen.append(describe_location())
+        asked.set()
 
     t, _ = _in_thread(ask)
-    sleeping_main_step()
+    sleeping_main_step(entered, asked)
     t.join()
     assert seen[0].startswith("running test_stall_where.py:")
     assert "sleeping_main_step" in seen[0].split(" <- ")[0]
