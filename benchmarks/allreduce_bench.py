@@ -147,18 +147,16 @@ def analyse(raw: dict[str, Any], nranks: int) -> dict[str, Any]:
     rows = []
     for nbytes, samples in raw["sizes"].items():
         s = {k: summarize(v) for k, v in samples.items()}
-        rows.append(
-            {
-                "bytes": nbytes,
-                "iters": raw["iters"][nbytes],
-                **{f"{k}_s": s[k]["median"] for k in VARIANTS},
-                **{f"{k}_busbw": busbw(nbytes, s[k]["median"], nranks) for k in VARIANTS},
-                "ratio": ratio_summary(samples["raw"], samples["hora"]),  # busbw hora / busbw raw
-                "ratio_oop": ratio_summary(samples["raw_oop"], samples["hora_oop"]),  # vs clone + all_reduce
-                "added_us": difference_summary(samples["hora"], samples["raw"]),  # µs per op
-                "ratio_aa": ratio_summary(samples["raw"], samples["raw_b"]),  # A/A: what noise alone gives
-            }
-        )
+        rows.append({
+            "bytes": nbytes,
+            "iters": raw["iters"][nbytes],
+            **{f"{k}_s": s[k]["median"] for k in VARIANTS},
+            **{f"{k}_busbw": busbw(nbytes, s[k]["median"], nranks) for k in VARIANTS},
+            "ratio": ratio_summary(samples["raw"], samples["hora"]),  # busbw hora / busbw raw
+            "ratio_oop": ratio_summary(samples["raw_oop"], samples["hora_oop"]),  # vs clone + all_reduce
+            "added_us": difference_summary(samples["hora"], samples["raw"]),  # µs per op
+            "ratio_aa": ratio_summary(samples["raw"], samples["raw_b"]),  # A/A: what noise alone gives
+        })
     tiny = {k: summarize(v) for k, v in raw["tiny"].items()}
     return {
         "rows": rows,
@@ -175,65 +173,31 @@ def _pct(r: dict[str, float]) -> str:
 
 
 def to_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
-    rows = [
-        [
-            human_bytes(r["bytes"]),
-            f"{r['raw_busbw']:.3f}",
-            f"{r['hora_busbw']:.3f}",
-            _pct(r["ratio"]),
-            _goal(r["ratio"]["median"] >= 0.95) if r["bytes"] >= 2**20 else "",
-            f"{r['added_us']['median']:+.0f}",
-            _pct(r["ratio_aa"]),
-            f"{r['raw_oop_busbw']:.3f}",
-            f"{r['hora_oop_busbw']:.3f}",
-            _pct(r["ratio_oop"]),
-            r["iters"],
-        ]
-        for r in result["rows"]
-    ]
-    table = markdown_table(
-        [
-            "size",
-            "raw busbw GB/s",
-            "hora busbw GB/s",
-            "hora/raw",
-            ">= 0.95?",
-            "hora adds µs/op",
-            "A/A raw/raw",
-            "raw clone+all_reduce GB/s",
-            "hora allreduce GB/s",
-            "hora allreduce / raw clone+all_reduce",
-            "iters/sample",
-        ],
-        rows,
-    )
+    rows = [[human_bytes(r["bytes"]), f"{r['raw_busbw']:.3f}", f"{r['hora_busbw']:.3f}", _pct(r["ratio"]),
+             _goal(r["ratio"]["median"] >= 0.95) if r["bytes"] >= 2**20 else "",
+             f"{r['added_us']['median']:+.0f}", _pct(r["ratio_aa"]),
+             f"{r['raw_oop_busbw']:.3f}", f"{r['hora_oop_busbw']:.3f}", _pct(r["ratio_oop"]), r["iters"]]
+            for r in result["rows"]]
+    table = markdown_table(["size", "raw busbw GB/s", "hora busbw GB/s", "hora/raw", ">= 0.95?", "hora adds µs/op",
+                            "A/A raw/raw", "raw clone+all_reduce GB/s", "hora allreduce GB/s",
+                            "hora allreduce / raw clone+all_reduce", "iters/sample"], rows)
     t = result["tiny"]
-    tiny = markdown_table(
-        ["1-element allreduce", "raw µs", "hora µs", "hora/raw time", "hora named µs", "named/raw time"],
-        [
-            [
-                "latency",
-                f"{t['raw_us']:.0f}",
-                f"{t['hora_us']:.0f}",
-                _pct(t["latency_ratio"]) + " " + _goal(t["latency_ratio"]["median"] <= 2.0),
-                f"{t['hora_named_us']:.0f}",
-                _pct(t["latency_ratio_named"]),
-            ]
-        ],
-    )
+    tiny = markdown_table(["1-element allreduce", "raw µs", "hora µs", "hora/raw time", "hora named µs",
+                           "named/raw time"],
+                          [["latency", f"{t['raw_us']:.0f}", f"{t['hora_us']:.0f}",
+                            _pct(t["latency_ratio"]) + " " + _goal(t["latency_ratio"]["median"] <= 2.0),
+                            f"{t['hora_named_us']:.0f}", _pct(t["latency_ratio_named"])]])
     m = meta["machine"]
     load = f"load average {meta['load_start'][0]} at start, {m['load_avg_1_5_15'][0]} at end (2 cores)"
-    return (
-        f"# hora allreduce vs torch.distributed.all_reduce ({meta['nranks']} ranks, Gloo, CPU)\n\n"
-        f"{m['utc']}, {m['cpu']} x{m['cpus']}, torch {m['torch']}, hora {m['hora']} ({m['git_commit']}); "
-        f"median of {meta['repeats']} alternating samples (order rotated each cycle); ratio = per-pair raw "
-        f"time / hora time (= busbw ratio), ± half the min-max spread; A/A = the same ratio between two "
-        f"identical raw variants (the noise band of this machine). In place: hora `allreduce_(t)` against "
-        f"raw `all_reduce(t)`; out of place (a new result tensor): hora `allreduce(t)` against raw "
-        f"`u = t.clone(); all_reduce(u)`; {load}. "
-        f"Target: >= 0.95 for >= 1 MB; tiny latency <= 2x.\n\n"
-        f"{table}\n{tiny}"
-    )
+    return (f"# hora allreduce vs torch.distributed.all_reduce ({meta['nranks']} ranks, Gloo, CPU)\n\n"
+            f"{m['utc']}, {m['cpu']} x{m['cpus']}, torch {m['torch']}, hora {m['hora']} ({m['git_commit']}); "
+            f"median of {meta['repeats']} alternating samples (order rotated each cycle); ratio = per-pair raw "
+            f"time / hora time (= busbw ratio), ± half the min-max spread; A/A = the same ratio between two "
+            f"identical raw variants (the noise band of this machine). In place: hora `allreduce_(t)` against "
+            f"raw `all_reduce(t)`; out of place (a new result tensor): hora `allreduce(t)` against raw "
+            f"`u = t.clone(); all_reduce(u)`; {load}. "
+            f"Target: >= 0.95 for >= 1 MB; tiny latency <= 2x.\n\n"
+            f"{table}\n{tiny}")
 
 
 def _goal(met: bool) -> str:
@@ -244,12 +208,8 @@ def plot(result: dict[str, Any]) -> Any:
     def draw(fig: Any) -> None:
         sizes = [r["bytes"] for r in result["rows"]]
         ax1, ax2 = fig.subplots(2, 1, sharex=True)
-        for key, label in (
-            ("raw", "all_reduce(t)"),
-            ("hora", "hora allreduce_(t)"),
-            ("raw_oop", "clone + all_reduce"),
-            ("hora_oop", "hora allreduce(t)"),
-        ):
+        for key, label in (("raw", "all_reduce(t)"), ("hora", "hora allreduce_(t)"),
+                           ("raw_oop", "clone + all_reduce"), ("hora_oop", "hora allreduce(t)")):
             ax1.plot(sizes, [r[f"{key}_busbw"] for r in result["rows"]], marker="o", label=label)
         ax1.set_ylabel("bus bandwidth (GB/s)")
         ax1.set_yscale("log")
@@ -259,14 +219,9 @@ def plot(result: dict[str, Any]) -> Any:
         lo = [r["ratio"]["median"] - r["ratio"]["min"] for r in result["rows"]]
         hi = [r["ratio"]["max"] - r["ratio"]["median"] for r in result["rows"]]
         ax2.errorbar(sizes, med, yerr=[lo, hi], marker="o", capsize=3, label="hora / raw (min-max)")
-        ax2.fill_between(
-            sizes,
-            [r["ratio_aa"]["min"] for r in result["rows"]],
-            [r["ratio_aa"]["max"] for r in result["rows"]],
-            color="grey",
-            alpha=0.25,
-            label="raw / raw A/A (noise band)",
-        )
+        ax2.fill_between(sizes, [r["ratio_aa"]["min"] for r in result["rows"]],
+                         [r["ratio_aa"]["max"] for r in result["rows"]], color="grey", alpha=0.25,
+                         label="raw / raw A/A (noise band)")
         ax2.axhline(0.95, color="red", linestyle="--", label="target 0.95")
         ax2.set_xscale("log", base=2)
         ax2.set_xlabel("message size (bytes)")
@@ -298,19 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     add_output_flags(p, "3 sizes, 3 samples, short samples (~20 s)")
     p.add_argument("-np", "--nranks", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--repeats", type=int, default=None, help="alternating samples per variant (default 11)")
-    p.add_argument(
-        "--sizes",
-        type=_sizes,
-        default=None,
-        metavar="LIST",
-        help="message sizes to measure, e.g. 1MB,4MB (default 4 KB to 256 MB in powers of 4)",
-    )
-    p.add_argument(
-        "--launcher",
-        choices=["fork", "hora"],
-        default="fork",
-        help="start ranks by fork (default) or with hora.run (hora's own launcher)",
-    )
+    p.add_argument("--sizes", type=_sizes, default=None, metavar="LIST",
+                   help="message sizes to measure, e.g. 1MB,4MB (default 4 KB to 256 MB in powers of 4)")
+    p.add_argument("--launcher", choices=["fork", "hora"], default="fork",
+                   help="start ranks by fork (default) or with hora.run (hora's own launcher)")
     args = p.parse_args(argv)
     sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
     repeats = args.repeats or (3 if args.quick else 11)
@@ -325,16 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         raw = fork_ranks(_forked_worker, args.nranks, sizes, repeats, target_s)[0]
     result = analyse(raw, args.nranks)
-    meta = {
-        "nranks": args.nranks,
-        "launcher": args.launcher,
-        "repeats": repeats,
-        "quick": args.quick,
-        "load_start": load_start,
-        "target_sample_s": target_s,
-        "machine": machine_info(),
-        "wall_s": round(time.monotonic() - start, 1),
-    }
+    meta = {"nranks": args.nranks, "launcher": args.launcher, "repeats": repeats, "quick": args.quick,
+            "load_start": load_start,
+            "target_sample_s": target_s, "machine": machine_info(), "wall_s": round(time.monotonic() - start, 1)}
     name = "allreduce_bench"
     if args.sizes:  # a focused run is reported beside the full one, not over it
         name += "_" + "_".join(human_bytes(n).replace(" ", "") for n in sizes)

@@ -31,18 +31,8 @@ from hora.bench.report import human_bytes, markdown_table
 from hora.bench.timing import alternate, difference_summary, ratio_summary, summarize
 from hora.testing import run_ranks
 
-__all__ = [
-    "RESULTS",
-    "alternate",
-    "difference_summary",
-    "fork_ranks",
-    "human_bytes",
-    "machine_info",
-    "markdown_table",
-    "ratio_summary",
-    "summarize",
-    "write_results",
-]
+__all__ = ["RESULTS", "alternate", "difference_summary", "fork_ranks", "human_bytes", "machine_info",
+           "markdown_table", "ratio_summary", "summarize", "write_results"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUICK_OUT = Path("out") / "bench-quick"  # where --quick reports go (below the current directory), never RESULTS
@@ -50,19 +40,11 @@ QUICK_OUT = Path("out") / "bench-quick"  # where --quick reports go (below the c
 
 def add_output_flags(parser: argparse.ArgumentParser, quick_help: str) -> None:
     """Every benchmark's ``--quick`` (smallest settings, seconds) and ``--out DIR``."""
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"{quick_help}; reports go to {QUICK_OUT}/ "
-        "unless --out is given (the published results are never overwritten by a quick run)",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help=f"directory for the reports (default {RESULTS.relative_to(RESULTS.parents[1])}/, "
-        f"or {QUICK_OUT}/ with --quick)",
-    )
+    parser.add_argument("--quick", action="store_true", help=f"{quick_help}; reports go to {QUICK_OUT}/ "
+                        "unless --out is given (the published results are never overwritten by a quick run)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"directory for the reports (default {RESULTS.relative_to(RESULTS.parents[1])}/, "
+                             f"or {QUICK_OUT}/ with --quick)")
 
 
 def output_dir(args: argparse.Namespace) -> Path:
@@ -105,26 +87,15 @@ def machine_info() -> dict[str, Any]:
 
 def _git_commit() -> str:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            check=False,
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
-def write_results(
-    name: str,
-    data: Mapping[str, Any],
-    markdown: str,
-    plot: Callable[[Any], None] | None = None,
-    out_dir: Path = RESULTS,
-) -> list[Path]:
+def write_results(name: str, data: Mapping[str, Any], markdown: str,
+                  plot: Callable[[Any], None] | None = None, out_dir: Path = RESULTS) -> list[Path]:
     """Write ``<name>.json`` (data), ``<name>.md`` and, with ``plot(figure)``, ``<name>.png``. Returns paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
@@ -147,9 +118,8 @@ def write_results(
     return paths
 
 
-def fork_ranks(
-    fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 600.0, env: Mapping[str, str] | None = None
-) -> list[Any]:
+def fork_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 600.0,
+               env: Mapping[str, str] | None = None) -> list[Any]:
     """Run ``fn(rank, size, *args)`` on ``nprocs`` fork-started ranks with hora's launcher variables.
 
     The tests' fork harness (:func:`hora.testing.run_ranks`), with torch's default threads and no

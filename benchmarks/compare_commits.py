@@ -96,14 +96,8 @@ def _git(*args: str) -> str:
 
 def _run_once(tree: Path, script: str, args: list[str], out: Path) -> Figures:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "src"), os.environ.get("PYTHONPATH", "")])}
-    which = subprocess.run(
-        [sys.executable, "-c", "import hora; print(hora.__file__)"],
-        env=env,
-        cwd=tree,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    which = subprocess.run([sys.executable, "-c", "import hora; print(hora.__file__)"], env=env, cwd=tree,
+                           capture_output=True, text=True, check=True).stdout.strip()
     if not which.startswith(str(tree)):
         raise SystemExit(f"compare_commits: the run in {tree} imported hora from {which}, not from the commit")
     cmd = [sys.executable, str(tree / "benchmarks" / script), *args, "--out", str(out)]
@@ -123,7 +117,7 @@ def control_of(key: str, figures: Figures) -> str | None:
         if word in CONTROLS:
             return None  # a control itself
         for control in CONTROLS:
-            candidate = " ".join([*words[:i], control, *words[i + 1 :]])
+            candidate = " ".join([*words[:i], control, *words[i + 1:]])
             if candidate != key and candidate in figures:
                 return candidate
     return None
@@ -144,9 +138,8 @@ def _table(old: list[Figures], new: list[Figures]) -> list[tuple[str, float, flo
             b_rel = [f[key] / f[control] for f in new if key in f and f.get(control)]
             if a_rel and b_rel:
                 normalized = statistics.median(b_rel) / statistics.median(a_rel)
-        rows.append(
-            (key, statistics.median(a), statistics.median(b), statistics.median(b) / statistics.median(a), normalized)
-        )
+        rows.append((key, statistics.median(a), statistics.median(b), statistics.median(b) / statistics.median(a),
+                     normalized))
     return rows
 
 
@@ -155,18 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--old", required=True, help="the baseline commit (any git revision)")
     p.add_argument("--new", default="HEAD", help="the commit to judge (default HEAD)")
     p.add_argument("--rounds", type=int, default=2, help="runs per commit, alternating ABBA (default 2)")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="one run per commit, the script's own --quick settings "
-        "(a smoke run: checks that both commits run, says nothing about speed)",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="also write compare_commits.json (every run's figures) and compare_commits.md here",
-    )
+    p.add_argument("--quick", action="store_true", help="one run per commit, the script's own --quick settings "
+                   "(a smoke run: checks that both commits run, says nothing about speed)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write compare_commits.json (every run's figures) and compare_commits.md here")
     p.add_argument("script", help="a script in benchmarks/, e.g. op_overhead.py")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     args = p.parse_args(argv)
@@ -183,22 +168,17 @@ def main(argv: list[str] | None = None) -> int:
             for i, side in enumerate(order):
                 t0 = time.monotonic()
                 results[side].append(_run_once(trees[side], args.script, script_args, Path(tmp) / f"out{i}"))
-                sys.stderr.write(f"run {i + 1}/{len(order)}: {side} ({commits[side]}) {time.monotonic() - t0:.0f} s\n")
+                sys.stderr.write(f"run {i + 1}/{len(order)}: {side} ({commits[side]}) "
+                                 f"{time.monotonic() - t0:.0f} s\n")
         finally:
             for tree in trees.values():
                 _git("worktree", "remove", "--force", str(tree))
     rows = _table(results["old"], results["new"])
     load = os.getloadavg()[0]
-    head = (
-        f"{args.script} {' '.join(script_args)}: new {commits['new']} / old {commits['old']}, {rounds} run(s) "
-        f"each, alternating; load average {load:.1f}"
-    )
-    lines = [
-        head,
-        "",
-        "| figure | old | new | new/old | new/old, each run's figure / its control |",
-        "|---|---|---|---|---|",
-    ]
+    head = (f"{args.script} {' '.join(script_args)}: new {commits['new']} / old {commits['old']}, {rounds} run(s) "
+            f"each, alternating; load average {load:.1f}")
+    lines = [head, "", "| figure | old | new | new/old | new/old, each run's figure / its control |",
+             "|---|---|---|---|---|"]
     for key, a, b, ratio, normalized in rows:
         if any(word in CONTROLS for word in key.split()):
             lines.append(f"| {key} | {a:.3f} | {b:.3f} | {ratio:.3f} (control) | |")
@@ -210,21 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "compare_commits.md").write_text(text)
-        (args.out / "compare_commits.json").write_text(
-            json.dumps(
-                {
-                    "commits": commits,
-                    "script": args.script,
-                    "args": script_args,
-                    "load_avg_1m": load,
-                    "runs": results,
-                    "ratios": {k: r for k, _, _, r, _ in rows},
-                    "ratios_vs_control": {k: n for k, _, _, _, n in rows if n is not None},
-                },
-                indent=1,
-            )
-            + "\n"
-        )
+        (args.out / "compare_commits.json").write_text(json.dumps(
+            {"commits": commits, "script": args.script, "args": script_args, "load_avg_1m": load, "runs": results,
+             "ratios": {k: r for k, _, _, r, _ in rows},
+             "ratios_vs_control": {k: n for k, _, _, _, n in rows if n is not None}}, indent=1) + "\n")
     return 0
 
 

@@ -50,12 +50,10 @@ def _rank(rank: int, size: int, repeats: int, steps: int, tmp: str) -> dict[str,
     torch.set_num_threads(1)
     hvd.init()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
-    )
-    opt = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
     one = torch.ones(1)
     neg = runtime.state().negotiator
@@ -83,10 +81,8 @@ def _rank(rank: int, size: int, repeats: int, steps: int, tmp: str) -> dict[str,
             hvd.allreduce(one, op=hvd.Sum)
         return (time.perf_counter() - t0) / (steps * 5)
 
-    out = {
-        "step": alternate({v: (lambda v=v: train(v)) for v in VARIANTS}, repeats),
-        "tiny_allreduce": alternate({v: (lambda v=v: tiny(v)) for v in VARIANTS}, repeats),
-    }
+    out = {"step": alternate({v: (lambda v=v: train(v)) for v in VARIANTS}, repeats),
+           "tiny_allreduce": alternate({v: (lambda v=v: tiny(v)) for v in VARIANTS}, repeats)}
     timeline.stop_timeline()
     hvd.shutdown()
     return out
@@ -141,17 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([what, f"{num}/{den}", "", "", f"{r['median']:.3f} (IQR {q1:.3f}-{q3:.3f})"])
     md = markdown_table(["measure", "variant", "median ms", "min-max ms", "pair ratio median (IQR)"], rows)
     micro = [fork_ranks(_micro, 1, n, args.micro_calls)[0] for n in (1, 8, 64)]
-    md += "\n" + markdown_table(
-        ["pending names", "stall inspector µs per idle transition (no stall)"],
-        [[m["pending"], f"{m['us_per_idle_transition']:.2f}"] for m in micro],
-    )
+    md += "\n" + markdown_table(["pending names", "stall inspector µs per idle transition (no stall)"],
+                                [[m["pending"], f"{m['us_per_idle_transition']:.2f}"] for m in micro])
     sys.stdout.write(md)
-    write_results(
-        "diagnostics_overhead",
-        {"machine": machine_info(), "args": vars(args), "rank0": r0, "micro": micro},
-        md,
-        out_dir=output_dir(args),
-    )
+    write_results("diagnostics_overhead", {"machine": machine_info(), "args": vars(args), "rank0": r0,
+                                           "micro": micro}, md, out_dir=output_dir(args))
     return 0
 
 

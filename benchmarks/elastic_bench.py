@@ -58,9 +58,8 @@ class Job:
         self.out = out
         self.log = out / "launcher.log"
         with self.log.open("w") as fh:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(
-                argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=HERE.parent
-            )
+            self.proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                         cwd=HERE.parent)
         self._offset = 0
         self.steps: list[dict[str, Any]] = []
 
@@ -111,9 +110,8 @@ class Job:
                 pass
 
 
-def _full_world(
-    job: Job, since: float, size: int, min_steps: int, exclude: frozenset[int] = frozenset(), timeout: float = WAIT_S
-) -> dict[int, dict[str, Any]]:
+def _full_world(job: Job, since: float, size: int, min_steps: int, exclude: frozenset[int] = frozenset(),
+                timeout: float = WAIT_S) -> dict[int, dict[str, Any]]:
     """Wait until ``size`` processes (not in ``exclude``) each made ``min_steps`` steps in a world of ``size``
     after ``since``; their latest steps by pid."""
     found: dict[int, dict[str, Any]] = {}
@@ -166,9 +164,8 @@ def _descendants(pid: int) -> set[tuple[int, str]]:
 
 
 def _still_running(procs: set[tuple[int, str]]) -> list[int]:
-    return sorted(
-        pid for pid, start in procs if (f := _stat(pid)) and len(f) > 19 and f[19] == start and f[0] not in ("Z", "X")
-    )
+    return sorted(pid for pid, start in procs if (f := _stat(pid)) and len(f) > 19 and f[19] == start
+                  and f[0] not in ("Z", "X"))
 
 
 def _digests_differ(steps: list[dict[str, Any]], since: float) -> list[str]:
@@ -205,11 +202,8 @@ def _cycle(job: Job, trial: int, how: str, since: float) -> tuple[dict[str, Any]
         os.kill(victim["pid"], signal.SIGKILL)
     else:
         (job.out / f"raise.{victim['wid']}").touch()
-    job.wait_for(
-        "the survivors' next step",
-        lambda steps: survivors <= {s["pid"] for s in steps if s["t"] > failed_at and s["size"] == 3},
-        RECOVER_S,
-    )
+    job.wait_for("the survivors' next step", lambda steps: survivors <= {
+        s["pid"] for s in steps if s["t"] > failed_at and s["size"] == 3}, RECOVER_S)
     firsts: dict[int, float] = {}
     for s in job.steps:
         if s["t"] > failed_at and s["size"] == 3 and s["pid"] in survivors:
@@ -220,26 +214,16 @@ def _cycle(job: Job, trial: int, how: str, since: float) -> tuple[dict[str, Any]
     left = sorted(p for p in doomed if _alive(p))
     # the host comes back after its cooldown (~1 s): the failed slot's new worker imports, builds and joins
     _full_world(job, failed_at, 4, 2, exclude=doomed)
-    joined = min(
-        s["t"]
-        for s in job.steps
-        if s["t"] > failed_at and s["size"] == 4 and s["pid"] not in doomed and s["pid"] not in survivors
-    )
+    joined = min(s["t"] for s in job.steps if s["t"] > failed_at and s["size"] == 4 and s["pid"] not in doomed
+                 and s["pid"] not in survivors)
     times = sorted(s["t"] for s in job.steps if s["pid"] in survivors and min(firsts.values()) <= s["t"] <= joined + 1)
     differ = _digests_differ(job.read(), since)
     problems = ([f"the failed worker's process left running: {left}"] if left else []) + (
-        [f"parameters differ between ranks at {', '.join(differ[:3])}"] if differ else []
-    )
-    record = {
-        "trial": trial,
-        "victim": victim["wid"],
-        "victim_rank": victim["rank"],
-        "load_1min": load,
-        "recovery_s": max(firsts.values()) - failed_at,
-        "scale_up_gap_s": max((b - a for a, b in zip(times, times[1:])), default=0.0),
-        "ok": not problems,
-        "problems": problems,
-    }
+        [f"parameters differ between ranks at {', '.join(differ[:3])}"] if differ else [])
+    record = {"trial": trial, "victim": victim["wid"], "victim_rank": victim["rank"], "load_1min": load,
+              "recovery_s": max(firsts.values()) - failed_at,
+              "scale_up_gap_s": max((b - a for a, b in zip(times, times[1:])), default=0.0),
+              "ok": not problems, "problems": problems}
     return record, joined
 
 
@@ -256,26 +240,8 @@ def kill_runs(name: str, cycles: int, tmp: Path) -> dict[str, Any]:
         listing = out / "hosts.txt"
         listing.write_text(HOSTS + "\n")
         hosts = ["--max-np", "4", "--host-discovery-script", f"cat {listing}"]
-    job = Job(
-        [
-            *HORA,
-            "-np",
-            "4",
-            "--min-np",
-            "2",
-            *hosts,
-            "--blacklist-cooldown-range",
-            "1",
-            "1",
-            PYTHON,
-            WORKER,
-            str(out),
-            "--sleep",
-            "0.02",
-            "--digest",
-        ],
-        out,
-    )
+    job = Job([*HORA, "-np", "4", "--min-np", "2", *hosts, "--blacklist-cooldown-range", "1", "1",
+               PYTHON, WORKER, str(out), "--sleep", "0.02", "--digest"], out)
     trials: list[dict[str, Any]] = []
     result: dict[str, Any] = {"variant": name, "cycles": cycles, "trials": trials}
     seen: set[tuple[int, str]] = set()  # every process seen below the job's launcher (agents, workers)
@@ -291,12 +257,9 @@ def kill_runs(name: str, cycles: int, tmp: Path) -> dict[str, Any]:
                 print(f"{name} {trial}: FAILED: {str(exc)[:300]}", flush=True)
                 break
             trials.append(record)
-            print(
-                f"{name} {trial}: {'ok' if record['ok'] else 'FAILED: ' + '; '.join(record['problems'])}, "
-                f"recovery {record['recovery_s']:.2f} s, longest survivor gap while the host rejoined "
-                f"{record['scale_up_gap_s']:.2f} s (load {record['load_1min']:.1f})",
-                flush=True,
-            )
+            print(f"{name} {trial}: {'ok' if record['ok'] else 'FAILED: ' + '; '.join(record['problems'])}, "
+                  f"recovery {record['recovery_s']:.2f} s, longest survivor gap while the host rejoined "
+                  f"{record['scale_up_gap_s']:.2f} s (load {record['load_1min']:.1f})", flush=True)
         seen |= _descendants(job.proc.pid)
         result["exit_code"] = code = job.stop()
         finals = [json.loads(p.read_text()) for p in sorted(out.glob("final.*"))]
@@ -312,9 +275,8 @@ def kill_runs(name: str, cycles: int, tmp: Path) -> dict[str, Any]:
     finally:
         job.kill()
     failures = sum(1 for t in trials if not t["ok"])
-    result["failures"] = failures + (
-        0 if result.get("exit_code") == 0 and result.get("final_params_equal") and not result.get("left_running") else 1
-    )
+    result["failures"] = failures + (0 if result.get("exit_code") == 0 and result.get("final_params_equal")
+                                     and not result.get("left_running") else 1)
     result["not_run"] = cycles - len(trials)
     return result
 
@@ -325,22 +287,9 @@ def torchrun_kills(trials: int, tmp: Path) -> dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    job = Job(
-        [
-            *TORCHRUN,
-            "--nnodes=1:2",
-            "--nproc-per-node=4",
-            f"--max-restarts={trials + 2}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=elastic-bench",
-            WORKER,
-            str(out),
-            "--sleep",
-            "0.02",
-        ],
-        out,
-    )
+    job = Job([*TORCHRUN, "--nnodes=1:2", "--nproc-per-node=4", f"--max-restarts={trials + 2}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-bench",
+               WORKER, str(out), "--sleep", "0.02"], out)
     recovery, loads, failed = [], [], []
     done: set[int] = set()  # processes of earlier attempts (torchrun stopped them)
     try:
@@ -357,12 +306,8 @@ def torchrun_kills(trials: int, tmp: Path) -> dict[str, Any]:
             os.kill(victim["pid"], signal.SIGKILL)
             old = set(world)
             try:
-                job.wait_for(
-                    "the restarted workers' first step",
-                    lambda steps, killed=killed, old=old: (
-                        len({s["pid"] for s in steps if s["t"] > killed and s["pid"] not in old}) >= 4
-                    ),
-                )
+                job.wait_for("the restarted workers' first step", lambda steps, killed=killed, old=old: len(
+                    {s["pid"] for s in steps if s["t"] > killed and s["pid"] not in old}) >= 4)
             except RuntimeError as exc:
                 failed.append(f"trial {trial}: {str(exc)[:300]}")
                 break
@@ -371,10 +316,8 @@ def torchrun_kills(trials: int, tmp: Path) -> dict[str, Any]:
                 if s["t"] > killed and s["pid"] not in old:
                     firsts.setdefault(s["pid"], s["t"])
             recovery.append(sorted(firsts.values())[3] - killed)
-            print(
-                f"torchrun trial {trial}: restart to the next step {recovery[-1]:.2f} s (load {loads[-1]:.1f})",
-                flush=True,
-            )
+            print(f"torchrun trial {trial}: restart to the next step {recovery[-1]:.2f} s (load {loads[-1]:.1f})",
+                  flush=True)
             since, done = max(firsts.values()), done | old
     finally:
         job.kill()
@@ -391,8 +334,9 @@ def step_time(elastic: bool, steps: int, tmp: Path, index: int) -> float:
     finally:
         job.kill()
     if code != 0:
-        raise RuntimeError(f"overhead run ({'elastic' if elastic else 'fixed'}) failed: {job.log.read_text()[-3000:]}")
-    times = sorted(s["t"] for s in job.read() if s["rank"] == 0)[steps // 5 :]  # skip the warm-up
+        raise RuntimeError(f"overhead run ({'elastic' if elastic else 'fixed'}) failed: "
+                           f"{job.log.read_text()[-3000:]}")
+    times = sorted(s["t"] for s in job.read() if s["rank"] == 0)[steps // 5:]  # skip the warm-up
     return statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
@@ -412,7 +356,8 @@ def _report(data: dict[str, Any]) -> str:
     loads = [t["load_1min"] for r in runs for t in r["trials"] if "load_1min" in t] + torch_res["load_1min"]
     rows = [
         ["hora: SIGKILL -> survivors' next step (s)", *_fmt(recovery), "<= 3 s"],
-        ["torchrun --max-restarts: SIGKILL -> restarted workers' first step (s)", *_fmt(torch_res["recovery_s"]), "-"],
+        ["torchrun --max-restarts: SIGKILL -> restarted workers' first step (s)", *_fmt(torch_res["recovery_s"]),
+         "-"],
         ["hora: survivors' longest gap while a host joins (s)", *_fmt(gaps), "<= 1 s"],
         ["step time elastic / fixed, no events (ratio)", *_fmt(overhead), "<= 1.02"],
     ]
@@ -420,26 +365,12 @@ def _report(data: dict[str, Any]) -> str:
     for r in runs:
         rec = [t["recovery_s"] for t in r["trials"] if "recovery_s" in t]
         gap = [t["scale_up_gap_s"] for t in r["trials"] if "scale_up_gap_s" in t]
-        end = (
-            f"exit {r.get('exit_code')}, final params {'equal' if r.get('final_params_equal') else 'DIFFER'} "
-            f"on {r.get('final_ranks', 0)} ranks, {len(r.get('left_running', [])) or 'no'} process left"
-        )
-        kill_rows.append(
-            [
-                r["variant"],
-                f"{len(r['trials'])} of {r['cycles']}",
-                str(r["failures"]),
-                f"{_fmt(rec)[0]} / {_fmt(rec)[1]}",
-                f"{_fmt(gap)[0]} / {_fmt(gap)[1]}",
-                end,
-            ]
-        )
-    problems = [
-        f"- {r['variant']}, failure {t['trial']}: {'; '.join(t['problems'])[:400]}"
-        for r in runs
-        for t in r["trials"]
-        if not t["ok"]
-    ]
+        end = (f"exit {r.get('exit_code')}, final params {'equal' if r.get('final_params_equal') else 'DIFFER'} "
+               f"on {r.get('final_ranks', 0)} ranks, {len(r.get('left_running', [])) or 'no'} process left")
+        kill_rows.append([r["variant"], f"{len(r['trials'])} of {r['cycles']}", str(r["failures"]),
+                          f"{_fmt(rec)[0]} / {_fmt(rec)[1]}", f"{_fmt(gap)[0]} / {_fmt(gap)[1]}", end])
+    problems = [f"- {r['variant']}, failure {t['trial']}: {'; '.join(t['problems'])[:400]}"
+                for r in runs for t in r["trials"] if not t["ok"]]
     md = [
         "# elastic_bench: recovery from a failed worker, scale-up, no-event overhead, failures in a row",
         "",
@@ -448,7 +379,7 @@ def _report(data: dict[str, Any]) -> str:
         "",
         markdown_table(["figure", "median", "max", "n", "target"], rows),
         "",
-        f'hora\'s recovery and scale-up figures come from the "{headline.get("variant", "-")}" failures below. '
+        f"hora's recovery and scale-up figures come from the \"{headline.get('variant', '-')}\" failures below. "
         f"torchrun failures: {'; '.join(torch_res['failures']) or 'none'}.",
         "",
         "## Every failure test many times in a row (target: 0 failures)",
@@ -462,17 +393,8 @@ def _report(data: dict[str, Any]) -> str:
         "parameters on every rank and no process left (none of the agents and workers seen below its launcher); "
         "a job that does not counts as one more failure.",
         "",
-        markdown_table(
-            [
-                "variant",
-                "failures run",
-                "failed",
-                "recovery median / max (s)",
-                "rejoin gap median / max (s)",
-                "end of the job",
-            ],
-            kill_rows,
-        ),
+        markdown_table(["variant", "failures run", "failed", "recovery median / max (s)",
+                        "rejoin gap median / max (s)", "end of the job"], kill_rows),
         "",
         *(problems or ["No failure."]),
         "",
@@ -487,16 +409,11 @@ def _report(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--trials", type=int, default=10, help="SIGKILLs (fixed -H) for the recovery and scale-up figures (default 10)"
-    )
-    p.add_argument(
-        "--kill-runs",
-        type=int,
-        default=0,
-        help="run every failure variant (SIGKILL/raise x -H/discovery) this many times in a row "
-        "(the SIGKILL -H one at least --trials times); default 0: only --trials SIGKILLs",
-    )
+    p.add_argument("--trials", type=int, default=10,
+                   help="SIGKILLs (fixed -H) for the recovery and scale-up figures (default 10)")
+    p.add_argument("--kill-runs", type=int, default=0,
+                   help="run every failure variant (SIGKILL/raise x -H/discovery) this many times in a row "
+                        "(the SIGKILL -H one at least --trials times); default 0: only --trials SIGKILLs")
     p.add_argument("--torchrun-trials", type=int, default=None, help="torchrun restarts (default: --trials)")
     p.add_argument("--steps", type=int, default=300, help="steps per no-event overhead run")
     p.add_argument("--pairs", type=int, default=6, help="fixed/elastic run pairs for the overhead (alternating ABBA)")
@@ -505,18 +422,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.trials, args.kill_runs, args.torchrun_trials, args.steps, args.pairs = 2, 2, 1, 60, 1
-    torchrun_trials = (
-        0 if args.skip_torchrun else (args.trials if args.torchrun_trials is None else args.torchrun_trials)
-    )
+    torchrun_trials = 0 if args.skip_torchrun else (args.trials if args.torchrun_trials is None
+                                                    else args.torchrun_trials)
     variants = list(VARIANTS) if args.kill_runs else list(VARIANTS)[:1]
-    data: dict[str, Any] = {
-        "machine": machine_info(),
-        "kill_runs": [],
-        "torchrun": {"recovery_s": [], "load_1min": [], "failures": ["not run"]},
-        "step_time_fixed_s": [],
-        "step_time_elastic_s": [],
-        "elastic_over_fixed": [],
-    }
+    data: dict[str, Any] = {"machine": machine_info(), "kill_runs": [], "torchrun": {
+        "recovery_s": [], "load_1min": [], "failures": ["not run"]}, "step_time_fixed_s": [],
+        "step_time_elastic_s": [], "elastic_over_fixed": []}
 
     def save() -> list[Path]:  # after every part: a run cut short still leaves its figures
         data["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -528,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         data["kill_runs"].append(kill_runs(variants[0], max(args.trials, args.kill_runs), tmp))
         save()
         for i in range(args.pairs):  # A B B A ...: a drift of the machine's load falls on both sides alike
-            for elastic in (False, True) if i % 2 == 0 else (True, False):
+            for elastic in ((False, True) if i % 2 == 0 else (True, False)):
                 key = "step_time_elastic_s" if elastic else "step_time_fixed_s"
                 data[key].append(step_time(elastic, args.steps, tmp, 2 * i + elastic))
             data["elastic_over_fixed"].append(data["step_time_elastic_s"][-1] / data["step_time_fixed_s"][-1])

@@ -41,9 +41,8 @@ start_rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0")))
 hvd.init()
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
-optimizer = hvd.DistributedOptimizer(
-    torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
-)
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                     named_parameters=model.named_parameters())
 state = hvd.elastic.TorchState(model, optimizer, step=0)
 
 
@@ -73,16 +72,8 @@ def train(state: hvd.elastic.TorchState) -> None:
         torch.nn.functional.mse_loss(model(mine[0]), mine[1]).backward()
         optimizer.step()
         state.step += 1
-        record = {
-            "pid": os.getpid(),
-            "wid": wid,
-            "host": host,
-            "start_rank": start_rank,
-            "rank": hvd.rank(),
-            "size": hvd.size(),
-            "step": state.step,
-            "t": time.time(),
-        }
+        record = {"pid": os.getpid(), "wid": wid, "host": host, "start_rank": start_rank, "rank": hvd.rank(),
+                  "size": hvd.size(), "step": state.step, "t": time.time()}
         if args.digest:
             record["gen"] = world_generation()
             flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
@@ -99,6 +90,5 @@ def train(state: hvd.elastic.TorchState) -> None:
 
 train(state)
 params = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
-(out / f"final.{hvd.rank()}").write_text(
-    json.dumps({"size": hvd.size(), "step": state.step, "params": params.tolist()})
-)
+(out / f"final.{hvd.rank()}").write_text(json.dumps({"size": hvd.size(), "step": state.step,
+                                                      "params": params.tolist()}))

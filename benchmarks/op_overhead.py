@@ -83,34 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     samples = fork_ranks(_rank, 1, args.repeats, args.calls)[0]
     per_call = {v: statistics.median(samples[v]) * 1e6 for v in VARIANTS}
     extra = {v: difference_summary(samples[v], samples["raw"]) for v in VARIANTS[1:]}
-    rows = [
-        [
-            v,
-            f"{per_call[v]:.1f}",
-            "" if v == "raw" else f"{extra[v]['median']:.1f} ({extra[v]['min']:.1f} to {extra[v]['max']:.1f})",
-        ]
-        for v in VARIANTS
-    ]
-    meta = {
-        "repeats": args.repeats,
-        "calls": args.calls,
-        "nbytes": NBYTES,
-        "machine": machine_info(),
-        "wall_s": round(time.monotonic() - start, 1),
-    }
+    rows = [[v, f"{per_call[v]:.1f}",
+             "" if v == "raw" else f"{extra[v]['median']:.1f} ({extra[v]['min']:.1f} to {extra[v]['max']:.1f})"]
+            for v in VARIANTS]
+    meta = {"repeats": args.repeats, "calls": args.calls, "nbytes": NBYTES, "machine": machine_info(),
+            "wall_s": round(time.monotonic() - start, 1)}
     m = meta["machine"]
-    md = (
-        f"# What hora adds to one synchronous allreduce (1 process, {NBYTES} B float32, Gloo)\n\n"
-        f"{m['utc']}, {m['cpu']} x{m['cpus']}, torch {m['torch']}, hora {m['hora']} ({m['git_commit']}); "
-        f"{args.repeats} alternating samples of {args.calls} calls; extra = per-pair hora - raw, median "
-        f"(min to max).\n\n" + markdown_table(["variant", "µs per call (median)", "extra µs per call"], rows)
-    )
-    paths = write_results(
-        "op_overhead",
-        {"meta": meta, "samples": samples, "per_call_us": per_call, "extra_us": extra},
-        md,
-        out_dir=output_dir(args),
-    )
+    md = (f"# What hora adds to one synchronous allreduce (1 process, {NBYTES} B float32, Gloo)\n\n"
+          f"{m['utc']}, {m['cpu']} x{m['cpus']}, torch {m['torch']}, hora {m['hora']} ({m['git_commit']}); "
+          f"{args.repeats} alternating samples of {args.calls} calls; extra = per-pair hora - raw, median "
+          f"(min to max).\n\n"
+          + markdown_table(["variant", "µs per call (median)", "extra µs per call"], rows))
+    paths = write_results("op_overhead", {"meta": meta, "samples": samples, "per_call_us": per_call,
+                                          "extra_us": extra}, md, out_dir=output_dir(args))
     print(md)
     print("wrote " + ", ".join(str(p) for p in paths) + f" in {meta['wall_s']} s")
     return 0

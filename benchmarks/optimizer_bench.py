@@ -55,9 +55,8 @@ def _build(variant: str) -> tuple[Any, Any, Any]:
         model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if variant.startswith("hora"):
-        comp = {"hora": hvd.Compression.none, "hora_fp16": hvd.Compression.fp16, "hora_bf16": hvd.Compression.bf16}[
-            variant
-        ]
+        comp = {"hora": hvd.Compression.none, "hora_fp16": hvd.Compression.fp16,
+                "hora_bf16": hvd.Compression.bf16}[variant]
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
     elif variant == "per_tensor":
         size = dist.get_world_size()
@@ -66,7 +65,6 @@ def _build(variant: str) -> tuple[Any, Any, Any]:
             for p in model.parameters():
                 dist.all_reduce(p.grad)
                 p.grad.div_(size)
-
     return model, opt, after
 
 
@@ -98,7 +96,6 @@ def _rank(rank: int, size: int, variants: list[str], repeats: int, steps: int, b
                 opt.step()
             cpu[variant].append((time.process_time() - c0) / steps)  # every thread of this rank, Gloo's too
             return (time.perf_counter() - t0) / steps
-
         return run
 
     samples = alternate({v: timed(v) for v in variants}, repeats=repeats, warmup=1)
@@ -118,25 +115,14 @@ def report(result: dict[str, dict[str, list[float]]], args: argparse.Namespace) 
     rows = []
     for v, s in wall.items():
         st, cst = summarize(s), summarize(cpu[v])
-        rows.append(
-            [
-                v,
-                f"{st['median'] * 1e3:.0f}",
-                f"{st['min'] * 1e3:.0f}-{st['max'] * 1e3:.0f}",
-                _ratio(s, wall.get("ddp")),
-                f"{cst['median'] * 1e3:.0f}",
-                _ratio(cpu[v], cpu.get("ddp")),
-            ]
-        )
-    head = (
-        f"ResNet-50 ({args.batch}x3x{args.image}x{args.image} per rank), 2 ranks on loopback (Gloo), "
-        f"{args.repeats} alternating samples of {args.steps} step(s) each; rank 0's clocks. Ratios are "
-        "medians of per-pair ratios (min-max). CPU = process time of all of rank 0's threads, which the "
-        "load of other processes on the machine disturbs far less than wall time.\n\n"
-    )
-    return head + markdown_table(
-        ["variant", "step ms (median)", "min-max ms", "wall vs DDP", "CPU ms/step", "CPU vs DDP"], rows
-    )
+        rows.append([v, f"{st['median'] * 1e3:.0f}", f"{st['min'] * 1e3:.0f}-{st['max'] * 1e3:.0f}",
+                     _ratio(s, wall.get("ddp")), f"{cst['median'] * 1e3:.0f}", _ratio(cpu[v], cpu.get("ddp"))])
+    head = (f"ResNet-50 ({args.batch}x3x{args.image}x{args.image} per rank), 2 ranks on loopback (Gloo), "
+            f"{args.repeats} alternating samples of {args.steps} step(s) each; rank 0's clocks. Ratios are "
+            "medians of per-pair ratios (min-max). CPU = process time of all of rank 0's threads, which the "
+            "load of other processes on the machine disturbs far less than wall time.\n\n")
+    return head + markdown_table(["variant", "step ms (median)", "min-max ms", "wall vs DDP", "CPU ms/step",
+                                  "CPU vs DDP"], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,18 +148,12 @@ def main(argv: list[str] | None = None) -> None:
         ax = fig.add_subplot(1, 1, 1)
         names = list(samples)
         med = [summarize(samples[n])["median"] * 1e3 for n in names]
-        quart = [
-            statistics.quantiles(samples[n], n=4) if len(samples[n]) > 1 else [samples[n][0]] * 3 for n in names
-        ]  # the shared machine's load makes min-max meaningless: show quartiles
+        quart = [statistics.quantiles(samples[n], n=4) if len(samples[n]) > 1 else [samples[n][0]] * 3
+                 for n in names]  # the shared machine's load makes min-max meaningless: show quartiles
         lo = [m - q[0] * 1e3 for m, q in zip(med, quart)]
         hi = [q[2] * 1e3 - m for m, q in zip(med, quart)]
-        ax.bar(
-            names,
-            med,
-            yerr=[lo, hi],
-            capsize=4,
-            color=["#999", "#4477aa", "#cc6677", "#228833", "#66ccee", "#aa3377"][: len(names)],
-        )
+        ax.bar(names, med, yerr=[lo, hi], capsize=4, color=["#999", "#4477aa", "#cc6677", "#228833", "#66ccee",
+                                                             "#aa3377"][: len(names)])
         ax.set_ylabel("step time, ms (median, quartiles)")
         ax.set_title("ResNet-50 step, 2 ranks on loopback: hora vs DDP vs per-tensor allreduce")
 

@@ -36,9 +36,8 @@ def build_model(name: str) -> torch.nn.Module:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description="PyTorch synthetic benchmark", formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = argparse.ArgumentParser(description="PyTorch synthetic benchmark",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--fp16-allreduce", action="store_true", default=False, help="use fp16 compression in allreduce")
     p.add_argument("--model", type=str, default="resnet50", help="model to benchmark")
     p.add_argument("--batch-size", type=int, default=32, help="input batch size")
@@ -61,12 +60,8 @@ def main() -> None:
         model.cuda()
     optimizer = optim.SGD(model.parameters(), lr=0.01 * lr_scaler)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
-    optimizer = hvd.DistributedOptimizer(
-        optimizer,
-        named_parameters=model.named_parameters(),
-        compression=compression,
-        op=hvd.Adasum if args.use_adasum else hvd.Average,
-    )
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression, op=hvd.Adasum if args.use_adasum else hvd.Average)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 

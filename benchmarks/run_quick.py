@@ -18,14 +18,8 @@ from pathlib import Path
 from common import QUICK_OUT
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = [
-    "allreduce_bench",
-    "op_overhead",
-    "optimizer_bench",
-    "diagnostics_overhead",
-    "timeline_cost",
-    "startup_bench",
-]
+BENCHMARKS = ["allreduce_bench", "op_overhead", "optimizer_bench", "diagnostics_overhead", "timeline_cost",
+              "startup_bench"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,12 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for name in names:
         start = time.monotonic()
-        proc = subprocess.run(
-            [sys.executable, str(HERE / f"{name}.py"), "--quick", "--out", str(args.out)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        proc = subprocess.run([sys.executable, str(HERE / f"{name}.py"), "--quick", "--out", str(args.out)],
+                              capture_output=True, text=True, check=False)
         took = time.monotonic() - start
         if proc.returncode == 0:
             print(f"{name:22s} ok      {took:5.1f} s  {args.out / (name + '.md')}", flush=True)

@@ -69,24 +69,14 @@ def _job(cluster: netns.Cluster, flags: list[str], command: list[str], work: Pat
     return job.stdout
 
 
-def _worker(
-    cluster: netns.Cluster,
-    hosts: int,
-    slots: int,
-    mode: str,
-    work: Path,
-    args: list[str],
-    env: list[str] | None = None,
-    timeout: float = 400,
-    tag: str = "",
-) -> dict[str, Any]:
+def _worker(cluster: netns.Cluster, hosts: int, slots: int, mode: str, work: Path, args: list[str],
+            env: list[str] | None = None, timeout: float = 400, tag: str = "") -> dict[str, Any]:
     out = work / f"{mode}{tag}-{hosts}x{slots}.json"
     flags = _hosts_flag(cluster, hosts, slots) + [x for kv in (env or []) for x in ("-x", kv)]
     log.info("%s on %d host(s) x %d", mode, hosts, slots)
     before = os.getloadavg()[0]
-    _job(
-        cluster, flags, [sys.executable, WORKER, mode, "--out", str(out), *args], work / f"{mode}{tag}{hosts}", timeout
-    )
+    _job(cluster, flags, [sys.executable, WORKER, mode, "--out", str(out), *args], work / f"{mode}{tag}{hosts}",
+         timeout)
     record: dict[str, Any] = json.loads(out.read_text())
     record["load_avg"] = [round(before, 1), round(os.getloadavg()[0], 1)]  # 1-minute, at start and end
     out.write_text(json.dumps(record, indent=1) + "\n")  # --from-work reads it back
@@ -97,23 +87,8 @@ def run_sweep(cluster: netns.Cluster, ns: argparse.Namespace, work: Path) -> dic
     out = work / "sweep.json"
     flags = _hosts_flag(cluster, 2, 1)
     before = os.getloadavg()[0]
-    _job(
-        cluster,
-        flags,
-        [
-            str(Path(sys.executable).parent / "hora"),
-            "bench",
-            "allreduce",
-            "--sizes",
-            ns.sweep_sizes,
-            "--repeats",
-            str(ns.repeats),
-            "--json",
-            str(out),
-        ],
-        work / "sweep",
-        400,
-    )
+    _job(cluster, flags, [str(Path(sys.executable).parent / "hora"), "bench", "allreduce", "--sizes", ns.sweep_sizes,
+                          "--repeats", str(ns.repeats), "--json", str(out)], work / "sweep", 400)
     record: dict[str, Any] = json.loads(out.read_text())
     record["load_avg"] = [round(before, 1), round(os.getloadavg()[0], 1)]
     out.write_text(json.dumps(record, indent=1) + "\n")
@@ -124,26 +99,9 @@ def run_sweep16(cluster: netns.Cluster, ns: argparse.Namespace, work: Path) -> d
     """``hora bench allreduce --compression fp16`` on 2 hosts x 1 rank: the planner's 16-bit wire."""
     out = work / "sweep16.json"
     before = os.getloadavg()[0]
-    _job(
-        cluster,
-        _hosts_flag(cluster, 2, 1),
-        [
-            str(Path(sys.executable).parent / "hora"),
-            "bench",
-            "allreduce",
-            "--sizes",
-            ns.sweep16_sizes,
-            "--compression",
-            "fp16",
-            "--repeats",
-            str(ns.repeats),
-            "--no-links",
-            "--json",
-            str(out),
-        ],
-        work / "sweep16",
-        400,
-    )
+    _job(cluster, _hosts_flag(cluster, 2, 1),
+         [str(Path(sys.executable).parent / "hora"), "bench", "allreduce", "--sizes", ns.sweep16_sizes, "--compression",
+          "fp16", "--repeats", str(ns.repeats), "--no-links", "--json", str(out)], work / "sweep16", 400)
     record: dict[str, Any] = json.loads(out.read_text())
     record["load_avg"] = [round(before, 1), round(os.getloadavg()[0], 1)]
     out.write_text(json.dumps(record, indent=1) + "\n")
@@ -152,25 +110,11 @@ def run_sweep16(cluster: netns.Cluster, ns: argparse.Namespace, work: Path) -> d
 
 def run_synthetic(cluster: netns.Cluster, ns: argparse.Namespace, work: Path) -> dict[str, Any]:
     """The synthetic benchmark on 2 shaped hosts and on one host over loopback, the jobs alternated."""
-    args = [
-        "--model",
-        ns.synthetic_model,
-        "--batch-size",
-        str(ns.synthetic_batch),
-        "--num-warmup-batches",
-        "1",
-        "--num-batches-per-iter",
-        "2",
-        "--num-iters",
-        "3",
-        "--image-size",
-        str(ns.synthetic_image),
-    ]
+    args = ["--model", ns.synthetic_model, "--batch-size", str(ns.synthetic_batch), "--num-warmup-batches", "1",
+            "--num-batches-per-iter", "2", "--num-iters", "3", "--image-size", str(ns.synthetic_image)]
     command = [sys.executable, SYNTHETIC, *args]
-    layouts = {
-        "shaped_2_hosts": _hosts_flag(cluster, 2, 1),
-        "loopback_1_host": ["-np", "2", "-H", f"{cluster.hosts[0].addr}:2", *jobs.hora_ssh_flags(cluster)],
-    }
+    layouts = {"shaped_2_hosts": _hosts_flag(cluster, 2, 1),
+               "loopback_1_host": ["-np", "2", "-H", f"{cluster.hosts[0].addr}:2", *jobs.hora_ssh_flags(cluster)]}
     samples: dict[str, list[float]] = {k: [] for k in layouts}
     outputs: dict[str, str] = {}
     names = list(layouts)
@@ -205,26 +149,16 @@ def main() -> int:
     p.add_argument("--synthetic-image", type=int, default=64)
     p.add_argument("--synthetic-repeats", type=int, default=2)
     p.add_argument("--opt-image", type=int, default=32)
-    p.add_argument(
-        "--opt-model",
-        default="wide-mlp",
-        help="optimizer: the model (default wide-mlp: ~100 MB of gradients, little compute, so the wire is the limit)",
-    )
-    p.add_argument(
-        "--opt-optimizers",
-        default="sgd,momentum,adam",
-        help="optimizer: the torch optimizers to run it with (sgd, momentum, adam)",
-    )
+    p.add_argument("--opt-model", default="wide-mlp", help="optimizer: the model (default wide-mlp: ~100 MB of "
+                   "gradients, little compute, so the wire is the limit)")
+    p.add_argument("--opt-optimizers", default="sgd,momentum,adam",
+                   help="optimizer: the torch optimizers to run it with (sgd, momentum, adam)")
     p.add_argument("--name", default="shaped_links", help="results file name (without extension)")
     p.add_argument("--quick", action="store_true", help="200 Mbit, small sizes, few repeats: a smoke run")
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument(
-        "--from-work",
-        type=Path,
-        metavar="DIR",
-        help="no measuring: rebuild the report from the work directory (hora-shaped-*) of a run that "
-        "was stopped early (the parts it finished, the synthetic jobs it completed)",
-    )
+    p.add_argument("--from-work", type=Path, metavar="DIR",
+                   help="no measuring: rebuild the report from the work directory (hora-shaped-*) of a run that "
+                        "was stopped early (the parts it finished, the synthetic jobs it completed)")
     p.add_argument("--from-json", type=Path, metavar="PATH", help="no measuring: redraw the report of a record")
     ns = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -243,13 +177,8 @@ def main() -> int:
     parts = [x for x in ns.only.split(",") if x]
     ps_hosts = [int(x) for x in ns.ps_hosts.split(",")]
     n_hosts = max([2] + (ps_hosts if "ps" in parts else []) + ([3] if "hierarchical" in parts else []))
-    data: dict[str, Any] = {
-        "machine": machine_info(),
-        "rate_mbit": ns.rate_mbit,
-        "bytes": ns.bytes,
-        "repeats": ns.repeats,
-        "parts": {},
-    }
+    data: dict[str, Any] = {"machine": machine_info(), "rate_mbit": ns.rate_mbit, "bytes": ns.bytes,
+                            "repeats": ns.repeats, "parts": {}}
     work = Path(tempfile.mkdtemp(prefix="hora-shaped-"))
     started = time.monotonic()
     with netns.Cluster.build(range(2, 2 + n_hosts)) as cluster:
@@ -261,66 +190,31 @@ def main() -> int:
         if "sweep16" in parts:
             res["sweep16"] = run_sweep16(cluster, ns, work)
         if "compression" in parts:
-            res["compression"] = _worker(
-                cluster, 2, 1, "compression", work, ["--bytes", str(ns.bytes), "--repeats", str(ns.repeats)]
-            )
+            res["compression"] = _worker(cluster, 2, 1, "compression", work,
+                                         ["--bytes", str(ns.bytes), "--repeats", str(ns.repeats)])
         if "gradsync" in parts:
-            res["gradsync"] = _worker(
-                cluster,
-                2,
-                1,
-                "gradsync",
-                work,
-                [
-                    "--model",
-                    "mlp" if ns.quick else ns.opt_model,
-                    "--image-size",
-                    str(ns.opt_image),
-                    "--repeats",
-                    str(ns.repeats),
-                ],
-            )
+            res["gradsync"] = _worker(cluster, 2, 1, "gradsync", work,
+                                      ["--model", "mlp" if ns.quick else ns.opt_model, "--image-size",
+                                       str(ns.opt_image), "--repeats", str(ns.repeats)])
         if "optimizer" in parts:
             for name in ns.opt_optimizers.split(","):
                 tag = "" if name == "sgd" else f"_{name}"
                 res[f"optimizer{tag}"] = _worker(
-                    cluster,
-                    2,
-                    1,
-                    "optimizer",
-                    work,
-                    [
-                        "--model",
-                        "mlp" if ns.quick else ns.opt_model,
-                        "--image-size",
-                        str(ns.opt_image),
-                        "--repeats",
-                        str(ns.repeats),
-                        "--optimizer",
-                        name,
-                        *(["--one-bucket"] if name == "sgd" else []),
-                    ],
-                    tag=tag,
-                )
+                    cluster, 2, 1, "optimizer", work,
+                    ["--model", "mlp" if ns.quick else ns.opt_model, "--image-size", str(ns.opt_image),
+                     "--repeats", str(ns.repeats), "--optimizer", name, *(["--one-bucket"] if name == "sgd" else [])],
+                    tag=tag)
         if "ps" in parts:
-            res["ps"] = {
-                str(h): _worker(cluster, h, 1, "ps", work, ["--bytes", str(ns.bytes), "--repeats", str(ns.repeats)])
-                for h in ps_hosts
-            }
+            res["ps"] = {str(h): _worker(cluster, h, 1, "ps", work, ["--bytes", str(ns.bytes),
+                                                                      "--repeats", str(ns.repeats)])
+                         for h in ps_hosts}
         if "wire16" in parts:
-            res["wire16"] = _worker(
-                cluster, 2, 1, "wire16", work, ["--bytes", str(ns.bytes), "--repeats", str(ns.repeats)]
-            )
+            res["wire16"] = _worker(cluster, 2, 1, "wire16", work,
+                                    ["--bytes", str(ns.bytes), "--repeats", str(ns.repeats)])
         if "hierarchical" in parts:
-            res["hierarchical"] = _worker(
-                cluster,
-                3,
-                2,
-                "hierarchical",
-                work,
-                ["--bytes", str(ns.hier_bytes), "--repeats", str(ns.repeats)],
-                env=["HOROVOD_HIERARCHICAL_ALLREDUCE=1"],
-            )
+            res["hierarchical"] = _worker(cluster, 3, 2, "hierarchical", work,
+                                          ["--bytes", str(ns.hier_bytes), "--repeats", str(ns.repeats)],
+                                          env=["HOROVOD_HIERARCHICAL_ALLREDUCE=1"])
         if "synthetic" in parts:
             res["synthetic"] = run_synthetic(cluster, ns, work)
     data["wall_s"] = time.monotonic() - started
@@ -348,13 +242,9 @@ def from_work(work: Path, ns: argparse.Namespace) -> dict[str, Any]:
     ps = {p.stem.split("-")[1].split("x")[0]: json.loads(p.read_text()) for p in sorted(work.glob("ps-*x1.json"))}
     if ps:
         parts["ps"] = dict(sorted(ps.items(), key=lambda kv: int(kv[0])))
-    for mode, pattern in (
-        ("compression", "compression-*.json"),
-        ("wire16", "wire16-*.json"),
-        ("gradsync", "gradsync-*.json"),
-        ("optimizer", "optimizer-*.json"),
-        ("hierarchical", "hierarchical-*.json"),
-    ):
+    for mode, pattern in (("compression", "compression-*.json"), ("wire16", "wire16-*.json"),
+                          ("gradsync", "gradsync-*.json"), ("optimizer", "optimizer-*.json"),
+                          ("hierarchical", "hierarchical-*.json")):
         found = sorted(work.glob(pattern))
         if found:
             parts[mode] = json.loads(found[0].read_text())
@@ -370,31 +260,11 @@ def from_work(work: Path, ns: argparse.Namespace) -> dict[str, Any]:
     if len(synthetic) == 2:  # both layouts: the cycles every layout completed
         done = min(len(v) for v in synthetic.values())
         synthetic = {k: v[:done] for k, v in synthetic.items()}
-        parts["synthetic"] = {
-            "args": [
-                "--model",
-                ns.synthetic_model,
-                "--batch-size",
-                str(ns.synthetic_batch),
-                "--num-warmup-batches",
-                "1",
-                "--num-batches-per-iter",
-                "2",
-                "--num-iters",
-                "3",
-                "--image-size",
-                str(ns.synthetic_image),
-            ],
-            "samples": synthetic,
-        }
-    return {
-        "machine": machine_info(),
-        "rate_mbit": ns.rate_mbit,
-        "bytes": ns.bytes,
-        "repeats": ns.repeats,
-        "parts": parts,
-        "rebuilt_from": str(work),
-    }
+        parts["synthetic"] = {"args": ["--model", ns.synthetic_model, "--batch-size", str(ns.synthetic_batch),
+                                       "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "3",
+                                       "--image-size", str(ns.synthetic_image)], "samples": synthetic}
+    return {"machine": machine_info(), "rate_mbit": ns.rate_mbit, "bytes": ns.bytes, "repeats": ns.repeats,
+            "parts": parts, "rebuilt_from": str(work)}
 
 
 def _ratio(num: list[float], den: list[float]) -> dict[str, float]:
@@ -402,13 +272,9 @@ def _ratio(num: list[float], den: list[float]) -> dict[str, float]:
 
 
 _OPT_NAMES = {"sgd": "SGD", "momentum": "SGD with momentum 0.9", "adam": "Adam"}
-_OPT_VARIANTS = {
-    "ddp": "DDP",
-    "hora": "hora DistributedOptimizer (25 MB buckets; update overlaps the wire)",
-    "hora_sync_first": "hora, update after every bucket is back (`synchronize()`, then `step()`)",
-    "hora_one_bucket": "hora, one bucket (num_groups=1)",
-    "local": "no sync (compute)",
-}
+_OPT_VARIANTS = {"ddp": "DDP", "hora": "hora DistributedOptimizer (25 MB buckets; update overlaps the wire)",
+                 "hora_sync_first": "hora, update after every bucket is back (`synchronize()`, then `step()`)",
+                 "hora_one_bucket": "hora, one bucket (num_groups=1)", "local": "no sync (compute)"}
 
 
 def _optimizer_section(key: str, rec: dict[str, Any], md: list[str], figures: dict[str, Any]) -> None:
@@ -421,27 +287,14 @@ def _optimizer_section(key: str, rec: dict[str, Any], md: list[str], figures: di
             figures[key][f"{variant.removeprefix('hora_')}_over_ddp"] = _ratio(smp[variant], smp["ddp"])
     inputs = "" if rec["model"].endswith("mlp") else f" of {rec['image_size']}px images"
     optimizer = _OPT_NAMES.get(rec.get("optimizer", "sgd"), rec.get("optimizer", "sgd"))
-    md.append(
-        f"## DistributedOptimizer against DDP, {optimizer}, 2 hosts, {rec['model']} "
-        f"({_mb(rec['gradient_bytes'])} of gradients), batch {rec['batch_size']}{inputs}{_load(rec)}\n"
-    )
+    md.append(f"## DistributedOptimizer against DDP, {optimizer}, 2 hosts, {rec['model']} "
+              f"({_mb(rec['gradient_bytes'])} of gradients), batch {rec['batch_size']}{inputs}{_load(rec)}\n")
     busy = {k: statistics.median(v) for k, v in rec.get("cpu_busy", {}).items() if v}
-    md.append(
-        markdown_table(
-            ["variant", "median step", "time / DDP's", "cores busy"],
-            [
-                [
-                    _OPT_VARIANTS.get(k, k),
-                    f"{statistics.median(v):.3f} s",
-                    ""
-                    if k == "ddp"
-                    else f"{_ratio(v, smp['ddp'])['median']:.2f}x ({_ratio(v, smp['ddp'])['spread']:.0%})",
-                    f"{busy[k]:.0%}" if k in busy else "-",
-                ]
-                for k, v in smp.items()
-            ],
-        )
-    )
+    md.append(markdown_table(["variant", "median step", "time / DDP's", "cores busy"],
+                             [[_OPT_VARIANTS.get(k, k), f"{statistics.median(v):.3f} s",
+                               "" if k == "ddp" else f"{_ratio(v, smp['ddp'])['median']:.2f}x "
+                               f"({_ratio(v, smp['ddp'])['spread']:.0%})",
+                               f"{busy[k]:.0%}" if k in busy else "-"] for k, v in smp.items()]))
 
 
 def analyse(data: dict[str, Any]) -> dict[str, Any]:
@@ -449,53 +302,35 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
     parts, rate = data["parts"], data["rate_mbit"]
     line_Bps = rate * 1e6 / 8
     figures: dict[str, Any] = {}
-    md = [
-        f"# hora on shaped links: {rate:g} Mbit/s per host cable, each way\n",
-        "Simulated hosts (network namespaces + veth + bridge, tc tbf on both ends of every cable), jobs started "
-        "by `hora run` over ssh. Every figure is a per-cycle ratio of variants alternated in one run (rotating "
-        f"order), median with spread; {data['repeats']} cycles. The machine (2 cores) was shared with other "
-        f"work while this ran (load average {_machine_load(data)}).\n",
-    ]
+    md = [f"# hora on shaped links: {rate:g} Mbit/s per host cable, each way\n",
+          "Simulated hosts (network namespaces + veth + bridge, tc tbf on both ends of every cable), jobs started "
+          "by `hora run` over ssh. Every figure is a per-cycle ratio of variants alternated in one run (rotating "
+          f"order), median with spread; {data['repeats']} cycles. The machine (2 cores) was shared with other "
+          f"work while this ran (load average {_machine_load(data)}).\n"]
     if "note" in data:
         md.append(f"{data['note']}\n")
     if "rebuilt_from" in data:
-        md.append(
-            "This report was rebuilt (`--from-work`) from the parts a run finished before it was stopped; "
-            "the synthetic benchmark's figures are the jobs that completed.\n"
-        )
+        md.append("This report was rebuilt (`--from-work`) from the parts a run finished before it was stopped; "
+                  "the synthetic benchmark's figures are the jobs that completed.\n")
     plan = None
     if "sweep" in parts:
         sweep = parts["sweep"]
         plan = planner.fit_sweep(sweep, min_bytes=1 << 20)
         rows = sweep["rows"]
         big = rows[-1]
-        figures["busbw_fraction_of_line"] = {
-            "raw": big["raw"]["busbw_GBps"] * 1e9 / line_Bps,
-            "hora": big["hora"]["busbw_GBps"] * 1e9 / line_Bps,
-            "size": big["size"],
-        }
+        figures["busbw_fraction_of_line"] = {"raw": big["raw"]["busbw_GBps"] * 1e9 / line_Bps,
+                                             "hora": big["hora"]["busbw_GBps"] * 1e9 / line_Bps,
+                                             "size": big["size"]}
         md.append(f"## allreduce sweep, 2 hosts x 1 rank (`hora bench allreduce`){_load(sweep)}\n")
-        md.append(
-            markdown_table(
-                ["size", "raw busbw MB/s", "hora busbw MB/s", "hora busbw / line rate", "hora speed vs raw"],
-                [
-                    [
-                        _mb(r["size"]),
-                        f"{r['raw']['busbw_GBps'] * 1e3:.1f}",
-                        f"{r['hora']['busbw_GBps'] * 1e3:.1f}",
-                        f"{r['hora']['busbw_GBps'] * 1e9 / line_Bps:.2f}",
-                        f"{r['speed_vs_raw']['median']:.2f}x ({r['speed_vs_raw']['spread']:.0%})",
-                    ]
-                    for r in rows
-                ],
-            )
-        )
+        md.append(markdown_table(
+            ["size", "raw busbw MB/s", "hora busbw MB/s", "hora busbw / line rate", "hora speed vs raw"],
+            [[_mb(r["size"]), f"{r['raw']['busbw_GBps'] * 1e3:.1f}", f"{r['hora']['busbw_GBps'] * 1e3:.1f}",
+              f"{r['hora']['busbw_GBps'] * 1e9 / line_Bps:.2f}",
+              f"{r['speed_vs_raw']['median']:.2f}x ({r['speed_vs_raw']['spread']:.0%})"] for r in rows]))
         assert plan.inter is not None
-        md.append(
-            f"\nPlanner fit (sizes >= 1 MB): alpha {plan.inter.alpha * 1e6:.0f} µs, bandwidth "
-            f"{plan.inter.gbps * 1e3:.0f} Mbit/s (line {rate:g}), worst fit error "
-            f"{plan.inter.max_rel_err:.1%}.\n"
-        )
+        md.append(f"\nPlanner fit (sizes >= 1 MB): alpha {plan.inter.alpha * 1e6:.0f} µs, bandwidth "
+                  f"{plan.inter.gbps * 1e3:.0f} Mbit/s (line {rate:g}), worst fit error "
+                  f"{plan.inter.max_rel_err:.1%}.\n")
         figures["fit"] = planner.as_dict(plan)
     validation: list[list[Any]] = []
     plan16 = None
@@ -503,12 +338,10 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
         plan16 = planner.fit_sweep(parts["sweep16"], min_bytes=1 << 20)
         figures["fit16"] = planner.as_dict(plan16)
         if plan16.wire16 is not None:
-            md.append(
-                f"Planner fit of the fp16 sweep (`hora bench allreduce --compression fp16`, sizes >= 1 MB"
-                f"{_load(parts['sweep16'])}): 16-bit wire alpha {plan16.wire16.alpha * 1e6:.0f} µs, "
-                f"{plan16.wire16.gbps * 1e3:.0f} Mbit/s of 16-bit data, worst fit error "
-                f"{plan16.wire16.max_rel_err:.1%}.\n"
-            )
+            md.append(f"Planner fit of the fp16 sweep (`hora bench allreduce --compression fp16`, sizes >= 1 MB"
+                      f"{_load(parts['sweep16'])}): 16-bit wire alpha {plan16.wire16.alpha * 1e6:.0f} µs, "
+                      f"{plan16.wire16.gbps * 1e3:.0f} Mbit/s of 16-bit data, worst fit error "
+                      f"{plan16.wire16.max_rel_err:.1%}.\n")
     if "ps" in parts:
         md.append("## ring allreduce against a parameter server, single-rank hosts\n")
         rows_md = []
@@ -525,257 +358,131 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
                     validation.append([f"ring allreduce, {h} hosts, {_mb(rec['bytes'])}", pr, ring_s])
                 validation.append([f"parameter server, {h} hosts, {_mb(rec['bytes'])}", pp, ps_s])
             busy = {k: statistics.median(v) for k, v in rec.get("cpu_busy", {}).items() if v}
-            figures["ps"][hosts] = {
-                "ratio": ratio,
-                "model_ratio": model_ratio,
-                "ring_s": ring_s,
-                "ps_s": ps_s,
-                "cpu_busy": busy or None,
-            }
+            figures["ps"][hosts] = {"ratio": ratio, "model_ratio": model_ratio, "ring_s": ring_s, "ps_s": ps_s,
+                                    "cpu_busy": busy or None}
             load = rec.get("load_avg")
-            rows_md.append(
-                [
-                    h,
-                    f"{ring_s:.2f} s",
-                    f"{ps_s:.2f} s",
-                    f"{ratio['median']:.2f}x ({ratio['spread']:.0%})",
-                    f"{model_ratio:.2f}x" if model_ratio else "-",
-                    "3.2x (8 nodes)" if h == 8 else "",
-                    f"{busy['ring']:.0%} / {busy['ps']:.0%}" if busy else "-",
-                    f"{load[0]:g} -> {load[1]:g}" if load else "-",
-                ]
-            )
-        md.append(
-            markdown_table(
-                [
-                    "hosts",
-                    "ring (median)",
-                    "parameter server (median)",
-                    "ring speed-up (measured)",
-                    "model",
-                    "often quoted",
-                    "cores busy: ring / server",
-                    "load average",
-                ],
-                rows_md,
-            )
-        )
-        md.append(
-            "\nThe bandwidth model: the server's cable carries (N-1) S each way against the ring's 2(N-1)/N S "
-            "per cable, N/2 times the bytes; chunking overlaps the server's receiving and sending. "
-            "*Cores busy*: the share of the machine's cores (all the simulated hosts share them) that were "
-            "busy while each variant ran, median over the cycles (/proc/stat); near 100% the CPU, not the "
-            "cables, sets the time.\n"
-        )
+            rows_md.append([h, f"{ring_s:.2f} s", f"{ps_s:.2f} s", f"{ratio['median']:.2f}x ({ratio['spread']:.0%})",
+                            f"{model_ratio:.2f}x" if model_ratio else "-", "3.2x (8 nodes)" if h == 8 else "",
+                            f"{busy['ring']:.0%} / {busy['ps']:.0%}" if busy else "-",
+                            f"{load[0]:g} -> {load[1]:g}" if load else "-"])
+        md.append(markdown_table(["hosts", "ring (median)", "parameter server (median)",
+                                  "ring speed-up (measured)", "model", "often quoted",
+                                  "cores busy: ring / server", "load average"], rows_md))
+        md.append("\nThe bandwidth model: the server's cable carries (N-1) S each way against the ring's 2(N-1)/N S "
+                  "per cable, N/2 times the bytes; chunking overlaps the server's receiving and sending. "
+                  "*Cores busy*: the share of the machine's cores (all the simulated hosts share them) that were "
+                  "busy while each variant ran, median over the cycles (/proc/stat); near 100% the CPU, not the "
+                  "cables, sets the time.\n")
     if "compression" in parts:
         rec = parts["compression"]
         smp = rec["samples"]
         busy = {k: statistics.median(v) for k, v in rec.get("cpu_busy", {}).items() if v}
         fp16 = _ratio(smp["none"], smp["fp16"])
         bf16 = _ratio(smp["none"], smp["bf16"])
-        figures["compression"] = {
-            "fp16_speedup": fp16,
-            "bf16_speedup": bf16,
-            "load_avg": rec.get("load_avg"),
-            "cpu_busy": busy or None,
-        }
-        md.append(
-            f"## compression, 2 hosts, `hvd.allreduce` (out-of-place, Average) of {_mb(rec['bytes'])}{_load(rec)}\n"
-        )
-        md.append(
-            markdown_table(
-                ["variant", "median time", "speed-up against none", "cores busy"],
-                [
-                    [
-                        k,
-                        f"{statistics.median(smp[k]):.3f} s",
-                        "1.00x"
-                        if k == "none"
-                        else f"{_ratio(smp['none'], smp[k])['median']:.2f}x "
-                        f"({_ratio(smp['none'], smp[k])['spread']:.0%})",
-                        f"{busy[k]:.0%}" if k in busy else "-",
-                    ]
-                    for k in ("none", "fp16", "bf16")
-                ],
-            )
-        )
+        figures["compression"] = {"fp16_speedup": fp16, "bf16_speedup": bf16, "load_avg": rec.get("load_avg"),
+                                  "cpu_busy": busy or None}
+        md.append(f"## compression, 2 hosts, `hvd.allreduce` (out-of-place, Average) of {_mb(rec['bytes'])}"
+                  f"{_load(rec)}\n")
+        md.append(markdown_table(["variant", "median time", "speed-up against none", "cores busy"],
+                                 [[k, f"{statistics.median(smp[k]):.3f} s",
+                                   "1.00x" if k == "none" else f"{_ratio(smp['none'], smp[k])['median']:.2f}x "
+                                   f"({_ratio(smp['none'], smp[k])['spread']:.0%})",
+                                   f"{busy[k]:.0%}" if k in busy else "-"] for k in ("none", "fp16", "bf16")]))
         if plan is not None or plan16 is not None:
             for name in ("none", "fp16", "bf16"):
                 by = plan16 if plan16 is not None else plan
                 assert by is not None
                 fit = " (fp16 sweep's fit)" if by is plan16 else ""
-                validation.append(
-                    [
-                        f"hvd.allreduce {name}, Average, 2 hosts, {_mb(rec['bytes'])}{fit}",
-                        by.hora_allreduce(rec["bytes"], 2, compression=name, call="out_of_place", average=True),
-                        statistics.median(rec["samples"][name]),
-                        by.allreduce(rec["bytes"] / (1 if name == "none" else 2), 2),
-                    ]
-                )
+                validation.append([f"hvd.allreduce {name}, Average, 2 hosts, {_mb(rec['bytes'])}{fit}",
+                                   by.hora_allreduce(rec["bytes"], 2, compression=name, call="out_of_place",
+                                                     average=True),
+                                   statistics.median(rec["samples"][name]),
+                                   by.allreduce(rec["bytes"] / (1 if name == "none" else 2), 2)])
     if "wire16" in parts:
         rec = parts["wire16"]
         smp = rec["samples"]
         figures["wire16"] = {k: _ratio(smp["fp32"], smp[k]) for k in smp if k != "fp32"}
         figures["wire16"]["load_avg"] = rec.get("load_avg")
-        md.append(
-            f"## where a 16-bit allreduce's time goes: raw in-place allreduce of {_mb(rec['bytes'])} "
-            f"(as float32), 2 hosts{_load(rec)}\n"
-        )
-        md.append(
-            markdown_table(
-                ["variant", "median time", "speed-up against float32"],
-                [
-                    [
-                        k,
-                        f"{statistics.median(v):.3f} s",
-                        "1.00x"
-                        if k == "fp32"
-                        else f"{figures['wire16'][k]['median']:.2f}x ({figures['wire16'][k]['spread']:.0%})",
-                    ]
-                    for k, v in smp.items()
-                ],
-            )
-        )
-        md.append(
-            "\n`*_gloo_sum`: `dist.all_reduce` of the 16-bit tensor (Gloo sums in 16 bits); `*_wire16`: "
-            "benchmarks/wire16.py (alltoall of 16-bit chunks, float32 sum, allgather of 16-bit).\n"
-        )
+        md.append(f"## where a 16-bit allreduce's time goes: raw in-place allreduce of {_mb(rec['bytes'])} "
+                  f"(as float32), 2 hosts{_load(rec)}\n")
+        md.append(markdown_table(["variant", "median time", "speed-up against float32"],
+                                 [[k, f"{statistics.median(v):.3f} s",
+                                   "1.00x" if k == "fp32" else f"{figures['wire16'][k]['median']:.2f}x "
+                                   f"({figures['wire16'][k]['spread']:.0%})"] for k, v in smp.items()]))
+        md.append("\n`*_gloo_sum`: `dist.all_reduce` of the 16-bit tensor (Gloo sums in 16 bits); `*_wire16`: "
+                  "benchmarks/wire16.py (alltoall of 16-bit chunks, float32 sum, allgather of 16-bit).\n")
     if "gradsync" in parts:
         rec = parts["gradsync"]
         smp = rec["samples"]
         sync = {k: [t - c for t, c in zip(smp[k], smp["local"])] for k in ("none", "fp16", "bf16")}
-        figures["gradsync"] = {
-            "step": {k: _ratio(smp["none"], smp[k]) for k in ("fp16", "bf16")},
-            "sync": {k: _ratio(sync["none"], sync[k]) for k in ("fp16", "bf16")},
-            "load_avg": rec.get("load_avg"),
-        }
-        md.append(
-            f"## gradient sync in training: DistributedOptimizer, 2 hosts, {rec['model']} "
-            f"({_mb(rec['gradient_bytes'])} of gradients){_load(rec)}\n"
-        )
+        figures["gradsync"] = {"step": {k: _ratio(smp["none"], smp[k]) for k in ("fp16", "bf16")},
+                               "sync": {k: _ratio(sync["none"], sync[k]) for k in ("fp16", "bf16")},
+                               "load_avg": rec.get("load_avg")}
+        md.append(f"## gradient sync in training: DistributedOptimizer, 2 hosts, {rec['model']} "
+                  f"({_mb(rec['gradient_bytes'])} of gradients){_load(rec)}\n")
         gbusy = {k: statistics.median(v) for k, v in rec.get("cpu_busy", {}).items() if v}
-        md.append(
-            markdown_table(
-                [
-                    "variant",
-                    "median step",
-                    "step speed-up against none",
-                    "sync (step - no-sync step), median",
-                    "sync speed-up against none",
-                    "cores busy",
-                ],
-                [
-                    [
-                        k,
-                        f"{statistics.median(smp[k]):.3f} s",
-                        ""
-                        if k in ("none", "local")
-                        else f"{figures['gradsync']['step'][k]['median']:.2f}x "
-                        f"({figures['gradsync']['step'][k]['spread']:.0%})",
-                        f"{statistics.median(sync[k]):.3f} s" if k in sync else "-",
-                        ""
-                        if k in ("none", "local")
-                        else f"{figures['gradsync']['sync'][k]['median']:.2f}x "
-                        f"({figures['gradsync']['sync'][k]['spread']:.0%})",
-                        f"{gbusy[k]:.0%}" if k in gbusy else "-",
-                    ]
-                    for k in ("none", "fp16", "bf16", "local")
-                ],
-            )
-        )
-        md.append(
-            "\n`local`: the same step with a plain optimizer and no sync (the compute); sync = step - local "
-            "per cycle.\n"
-        )
+        md.append(markdown_table(
+            ["variant", "median step", "step speed-up against none", "sync (step - no-sync step), median",
+             "sync speed-up against none", "cores busy"],
+            [[k, f"{statistics.median(smp[k]):.3f} s",
+              "" if k in ("none", "local") else f"{figures['gradsync']['step'][k]['median']:.2f}x "
+              f"({figures['gradsync']['step'][k]['spread']:.0%})",
+              f"{statistics.median(sync[k]):.3f} s" if k in sync else "-",
+              "" if k in ("none", "local") else f"{figures['gradsync']['sync'][k]['median']:.2f}x "
+              f"({figures['gradsync']['sync'][k]['spread']:.0%})",
+              f"{gbusy[k]:.0%}" if k in gbusy else "-"] for k in ("none", "fp16", "bf16", "local")]))
+        md.append("\n`local`: the same step with a plain optimizer and no sync (the compute); sync = step - local "
+                  "per cycle.\n")
     for key in [k for k in parts if k.startswith("optimizer")]:
         _optimizer_section(key, parts[key], md, figures)
     if "hierarchical" in parts:
         rec = parts["hierarchical"]
         ratio = _ratio(rec["samples"]["flat"], rec["samples"]["hierarchical"])
         flat_over = {k: _ratio(rec["samples"]["flat"], v) for k, v in rec["samples"].items()}
-        figures["hierarchical"] = {
-            "speedup": ratio,
-            "load_avg": rec.get("load_avg"),
-            "way": rec.get("way"),
-            "flat_over": flat_over,
-        }
+        figures["hierarchical"] = {"speedup": ratio, "load_avg": rec.get("load_avg"), "way": rec.get("way"),
+                                   "flat_over": flat_over}
         md.append(f"## hierarchical against flat allreduce, 3 hosts x 2 ranks, {_mb(rec['bytes'])}{_load(rec)}\n")
         model = ""
         if plan is not None:
             flat_p = plan.allreduce(rec["bytes"], 3, 2)
-            validation.append(
-                [f"flat ring, 3 hosts x 2, {_mb(rec['bytes'])}", flat_p, statistics.median(rec["samples"]["flat"])]
-            )
-            model = (
-                f"; the bandwidth bound is {(10 / 6) / (4 / 3):.2f}x: per host cable the flat ring on 6 "
-                "ranks carries 2(6-1)/6 S = 1.67 S each way, the hierarchy 2(3-1)/3 S = 1.33 S"
-            )
-        names = {
-            "flat": "flat ring",
-            "hierarchical": f"hierarchical ({rec.get('way', 'leader')} way)",
-            "leader": "hierarchical, leader way (reduce, leaders' ring, broadcast)",
-            "raw_ring": "reference: torch.distributed's ring on the 6 ranks (no hora)",
-            "raw_leaders": "reference: the 3 leaders' ring alone (no hora, no intra-host step)",
-        }
+            validation.append([f"flat ring, 3 hosts x 2, {_mb(rec['bytes'])}", flat_p,
+                               statistics.median(rec["samples"]["flat"])])
+            model = (f"; the bandwidth bound is {(10 / 6) / (4 / 3):.2f}x: per host cable the flat ring on 6 "
+                     "ranks carries 2(6-1)/6 S = 1.67 S each way, the hierarchy 2(3-1)/3 S = 1.33 S")
+        names = {"flat": "flat ring", "hierarchical": f"hierarchical ({rec.get('way', 'leader')} way)",
+                 "leader": "hierarchical, leader way (reduce, leaders' ring, broadcast)",
+                 "raw_ring": "reference: torch.distributed's ring on the 6 ranks (no hora)",
+                 "raw_leaders": "reference: the 3 leaders' ring alone (no hora, no intra-host step)"}
         busy = {k: statistics.median(v) for k, v in rec.get("cpu_busy", {}).items()}
-        rows = [
-            [
-                names.get(k, k),
-                f"{statistics.median(v):.3f} s",
-                "1.00x" if k == "flat" else f"{flat_over[k]['median']:.2f}x ({flat_over[k]['spread']:.0%})",
-                f"{busy[k]:.0%}" if k in busy else "-",
-            ]
-            for k, v in rec["samples"].items()
-        ]
+        rows = [[names.get(k, k), f"{statistics.median(v):.3f} s",
+                 "1.00x" if k == "flat" else f"{flat_over[k]['median']:.2f}x ({flat_over[k]['spread']:.0%})",
+                 f"{busy[k]:.0%}" if k in busy else "-"] for k, v in rec["samples"].items()]
         md.append(markdown_table(["variant", "median time", "speed-up", "cores busy"], rows))
         md.append(f"\nHierarchical speed-up {ratio['median']:.2f}x{model}.\n")
     if "synthetic" in parts:
         rec = parts["synthetic"]
         ratio = _ratio(rec["samples"]["shaped_2_hosts"], rec["samples"]["loopback_1_host"])
-        figures["synthetic"] = {
-            "shaped_over_loopback": ratio,
-            "img_s": {k: summarize(v) for k, v in rec["samples"].items()},
-        }
+        figures["synthetic"] = {"shaped_over_loopback": ratio,
+                                "img_s": {k: summarize(v) for k, v in rec["samples"].items()}}
         md.append("## the synthetic benchmark (Horovod's example's behaviour) under `hora run`\n")
         md.append(f"`{' '.join(rec['args'])}`, 2 ranks\n\n")
-        md.append(
-            markdown_table(
-                ["layout", "total img/s (median)", "against loopback"],
-                [
-                    [k, f"{statistics.median(v):.2f}", f"{_ratio(v, rec['samples']['loopback_1_host'])['median']:.2f}x"]
-                    for k, v in rec["samples"].items()
-                ],
-            )
-        )
+        md.append(markdown_table(["layout", "total img/s (median)", "against loopback"],
+                                 [[k, f"{statistics.median(v):.2f}",
+                                   f"{_ratio(v, rec['samples']['loopback_1_host'])['median']:.2f}x"]
+                                  for k, v in rec["samples"].items()]))
     if validation:
         rows_v = [(v[0], v[1], v[2], v[3] if len(v) > 3 else v[1]) for v in validation]
         errs = [abs(p - m) / m for _, p, m, _ in rows_v]
-        figures["planner_validation"] = [
-            {
-                "config": c,
-                "predicted_s": p,
-                "measured_s": m,
-                "error": abs(p - m) / m,
-                "wire_only_s": w,
-                "wire_only_error": abs(w - m) / m,
-            }
-            for c, p, m, w in rows_v
-        ]
+        figures["planner_validation"] = [{"config": c, "predicted_s": p, "measured_s": m, "error": abs(p - m) / m,
+                                          "wire_only_s": w, "wire_only_error": abs(w - m) / m}
+                                         for c, p, m, w in rows_v]
         md.append("## the planner on configurations it was not fitted on (fit: the 2-host sweep)\n")
-        md.append(
-            "The prediction is the alpha-beta wire time plus, for hvd.allreduce, the CPU passes hora adds "
-            "(copies, casts, the division), timed by the sweep on each rank (`hora.bench.cpu`); the "
-            "wire-only column is the prediction without them.\n"
-        )
-        md.append(
-            markdown_table(
-                ["configuration", "predicted", "measured", "error", "wire only (error)"],
-                [
-                    [c, f"{p:.3f} s", f"{m:.3f} s", f"{abs(p - m) / m:.1%}", f"{w:.3f} s ({abs(w - m) / m:.0%})"]
-                    for c, p, m, w in rows_v
-                ],
-            )
-        )
+        md.append("The prediction is the alpha-beta wire time plus, for hvd.allreduce, the CPU passes hora adds "
+                  "(copies, casts, the division), timed by the sweep on each rank (`hora.bench.cpu`); the "
+                  "wire-only column is the prediction without them.\n")
+        md.append(markdown_table(["configuration", "predicted", "measured", "error", "wire only (error)"],
+                                 [[c, f"{p:.3f} s", f"{m:.3f} s", f"{abs(p - m) / m:.1%}",
+                                   f"{w:.3f} s ({abs(w - m) / m:.0%})"] for c, p, m, w in rows_v]))
         md.append(f"\nWorst error {max(errs):.1%}, median {statistics.median(errs):.1%}.\n")
     loads = {rec.get("load_avg_source") for rec in parts.values() if isinstance(rec, dict)} - {None}
     if loads:

@@ -45,7 +45,6 @@ def _jiffies() -> tuple[int, int]:
 def timed(fn: Callable[[], Any], busy: list[float] | None = None) -> Callable[[], float]:
     """A sample of ``fn``'s time after a barrier; with ``busy``, also the fraction of the machine's cores that
     were busy meanwhile (appended to it)."""
-
     def sample() -> float:
         dist.barrier()
         before = _jiffies()
@@ -72,10 +71,8 @@ class ParameterServer:
 
     def __call__(self) -> None:
         if self.rank == 0:
-            recvs = [
-                [dist.irecv(self.bufs[w - 1][c], src=w, tag=c) for w in range(1, self.size)]
-                for c in range(len(self.parts))
-            ]  # every receive posted at once
+            recvs = [[dist.irecv(self.bufs[w - 1][c], src=w, tag=c) for w in range(1, self.size)]
+                     for c in range(len(self.parts))]  # every receive posted at once
             sends = []
             for c, part in enumerate(self.parts):
                 total = self.out[c]
@@ -110,18 +107,10 @@ def mode_ps(ns: argparse.Namespace) -> dict[str, Any]:
     expect = hvd.size() * (hvd.size() + 1) / 2
     assert all(bool((o == expect).all()) for o in check.out), "the parameter server summed wrongly"
     busy: dict[str, list[float]] = {"ring": [], "ps": []}
-    samples = alternate(
-        {"ring": timed(lambda: hvd.allreduce_(ring_t, op=hvd.Sum), busy["ring"]), "ps": timed(ps, busy["ps"])},
-        ns.repeats,
-        warmup=1,
-    )
-    return {
-        "bytes": numel * 4,
-        "chunks": ns.chunks,
-        "samples": samples,
-        "cpu_busy": {k: v[-ns.repeats :] for k, v in busy.items()},
-        "cores": os.cpu_count(),
-    }
+    samples = alternate({"ring": timed(lambda: hvd.allreduce_(ring_t, op=hvd.Sum), busy["ring"]),
+                         "ps": timed(ps, busy["ps"])}, ns.repeats, warmup=1)
+    return {"bytes": numel * 4, "chunks": ns.chunks, "samples": samples,
+            "cpu_busy": {k: v[-ns.repeats:] for k, v in busy.items()}, "cores": os.cpu_count()}
 
 
 def mode_compression(ns: argparse.Namespace) -> dict[str, Any]:
@@ -130,8 +119,7 @@ def mode_compression(ns: argparse.Namespace) -> dict[str, Any]:
     t = torch.randn(ns.bytes // 4)
     variants: dict[str, Callable[[], Any]] = {
         name: lambda c=c: hvd.allreduce(t, op=hvd.Average, compression=c)
-        for name, c in (("none", hvd.Compression.none), ("fp16", hvd.Compression.fp16), ("bf16", hvd.Compression.bf16))
-    }
+        for name, c in (("none", hvd.Compression.none), ("fp16", hvd.Compression.fp16), ("bf16", hvd.Compression.bf16))}
     return {"bytes": t.numel() * 4, **_alternate_busy(variants, ns.repeats, warmup=1), "cpu": cpu.measure().as_dict()}
 
 
@@ -149,9 +137,8 @@ def mode_wire16(ns: argparse.Namespace) -> dict[str, Any]:
     return {"bytes": numel * 4, "samples": alternate(variants, ns.repeats, warmup=1)}
 
 
-def _step_fn(
-    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, sync_first: bool = False
-) -> Callable[[], None]:
+def _step_fn(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+             sync_first: bool = False) -> Callable[[], None]:
     """One training step. ``sync_first``: reduce every gradient, then step once (``synchronize()``, then
     ``step()`` under ``skip_synchronize()``), the DistributedOptimizer's update not overlapped with the wire."""
     loss = nn.CrossEntropyLoss()
@@ -182,9 +169,8 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 
 
 def _hora_optimizer(model: nn.Module, optimizer: str = "sgd", **kwargs: Any) -> torch.optim.Optimizer:
-    return hvd.DistributedOptimizer(
-        OPTIMIZERS[optimizer](model.parameters()), named_parameters=model.named_parameters(), **kwargs
-    )
+    return hvd.DistributedOptimizer(OPTIMIZERS[optimizer](model.parameters()),
+                                    named_parameters=model.named_parameters(), **kwargs)
 
 
 def mode_optimizer(ns: argparse.Namespace) -> dict[str, Any]:
@@ -201,26 +187,17 @@ def mode_optimizer(ns: argparse.Namespace) -> dict[str, Any]:
     ddp = nn.parallel.DistributedDataParallel(nets["ddp"])
     x, y = _data(ns)
     make = OPTIMIZERS[ns.optimizer]
-    steps = {
-        "hora": _step_fn(nets["hora"], _hora_optimizer(nets["hora"], ns.optimizer), x, y),
-        "hora_sync_first": _step_fn(
-            nets["hora_sync_first"], _hora_optimizer(nets["hora_sync_first"], ns.optimizer), x, y, sync_first=True
-        ),
-        "ddp": _step_fn(ddp, make(ddp.parameters()), x, y),
-        "local": _step_fn(nets["local"], make(nets["local"].parameters()), x, y),
-    }
+    steps = {"hora": _step_fn(nets["hora"], _hora_optimizer(nets["hora"], ns.optimizer), x, y),
+             "hora_sync_first": _step_fn(nets["hora_sync_first"], _hora_optimizer(nets["hora_sync_first"],
+                                                                                  ns.optimizer), x, y, sync_first=True),
+             "ddp": _step_fn(ddp, make(ddp.parameters()), x, y),
+             "local": _step_fn(nets["local"], make(nets["local"].parameters()), x, y)}
     if ns.one_bucket:
-        steps["hora_one_bucket"] = _step_fn(
-            nets["hora_one_bucket"], _hora_optimizer(nets["hora_one_bucket"], ns.optimizer, num_groups=1), x, y
-        )
-    return {
-        "model": ns.model,
-        "optimizer": ns.optimizer,
-        "gradient_bytes": models.parameter_bytes(nets["hora"]),
-        "image_size": ns.image_size,
-        "batch_size": ns.batch_size,
-        **_alternate_busy(steps, ns.repeats, warmup=2),
-    }
+        steps["hora_one_bucket"] = _step_fn(nets["hora_one_bucket"],
+                                            _hora_optimizer(nets["hora_one_bucket"], ns.optimizer, num_groups=1), x, y)
+    return {"model": ns.model, "optimizer": ns.optimizer, "gradient_bytes": models.parameter_bytes(nets["hora"]),
+            "image_size": ns.image_size, "batch_size": ns.batch_size,
+            **_alternate_busy(steps, ns.repeats, warmup=2)}
 
 
 def mode_gradsync(ns: argparse.Namespace) -> dict[str, Any]:
@@ -234,13 +211,8 @@ def mode_gradsync(ns: argparse.Namespace) -> dict[str, Any]:
     x, y = _data(ns)
     steps = {k: _step_fn(nets[k], _hora_optimizer(nets[k], compression=c), x, y) for k, c in variants.items()}
     steps["local"] = _step_fn(nets["local"], torch.optim.SGD(nets["local"].parameters(), lr=0.01), x, y)
-    return {
-        "model": ns.model,
-        "gradient_bytes": models.parameter_bytes(nets["none"]),
-        "image_size": ns.image_size,
-        "batch_size": ns.batch_size,
-        **_alternate_busy(steps, ns.repeats, warmup=2),
-    }
+    return {"model": ns.model, "gradient_bytes": models.parameter_bytes(nets["none"]), "image_size": ns.image_size,
+            "batch_size": ns.batch_size, **_alternate_busy(steps, ns.repeats, warmup=2)}
 
 
 def mode_hierarchical(ns: argparse.Namespace) -> dict[str, Any]:
@@ -266,7 +238,6 @@ def mode_hierarchical(ns: argparse.Namespace) -> dict[str, Any]:
                 hvd.allreduce_(t, op=hvd.Sum)
             finally:
                 h.mode = chosen
-
         return run
 
     ways: dict[str, Callable[[], Any]] = {"flat": flat, "hierarchical": way(chosen)}
@@ -289,14 +260,8 @@ def mode_hierarchical(ns: argparse.Namespace) -> dict[str, Any]:
     return {"bytes": t.numel() * 4, "way": chosen, **_alternate_busy(variants, ns.repeats, warmup=0)}
 
 
-MODES = {
-    "ps": mode_ps,
-    "compression": mode_compression,
-    "wire16": mode_wire16,
-    "gradsync": mode_gradsync,
-    "optimizer": mode_optimizer,
-    "hierarchical": mode_hierarchical,
-}
+MODES = {"ps": mode_ps, "compression": mode_compression, "wire16": mode_wire16, "gradsync": mode_gradsync,
+         "optimizer": mode_optimizer, "hierarchical": mode_hierarchical}
 
 
 def main() -> None:

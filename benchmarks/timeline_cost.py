@@ -94,28 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in samples.items():
         s = summarize(v)
         ratio = summarize([a / c for a, c in zip(v, samples["calib"])])["median"]  # pair by pair
-        rows.append(
-            [
-                k,
-                f"{s['median'] * 1e6:.2f}",
-                f"{s['min'] * 1e6:.2f}-{s['max'] * 1e6:.2f}",
-                f"{ratio:.3f}",
-                f"{s['median'] / TINY_ALLREDUCE_S * 100:.2f}%",
-                f"{s['median'] / BUCKET_ALLREDUCE_S * 100:.3f}%",
-            ]
-        )
-    md = markdown_table(
-        ["case", "median µs per call/op", "min-max µs", "in calib units", "vs 0.4 ms allreduce", "vs 50 ms bucket"],
-        rows,
-    )
-    md += (
-        "\ncalib = one sum(range(1000)) in the same run (~9 µs on an idle core here): multiply the "
-        "calib-unit column by 9 µs for the idle-machine cost.\n"
-    )
+        rows.append([k, f"{s['median'] * 1e6:.2f}", f"{s['min'] * 1e6:.2f}-{s['max'] * 1e6:.2f}", f"{ratio:.3f}",
+                     f"{s['median'] / TINY_ALLREDUCE_S * 100:.2f}%", f"{s['median'] / BUCKET_ALLREDUCE_S * 100:.3f}%"])
+    md = markdown_table(["case", "median µs per call/op", "min-max µs", "in calib units",
+                         "vs 0.4 ms allreduce", "vs 50 ms bucket"], rows)
+    md += ("\ncalib = one sum(range(1000)) in the same run (~9 µs on an idle core here): multiply the "
+           "calib-unit column by 9 µs for the idle-machine cost.\n")
     sys.stdout.write(md)
-    write_results(
-        "timeline_cost", {"machine": machine_info(), "samples_s": samples, "calls": CALLS}, md, out_dir=output_dir(args)
-    )
+    write_results("timeline_cost", {"machine": machine_info(), "samples_s": samples, "calls": CALLS}, md,
+                  out_dir=output_dir(args))
     return 0
 
 
