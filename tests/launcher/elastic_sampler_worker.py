@@ -15,12 +15,14 @@ calls ``train(state)`` (where a worker started while the job runs joins the job'
 makes that worker SIGKILL itself at its next step; OUTDIR/pace (seconds) slows every step down; while
 OUTDIR/hold exists, rank 0 waits before each commit (its peers wait for it in their next collective), so a test
 can change the hosts before training goes on; meanwhile it touches OUTDIR/notified.<wid> once
-``state._host_messages`` (Horovod's notices of host changes) holds one.
+``state._host_messages`` (Horovod's notices of host changes) holds one. With HORA_LOG_LEVEL set, hora's log
+records go to stderr (the launcher's output), so a test can wait for one.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -65,6 +67,8 @@ def replay(batches: list[list[int]]) -> list[float]:
 
 
 def main(out: Path) -> None:
+    if os.environ.get("HORA_LOG_LEVEL"):
+        logging.basicConfig(format="%(name)s: %(message)s")  # hora's loggers pass on what their level lets through
     wid = os.environ["HORA_WORKER_ID"]
     (out / f"started.{wid}").touch()
     slow = out / f"slow.{wid}"
