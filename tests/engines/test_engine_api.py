@@ -32,6 +32,15 @@ RAY_EXECUTOR = {
     "execute_single": [("fn", REQ)],
     "shutdown": [],
 }
+ELASTIC_RAY_EXECUTOR = {  # horovod/ray/elastic.py
+    "__init__": [("settings", REQ), ("use_gpu", False), ("cpus_per_slot", 1), ("gpus_per_slot", None),
+                 ("env_vars", None), ("override_discovery", True)],
+    "create_settings": [("min_num_proc", 1), ("max_num_proc", None), ("reset_limit", None), ("elastic_timeout", 600),
+                        ("timeout_s", 30), ("ssh_identity_file", None), ("nics", None), ("min_np", None),
+                        ("max_np", None), ("kwargs", REQ)],
+    "start": [],
+    "run": [("worker_fn", REQ), ("callbacks", None)],
+}
 SPARK_RUN = [("fn", REQ), ("args", ()), ("kwargs", {}), ("num_proc", None), ("start_timeout", None),
              ("use_mpi", None), ("use_gloo", None), ("extra_mpi_args", None), ("env", None), ("stdout", None),
              ("stderr", None), ("verbose", 1), ("nics", None), ("prefix_output_with_timestamp", False),
@@ -76,6 +85,11 @@ def test_ray_executor_has_horovods_signatures(ray_module: Any, method: str) -> N
     _same(getattr(ray_module.RayExecutor, method), RAY_EXECUTOR[method])
 
 
+@pytest.mark.parametrize("method", sorted(ELASTIC_RAY_EXECUTOR))
+def test_elastic_ray_executor_has_horovods_signatures(ray_module: Any, method: str) -> None:
+    _same(getattr(ray_module.ElasticRayExecutor, method), ELASTIC_RAY_EXECUTOR[method])
+
+
 def test_spark_run_has_horovods_signature(spark_module: Any) -> None:
     _same(spark_module.run, SPARK_RUN)
 
@@ -99,10 +113,19 @@ def test_ray_executor_refuses_what_it_cannot_do(ray_module: Any) -> None:
     from hora.errors import ConfigError
 
     settings = ray_module.RayExecutor.create_settings()
-    with pytest.raises(ConfigError, match="elastic executor is not supported"):
-        ray_module.RayExecutor(settings, min_workers=1, max_workers=2)
-    with pytest.raises(ConfigError, match="not supported"):
-        ray_module.ElasticRayExecutor(settings, min_workers=1)
+    with pytest.raises(ValueError, match="max_workers is given without min_workers"):
+        ray_module.RayExecutor(settings, max_workers=2)
+    with pytest.raises(ValueError, match="not both"):
+        ray_module.RayExecutor(settings, num_workers=2, min_workers=1)
+    with pytest.raises(ValueError, match="less than min_workers"):
+        ray_module.RayExecutor(settings, min_workers=3, max_workers=2)
+    with pytest.raises(ValueError, match="give min_workers too"):
+        ray_module.RayExecutor(settings, num_workers=2, reset_limit=1)
+    elastic = ray_module.RayExecutor(settings, min_workers=1, max_workers=2)
+    with pytest.raises(ConfigError, match="not in an elastic job"):
+        elastic.run_remote(len)
+    with pytest.raises(ConfigError, match="not started"):
+        elastic.run(len)
     with pytest.raises(ValueError, match="use_gpu"):
         ray_module.RayExecutor(settings, num_workers=2, gpus_per_worker=1)
     with pytest.raises(ValueError, match="num_workers or num_hosts"):

@@ -36,11 +36,10 @@ from hora.launcher.engines import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed
 from hora.launcher.pyfunc.run import RemoteTraceback
 from hora.protocol.jobsecret import ENV_SECRET, JobSecret
 from hora.ray import placement
+from hora.ray.elastic import ElasticParams, ElasticRayJob
 from hora.ray.worker import BaseHorovodWorker
 
 log = logging.getLogger(__name__)
-
-_ELASTIC = ("min_workers", "max_workers", "reset_limit", "cooldown_range")
 
 
 @dataclass(kw_only=True)
@@ -77,8 +76,10 @@ class RayExecutor:
             ``num_workers_per_host`` ranks each (each host a different Ray node).
         cpus_per_worker, use_gpu, gpus_per_worker: what Ray reserves for each rank.
         use_current_placement_group: inside a placement group (a Ray Tune trial), run the ranks in it.
-        min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout, override_discovery: Horovod's
-            elastic form, not supported (a :class:`~hora.errors.ConfigError` says so; docs/engines.md).
+        min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout: Horovod's elastic form
+            (instead of ``num_workers``): the job starts with every slot Ray's nodes have, up to ``max_workers``,
+            and goes on while ``min_workers`` remain (:mod:`hora.ray.elastic`, docs/engines.md).
+        override_discovery: accepted for Horovod's sake: the hosts are always Ray's live nodes.
     """
 
     @classmethod
@@ -95,13 +96,27 @@ class RayExecutor:
                  min_workers: int | None = None, max_workers: int | None = None, reset_limit: int | None = None,
                  cooldown_range: Sequence[int] | None = None, elastic_timeout: int = 600,
                  override_discovery: bool = True) -> None:
-        given = dict(zip(_ELASTIC, (min_workers, max_workers, reset_limit, cooldown_range)))
-        elastic = [name for name, value in given.items() if value is not None]
-        if elastic:
-            raise ConfigError(
-                f"hora.ray.RayExecutor({elastic[0]}=...): the elastic executor is not supported by hora; give "
-                "num_workers (or num_hosts) for a fixed job, and let Ray Train's FailureConfig restart a failed "
-                "run from its checkpoint, or run an elastic job with `hora run --min-np` (docs/engines.md)")
+        if max_workers is not None and not min_workers:
+            raise ValueError("hora.ray.RayExecutor: max_workers is given without min_workers; an elastic job needs "
+                             "a positive min_workers")
+        if min_workers is not None and (num_workers is not None or num_hosts is not None):
+            raise ValueError("hora.ray.RayExecutor: give min_workers (an elastic job) or num_workers / num_hosts "
+                             "(a fixed job), not both")
+        if min_workers is None and (reset_limit is not None or cooldown_range is not None):
+            raise ValueError("hora.ray.RayExecutor: reset_limit and cooldown_range are for an elastic job: give "
+                             "min_workers too")
+        self._elastic: ElasticRayJob | None = None
+        if min_workers is not None:
+            if gpus_per_worker and not use_gpu:
+                raise ValueError("hora.ray.RayExecutor: gpus_per_worker is set but use_gpu is False; set "
+                                 "use_gpu=True")
+            self._elastic = ElasticRayJob(ElasticParams(
+                min_workers=min_workers, max_workers=max_workers, reset_limit=reset_limit,
+                cooldown_range=cooldown_range, elastic_timeout=elastic_timeout, cpus_per_worker=cpus_per_worker,
+                gpus_per_worker=(gpus_per_worker or 1) if use_gpu else 0, timeout_s=settings.timeout_s,
+                nics=settings.nics))
+            settings.elastic = True
+            num_workers = min_workers
         if gpus_per_worker and not use_gpu:
             raise ValueError("hora.ray.RayExecutor: gpus_per_worker is set but use_gpu is False; set use_gpu=True")
         if num_workers is not None and num_hosts is not None:
@@ -135,6 +150,9 @@ class RayExecutor:
             ConfigError: the cluster cannot place the ranks within ``placement_group_timeout_s``.
             JobFailedError: an actor did not start within ``timeout_s``.
         """
+        if self._elastic is not None:
+            self._elastic.start(executable_cls, executable_args, executable_kwargs, extra_env_vars)
+            return
         if self._ranks:
             raise ConfigError("hora.ray.RayExecutor.start(): already started; call shutdown() first")
         self._reservation = placement.reserve(
@@ -204,22 +222,33 @@ class RayExecutor:
             down: call :meth:`start` again for another job.
         """
         call_args, call_kwargs = tuple(args or ()), dict(kwargs or {})
+        if self._elastic is not None:
+            return self._elastic.run(lambda _executable: fn(*call_args, **call_kwargs))
         return self._supervise(self._submit(lambda _executable: fn(*call_args, **call_kwargs)))
 
     def execute(self, fn: Callable[[Any], Any], callbacks: list[Callable[..., Any]] | None = None) -> list[Any]:
         """Run ``fn(executable)`` on every rank (the object ``start(executable_cls)`` built); values in rank order."""
+        if self._elastic is not None:
+            return self._elastic.run(fn)
         return self._supervise(self._submit(fn))
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(executable)`` on rank 0 only and return its value."""
+        """Run ``fn(executable)`` on rank 0 only and return its value (not in an elastic job, as in Horovod)."""
+        self._fixed_only("execute_single")
         return self._supervise(self._submit(fn, ranks=self._started()[:1]))[0]
 
     def run_remote(self, fn: Callable[..., Any], args: Sequence[Any] | None = None,
                    kwargs: Mapping[str, Any] | None = None) -> list[Any]:
         """Start ``fn(*args, **kwargs)`` on every rank and return their ObjectRefs at once (``ray.get`` them). The
         executor does not watch these: a rank that fails shows in its ref, and the others may wait for it."""
+        self._fixed_only("run_remote")
         call_args, call_kwargs = tuple(args or ()), dict(kwargs or {})
         return self._submit(lambda _executable: fn(*call_args, **call_kwargs))
+
+    def _fixed_only(self, method: str) -> None:
+        if self._elastic is not None:
+            raise ConfigError(f"hora.ray.RayExecutor.{method}(): not in an elastic job (min_workers), whose "
+                              "workers come and go; use run() or execute()")
 
     def _started(self) -> list[_Rank]:
         if not self._ranks:
@@ -279,6 +308,8 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         """Stop every rank's actor (their processes end) and release the placement group the executor made."""
+        if self._elastic is not None:
+            self._elastic.shutdown()  # an elastic run stops its actors when it ends
         ranks, self._ranks = self._ranks, []
         for r in ranks:
             try:
@@ -296,11 +327,58 @@ def _follows(error: Exception) -> bool:
     return cause is not None and is_follow_on(type(cause).__name__)
 
 
-class ElasticRayExecutor:
-    """Horovod's elastic Ray executor: not supported by hora; constructing one says what to use instead."""
+@dataclass(kw_only=True)
+class ElasticSettings(MiniSettings):
+    """What ``ElasticRayExecutor.create_settings`` returns."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise ConfigError(
-            "hora.ray.ElasticRayExecutor is not supported by hora: use RayExecutor(num_workers=...) for a fixed "
-            "job, Ray Train's FailureConfig to restart a failed run from its checkpoint, or `hora run --min-np` "
-            "for an elastic job (docs/engines.md)")
+    min_num_proc: int = 1
+    max_num_proc: int | None = None
+    reset_limit: int | None = None
+    elastic_timeout: float = 600
+    elastic: bool = True
+
+
+class ElasticRayExecutor:
+    """Horovod 0.28.1's older elastic Ray API (``horovod.ray.ElasticRayExecutor``), on the same elastic driver as
+    ``RayExecutor(min_workers=...)`` (:mod:`hora.ray.elastic`): ``worker_fn()`` runs in one actor per slot of
+    Ray's nodes (``cpus_per_slot`` CPUs each), up to ``max_num_proc``, and goes on while ``min_num_proc``
+    remain."""
+
+    @staticmethod
+    def create_settings(min_num_proc: int = 1, max_num_proc: int | None = None, reset_limit: int | None = None,
+                        elastic_timeout: int = 600, timeout_s: int = 30, ssh_identity_file: str | None = None,
+                        nics: str | None = None, min_np: int | None = None, max_np: int | None = None,
+                        **kwargs: Any) -> ElasticSettings:
+        """Settings for :class:`ElasticRayExecutor`; ``min_np``/``max_np`` are the deprecated names of
+        ``min_num_proc``/``max_num_proc``. ``ssh_identity_file`` and other keywords are accepted and unused."""
+        return ElasticSettings(min_num_proc=min_np if min_np is not None else min_num_proc,
+                               max_num_proc=max_np if max_np is not None else max_num_proc,
+                               reset_limit=reset_limit, elastic_timeout=elastic_timeout, timeout_s=timeout_s,
+                               nics={n for n in nics.split(",") if n} if nics else None,
+                               ssh_identity_file=ssh_identity_file)
+
+    def __init__(self, settings: ElasticSettings, use_gpu: bool = False, cpus_per_slot: int = 1,
+                 gpus_per_slot: int | None = None, env_vars: dict[str, Any] | None = None,
+                 override_discovery: bool = True) -> None:
+        if gpus_per_slot and not use_gpu:
+            raise ValueError("hora.ray.ElasticRayExecutor: gpus_per_slot is set but use_gpu is False; set "
+                             "use_gpu=True")
+        self.settings = settings
+        self.env_vars = dict(env_vars or {})
+        self._job = ElasticRayJob(ElasticParams(
+            min_workers=settings.min_num_proc, max_workers=settings.max_num_proc, reset_limit=settings.reset_limit,
+            elastic_timeout=settings.elastic_timeout, cpus_per_worker=cpus_per_slot,
+            gpus_per_worker=(gpus_per_slot or 1) if use_gpu else 0, timeout_s=settings.timeout_s,
+            nics=settings.nics))
+
+    def start(self) -> None:
+        """Get ready to run (the actors start with each :meth:`run`)."""
+        self._job.start(extra_env_vars=self.env_vars)
+
+    def run(self, worker_fn: Callable[[], Any], callbacks: list[Callable[..., Any]] | None = None) -> list[Any]:
+        """Run ``worker_fn()`` elastically; the final world's values in rank order. ``callbacks`` is accepted and
+        not called (see docs/engines.md)."""
+        return self._job.run(lambda _executable: worker_fn())
+
+    def shutdown(self) -> None:
+        self._job.shutdown()

@@ -43,7 +43,14 @@ from typing import Any
 from hora.errors import SetupError, StoreAuthError
 from hora.launcher import envvars, output, procs, store
 from hora.launcher.config import ElasticConfig, RunConfig
-from hora.launcher.elastic.hosts import DISCOVERY_INTERVAL, Absences, Discovery, DiscoveryError, HostManager
+from hora.launcher.elastic.hosts import (
+    DISCOVERY_INTERVAL,
+    Absences,
+    Discovery,
+    DiscoveryError,
+    HostManager,
+    HostSource,
+)
 from hora.launcher.elastic.workers import LIMIT_EXIT, Worker, _Failure, _Stats, note
 from hora.launcher.failures import RankState
 from hora.launcher.hosts import HostSpec, SlotInfo
@@ -100,7 +107,8 @@ class ElasticDriver(JobLoop):
         self._reset_since: float | None = None
         self._lost_member = False  # a member of the newest world died or left: a reset is due
         self._handing_over = False  # the members left are on removed hosts and wait for newcomers (said once)
-        self.discovery: Discovery | None = None  # the --host-discovery-script, when the job has one
+        # the --host-discovery-script, when the job has one (a cluster engine's driver sets its own source)
+        self.discovery: HostSource | None = None
         self.absences = Absences()  # hosts discovery left out, until their removal is confirmed
         self._unlisted_since: float | None = None  # discovery lists no host of the newest world's workers
         self._published_ts = 0.0  # wall-clock time the newest world was published
@@ -528,10 +536,12 @@ class ElasticDriver(JobLoop):
 
     def _first_hosts(self) -> list[HostSpec]:
         """The hosts known before the store starts (it must listen on an address they reach)."""
-        if self.ecfg.discovery_script is None:
+        if self.discovery is None and self.ecfg.discovery_script is None:
             self.hostman.update(self.cfg.hosts)
             return list(self.cfg.hosts)
-        self.discovery = Discovery(self.ecfg.discovery_script, self.ecfg.slots_per_host, self.cfg.cwd)
+        if self.discovery is None:
+            assert self.ecfg.discovery_script is not None
+            self.discovery = Discovery(self.ecfg.discovery_script, self.ecfg.slots_per_host, self.cfg.cwd)
         try:
             found = self.discovery.run()
         except DiscoveryError as exc:
@@ -587,7 +597,7 @@ class ElasticDriver(JobLoop):
 
     def _start_agent(self, host: str, slots: list[int], plan: ep.World) -> None:
         """One agent on ``host`` for the workers of ``slots``; their start values come from ``plan``."""
-        spec_workers = []
+        launch: list[tuple[int, int, dict[str, str]]] = []
         placed: list[tuple[str, int, SlotInfo]] = []
         for slot in slots:
             wid = ep.worker_id(host, slot)
@@ -604,17 +614,23 @@ class ElasticDriver(JobLoop):
                 self.store.delete_key(self._key(ep.READY, worker_id=wid))  # a previous process's answer
             except Exception as exc:
                 log.debug("cannot clear the ready key of %s: %s", wid, exc)
-            spec_workers.append({"rank": number, "env": env})
+            launch.append((number, slot, env))
             placed.append((wid, number, info))
-        spec = self.agent_spec(host, spec_workers, unset=(ep.ELASTIC_ENV, ep.WORKER_ID_ENV))
-        agent = self.start_agent(len(self.agents), host, HostSpec(host, 1).is_local,
-                                 [number for _, number, _ in placed], spec)
+        agent = self._launch(host, launch)
         new = [Worker(wid, host, number, agent, RankState(info)) for wid, number, info in placed]
         for w in new:
             self.workers[w.number] = w
             if self.cfg.output_filename:
                 self.console.open_logs(range(w.number, w.number + 1), strict=False)
         log.info("host %s: starting workers %s", host, ", ".join(w.wid for w in new))
+
+    def _launch(self, host: str, workers: list[tuple[int, int, dict[str, str]]]) -> AgentHandle:
+        """Start the worker processes ``workers`` (``(number, slot, variables)`` each) on ``host``: one agent
+        for them. A cluster engine's driver starts them its own way (``hora.ray``: one actor each)."""
+        spec = self.agent_spec(host, [{"rank": number, "env": env} for number, _, env in workers],
+                               unset=(ep.ELASTIC_ENV, ep.WORKER_ID_ENV))
+        return self.start_agent(len(self.agents), host, HostSpec(host, 1).is_local,
+                                [number for number, _, _ in workers], spec)
 
     # --- agents and workers ----------------------------------------------------------------------------
     def on_message(self, agent: AgentHandle, message: dict[str, Any]) -> None:

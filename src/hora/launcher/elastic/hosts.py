@@ -27,6 +27,7 @@ import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hora.errors import ConfigError
 from hora.launcher import procs
@@ -65,6 +66,19 @@ def parse_discovery_output(text: str, default_slots: int | None, script: str) ->
 
 class DiscoveryError(Exception):
     """One run of the discovery script failed (the job keeps its last hosts and tries again)."""
+
+
+class HostSource(Protocol):
+    """Where an elastic job's hosts come from: a discovery script (:class:`Discovery`), or a cluster engine's
+    own view of its nodes (``hora.ray``'s). The driver calls :meth:`run` about once a second."""
+
+    def run(self) -> tuple[HostSpec, ...]:
+        """The hosts available now and their slots; :class:`DiscoveryError` when they cannot be read this time."""
+        ...
+
+    def stop(self) -> None:
+        """The job is ending: stop a run in progress."""
+        ...
 
 
 def run_discovery(script: str, default_slots: int | None, cwd: str | None = None,

@@ -1,0 +1,388 @@
+"""Elastic hora jobs on Ray: ``RayExecutor(min_workers=...)`` and ``ElasticRayExecutor`` (Horovod 0.28.1's
+``horovod.ray`` elastic forms).
+
+The job runs under the elastic driver of ``hora run --min-np`` (:class:`~hora.launcher.elastic.driver.ElasticDriver`):
+the same signed store, worlds, reset protocol, blacklist and limits. Two of its parts are Ray's here:
+
+* the hosts (:class:`RayHosts`): Ray's live nodes, one host per node address, with as many slots as the nodes
+  have CPUs (and GPUs) for ``cpus_per_worker`` (``gpus_per_worker``); read about once a second, so nodes that
+  join or leave the cluster join or leave the job;
+* the workers (:class:`RayActors`): one actor per worker process, pinned to a node of its host, its place in
+  the job and the job's secret set in its environment through a Ray call (never a command line or a log), the
+  user's function run in it. The end of that run call is the worker's end: its value, the exception it raised,
+  or Ray's word that the actor died (``ray.kill``, its process killed, its node lost). Stopping a worker kills
+  its actor.
+
+A worker that dies is a failed worker as under ``hora run``: its peers' collectives fail, they go back to their
+last commit (``hvd.elastic.run``) and the next world goes on without it. The job ends when the final world's
+workers have returned; their values come back in rank order.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import ray.exceptions
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from hora.errors import ConfigError, JobFailedError
+from hora.launcher.config import ElasticConfig, RunConfig
+from hora.launcher.elastic.driver import ElasticDriver
+from hora.launcher.elastic.workers import Worker
+from hora.launcher.engines import rank_failed
+from hora.launcher.hosts import HostSpec
+from hora.launcher.remote.agent_handle import AgentHandle
+from hora.protocol import messages as protocol
+from hora.protocol.jobsecret import ENV_SECRET
+from hora.ray.worker import BaseHorovodWorker
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_WAIT_S = 10.0  # at the end, how long the killed actors get to report their end
+# A worker waits this much longer than the driver for its next world: the driver, which sees every worker, gives
+# the verdict (a job below min_workers fails naming the worker that was lost, not a survivor that gave up). A
+# driver that is gone takes its actors with it (Ray ends an owner's actors), so the workers' own deadline is
+# only a backstop.
+WORKER_TIMEOUT_MARGIN_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Node:
+    node_id: str
+    slots: int
+
+
+class RayHosts:
+    """The hosts of an elastic Ray job: Ray's live nodes by address (several Ray nodes on one machine are one
+    host, as hora counts local ranks by machine), each with ``CPU // cpus_per_worker`` slots (and no more than
+    ``GPU // gpus_per_worker`` with GPUs); a host's slots are its nodes' in node-id order."""
+
+    def __init__(self, cpus_per_worker: float, gpus_per_worker: float) -> None:
+        self.cpus_per_worker = cpus_per_worker
+        self.gpus_per_worker = gpus_per_worker
+        self._nodes: dict[str, list[_Node]] = {}
+        self._lock = threading.Lock()
+
+    def run(self) -> tuple[HostSpec, ...]:
+        by_host: dict[str, list[_Node]] = {}
+        for node in sorted(ray.nodes(), key=lambda n: str(n.get("NodeID", ""))):
+            if not node.get("Alive", node.get("alive", False)):
+                continue
+            resources = node.get("Resources", {})
+            slots = int(resources.get("CPU", 0) // self.cpus_per_worker) if self.cpus_per_worker else 0
+            if self.gpus_per_worker:
+                slots = min(slots, int(resources.get("GPU", 0) // self.gpus_per_worker))
+            if slots > 0:
+                by_host.setdefault(str(node["NodeManagerAddress"]), []).append(_Node(str(node["NodeID"]), slots))
+        with self._lock:
+            self._nodes = by_host
+        return tuple(HostSpec(host, sum(n.slots for n in nodes)) for host, nodes in by_host.items())
+
+    def node_of(self, host: str, slot: int) -> str | None:
+        """The Ray node that holds ``slot`` of ``host`` now (None: the host has no such slot any more)."""
+        with self._lock:
+            nodes = list(self._nodes.get(host, []))
+        for node in nodes:
+            if slot < node.slots:
+                return node.node_id
+            slot -= node.slots
+        return None
+
+    def stop(self) -> None:
+        return None  # each run is one call to Ray's GCS: nothing to stop
+
+
+@dataclass
+class _Actor:
+    number: int
+    actor: Any
+    node_id: str
+    host: str
+    run: Any  # the ObjectRef of the user's function
+    described: Any  # the ObjectRef of the actor's (node id, address, hostname, pid)
+    stopping: bool = False
+    value: Any = None
+    error: BaseException | None = None
+
+    def where(self) -> str:
+        try:
+            _node, ip, _hostname, pid = ray.get(self.described, timeout=0.5)
+            return f"node {ip} (Ray node {self.node_id[:8]}, pid {pid})"
+        except Exception:  # noqa: BLE001 - it never started, or it is gone: what the driver placed it on
+            return f"node {self.host} (Ray node {self.node_id[:8]})"
+
+
+@dataclass(eq=False)
+class RayActors(AgentHandle):
+    """The driver's handle on a batch of workers started together on one host, one Ray actor each: it plays
+    the part an agent plays under ``hora run``. A thread waits on the actors' run calls and turns each end into
+    the driver's ``exit`` message; ``stop`` kills actors (Ray gives a worker no grace: its peers reset to their
+    last commit either way)."""
+
+    actors: dict[int, _Actor] = field(default_factory=dict)
+    ended: threading.Event = field(default_factory=threading.Event)
+
+    def watch(self, events: Any) -> None:
+        threading.Thread(target=self._watch, args=(events,), daemon=True, name=f"hora-ray-{self.host}").start()
+
+    def _watch(self, events: Any) -> None:
+        events.put(("msg", self.index, {"t": protocol.STARTED, "hostname": self.host}))
+        pending = {a.run: a for a in self.actors.values()}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                events.put(("msg", self.index, self._exit(pending.pop(ref))))
+        self.ended.set()
+        events.put(("eof", self.index, 0))
+
+    def _exit(self, a: _Actor) -> dict[str, Any]:
+        message: dict[str, Any] = {"t": protocol.EXIT, "r": a.number, "code": 0, "stopped": a.stopping,
+                                   "ts": time.time()}
+        try:
+            a.value = ray.get(a.run)
+        except ray.exceptions.RayTaskError as e:  # the function raised in the actor
+            cause = e.cause if isinstance(e.cause, BaseException) else e
+            a.error = e
+            message.update(code=1, how=f"raised {type(cause).__name__}: {cause}")
+        except ray.exceptions.RayError as e:  # the actor died: killed, out of memory, its node lost
+            a.error = e
+            message.update(code=1, how=f"its Ray actor died ({type(e).__name__}: killed, out of memory, or its "
+                                       "node was lost)")
+        return message
+
+    def send(self, message: dict[str, Any]) -> None:
+        if message.get("t") != protocol.STOP:
+            return  # pings and stall probes: Ray's own liveness stands in for an agent's
+        numbers = message.get("r")
+        for a in self.actors.values():
+            if numbers is None or a.number in numbers:
+                self._kill(a)
+
+    def close_stdin(self) -> None:
+        self.kill_all()
+
+    def kill_all(self) -> None:
+        for a in self.actors.values():
+            self._kill(a)
+
+    @staticmethod
+    def _kill(a: _Actor) -> None:
+        a.stopping = True
+        try:
+            ray.kill(a.actor, no_restart=True)
+        except Exception as e:  # noqa: BLE001 - already gone
+            log.debug("hora.ray: actor of worker %d already gone: %s", a.number, e)
+
+
+@dataclass(kw_only=True)
+class ElasticParams:
+    """An elastic Ray job's settings (Horovod's names)."""
+
+    min_workers: int
+    max_workers: int | None = None
+    reset_limit: int | None = None
+    cooldown_range: Sequence[float] | None = None
+    elastic_timeout: float = 600
+    cpus_per_worker: float = 1
+    gpus_per_worker: float = 0
+    timeout_s: float = 30
+    nics: set[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_workers < 1:
+            raise ValueError(f"hora.ray: min_workers={self.min_workers} must be at least 1")
+        if self.max_workers is not None and self.max_workers < self.min_workers:
+            raise ValueError(f"hora.ray: max_workers={self.max_workers} is less than min_workers={self.min_workers}")
+        if self.cooldown_range is not None and len(self.cooldown_range) != 2:
+            raise ValueError(f"hora.ray: cooldown_range={self.cooldown_range!r} must be (min seconds, max seconds)")
+
+
+# The driver speaks `hora run`'s flags; a Ray job's user set the executor's parameters.
+_PARAMETER_NAMES = (("--min-np", "min_workers"), ("--max-np", "max_workers"), ("--elastic-timeout", "elastic_timeout"),
+                    ("--reset-limit", "reset_limit"), ("--start-timeout", "timeout_s"),
+                    ("--blacklist-cooldown-range", "cooldown_range"), ("(-np)", "(min_workers)"))
+
+
+def in_ray_terms(line: str) -> str:
+    """A driver line with ``hora run``'s flags named as the executor's parameters.
+
+    >>> in_ray_terms("fewer than 3 slots (--min-np) for --elastic-timeout 5s")
+    'fewer than 3 slots (min_workers) for elastic_timeout 5s'
+    """
+    for flag, name in _PARAMETER_NAMES:
+        line = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", name, line)
+    return line
+
+
+class RayElasticDriver(ElasticDriver):
+    """The elastic driver with Ray's hosts and workers (see the module docstring).
+
+    Args:
+        cfg: the job (``cfg.elastic`` set; its command is unused: workers run ``fn`` in their actors).
+        hosts: where the job's hosts come from.
+        fn: what each worker runs: ``fn(executable)``.
+        env: every worker's variables besides its place (the secret, ``extra_env_vars``...).
+        executable: ``(cls, args, kwargs)`` each actor builds before it runs ``fn``.
+    """
+
+    def __init__(self, cfg: RunConfig, hosts: RayHosts, fn: Callable[[Any], Any], env: Mapping[str, str],
+                 executable: tuple[type | None, list[Any] | None, dict[str, Any] | None],
+                 cpus_per_worker: float, gpus_per_worker: float) -> None:
+        super().__init__(cfg)
+        self.discovery = hosts
+        self.ray_hosts = hosts
+        self.fn = fn
+        self.env = dict(env)
+        self.executable = executable
+        self.cpus_per_worker = cpus_per_worker
+        self.gpus_per_worker = gpus_per_worker
+        self.lost: list[tuple[int, int, Worker]] = []  # (world, rank in it, worker) of each member that failed
+
+    def _launch(self, host: str, workers: list[tuple[int, int, dict[str, str]]]) -> AgentHandle:
+        actor_cls = ray.remote(BaseHorovodWorker)
+        handle = RayActors(index=len(self.agents), host=host, proc=None, ranks=[n for n, _, _ in workers])
+        for number, slot, env in workers:
+            node = self.ray_hosts.node_of(host, slot) or ""
+            options: dict[str, Any] = {"num_cpus": self.cpus_per_worker, "num_gpus": self.gpus_per_worker,
+                                       "max_restarts": 0}
+            if node:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+            actor: Any = actor_cls.options(**options).remote(world_rank=int(env["HORA_RANK"]),
+                                                        world_size=int(env["HORA_SIZE"]))
+            # one caller's calls to an actor run in order: its place, then the executable, then the function
+            described = actor.describe.remote()
+            actor.update_env_vars.remote({**env, **self.env})
+            actor.start_executable.remote(*self.executable)
+            handle.actors[number] = _Actor(number, actor, node, host, actor.execute.remote(self.fn), described)
+        self.agents.append(handle)
+        handle.watch(self.events)
+        return handle
+
+    def _on_exit(self, w: Worker) -> None:
+        rank = self.world.rank_of(w.wid) if self.world is not None and self._member(w) else None
+        if rank is not None and self.world is not None and self._stop_deadline is None and w.state.failed \
+                and not w.state.stopped:
+            self.lost.append((self.world.gen, rank, w))
+        super()._on_exit(w)
+
+    def _shutdown_agents(self) -> None:
+        """Kill every actor still running and wait (a bounded time) for Ray to report their ends."""
+        handles = [a for a in self.agents if isinstance(a, RayActors)]
+        for handle in handles:
+            handle.kill_all()
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        for handle in handles:
+            if not handle.ended.wait(max(0.0, deadline - time.monotonic())):
+                log.warning("hora.ray: the actors on %s did not report their end within %.0f s", handle.host,
+                            SHUTDOWN_WAIT_S)
+
+    def _force_kill(self) -> None:
+        for state in self.processes():
+            if not state.done:
+                state.done, state.code, state.stopped = True, 1, True
+        for handle in self.agents:
+            if isinstance(handle, RayActors):
+                handle.kill_all()
+
+    def results(self) -> list[Any]:
+        """The values of the final world's workers, in rank order."""
+        if self.world is None:
+            return []
+        by_wid = {w.wid: w for w in self.workers.values() if self._member(w)}
+        return [self._actor(by_wid[wid]).value for wid in self.world.worker_ids() if wid in by_wid]
+
+    def _actor(self, w: Worker) -> _Actor:
+        assert isinstance(w.agent, RayActors)
+        return w.agent.actors[w.number]
+
+    def failure_line(self) -> str:
+        """The one line of a failed job: why it ended and, when members failed, the first that failed in the
+        newest world that lost one (what a shortfall or a reset limit goes back to): its rank and its node."""
+        summary = in_ray_terms(self.failure.summary) if self.failure is not None else "the job failed"
+        culprit = self._culprit()
+        if culprit is None:
+            return f"hora.ray: {summary}"
+        _gen, rank, w = culprit
+        return (f"hora.ray: {summary}; lost: rank {rank} (worker {w.wid}) on {self._actor(w).where()}: "
+                f"{w.state.how or 'failed'}")
+
+    def _culprit(self) -> tuple[int, int, Worker] | None:
+        if not self.lost:
+            return None
+        newest = max(gen for gen, _, _ in self.lost)
+        return next(item for item in self.lost if item[0] == newest)
+
+    def last_error(self) -> BaseException | None:
+        """What the last failed worker's run call raised (the user's traceback, or Ray's word on the actor)."""
+        culprit = self._culprit()
+        w = culprit[2] if culprit is not None else self.failure.worker if self.failure is not None else None
+        return self._actor(w).error if w is not None else None
+
+
+class ElasticRayJob:
+    """What an elastic executor holds between :meth:`start` and :meth:`shutdown`; each :meth:`run` is one job
+    with its own secret, store and actors (Horovod's elastic workers, too, live for one run)."""
+
+    def __init__(self, params: ElasticParams) -> None:
+        self.params = params
+        self._started = False
+        self._executable: tuple[type | None, list[Any] | None, dict[str, Any] | None] = (None, None, None)
+        self._extra_env: dict[str, str] = {}
+
+    def start(self, executable_cls: type | None = None, executable_args: list[Any] | None = None,
+              executable_kwargs: dict[str, Any] | None = None,
+              extra_env_vars: Mapping[str, Any] | None = None) -> None:
+        """Remember what each worker's actor builds and its extra variables; the actors start with each run."""
+        if not ray.is_initialized():
+            raise ConfigError("hora.ray: Ray is not initialised; call ray.init() (or ray.init(address=...)) "
+                              "before start()")
+        self._executable = (executable_cls, executable_args, executable_kwargs)
+        self._extra_env = {k: str(v) for k, v in (extra_env_vars or {}).items()}
+        self._started = True
+
+    def run(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """Run ``fn(executable)`` elastically until the final world's workers return; their values in rank order.
+
+        Raises:
+            JobFailedError: the job could not go on (fewer than ``min_workers`` for ``elastic_timeout``, the
+                reset limit, no worker left holding the state); its message names the last failed worker's
+                rank and node, its cause is what that worker raised or Ray's error for its actor.
+        """
+        if not self._started:
+            raise ConfigError("hora.ray: the elastic executor is not started (call start() first)")
+        p = self.params
+        ecfg = ElasticConfig(min_np=p.min_workers, max_np=p.max_workers, elastic_timeout=p.elastic_timeout,
+                             reset_limit=p.reset_limit,
+                             cooldown=(float(p.cooldown_range[0]), float(p.cooldown_range[1]))
+                             if p.cooldown_range else None)
+        nics = tuple(sorted(p.nics)) if p.nics else ()
+        # the command is never run: the workers are Ray actors that run fn (RunConfig wants one for `hora run`)
+        cfg = RunConfig(command=("hora.ray",), np=p.min_workers, hosts=(), start_timeout=p.timeout_s,
+                        network_interfaces=nics, grace=0.0, elastic=ecfg)
+        hosts = RayHosts(p.cpus_per_worker, p.gpus_per_worker)
+        env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "HORA_START_TIMEOUT": f"{p.timeout_s:g}",
+                               "HORA_ELASTIC_TIMEOUT": f"{p.elastic_timeout + WORKER_TIMEOUT_MARGIN_S:g}"}
+        if nics:
+            env.update(GLOO_SOCKET_IFNAME=nics[0], NCCL_SOCKET_IFNAME=",".join(nics))
+        env.update(self._extra_env)
+        driver = RayElasticDriver(cfg, hosts, fn, env, self._executable, p.cpus_per_worker, p.gpus_per_worker)
+        # the job's secret: made by the driver for this job, to the actors in a Ray call only
+        driver.env[ENV_SECRET] = driver.secret.hex()
+        status = driver.run()
+        if status == 0:
+            return driver.results()
+        line = driver.failure_line() if driver.failure is not None else f"hora.ray: the elastic job ended with " \
+            f"exit status {status}"
+        log.error("%s", line)
+        raise JobFailedError(line, status) from driver.last_error()
+
+    def shutdown(self) -> None:
+        self._started = False
+
