@@ -1,7 +1,8 @@
 """hora.ray and hora.spark against Horovod 0.28.1's horovod.ray / horovod.spark: the same names, parameters in
 the same order with the same defaults; and the pure parts (where ranks go, which rank failed first), no cluster.
 
-The signatures below are written down from Horovod 0.28.1's sources (horovod/ray/runner.py, horovod/spark/runner.py).
+The signatures below are written down from Horovod 0.28.1's sources (horovod/ray/runner.py, horovod/ray/elastic.py,
+horovod/spark/runner.py).
 """
 
 from __future__ import annotations
@@ -132,6 +133,14 @@ def test_ray_executor_refuses_what_it_cannot_do(ray_module: Any) -> None:
         ray_module.RayExecutor(settings, num_workers=2, num_hosts=2)
     with pytest.raises(ConfigError, match="not started"):
         ray_module.RayExecutor(settings, num_workers=2).run(len)
+
+
+def test_elastic_driver_lines_name_the_executors_parameters(ray_module: Any) -> None:
+    from hora.ray.elastic import in_ray_terms
+
+    assert in_ray_terms("fewer than 3 slots (--min-np) for --elastic-timeout 5s; see --max-np, --reset-limit") == \
+        "fewer than 3 slots (min_workers) for elastic_timeout 5s; see max_workers, reset_limit"
+    assert in_ray_terms("only 1 of the 2 slots (-np)") == "only 1 of the 2 slots (min_workers)"
 
 
 def test_the_root_cause_is_the_rank_that_failed_on_its_own(spark_module: Any) -> None:

@@ -1,6 +1,7 @@
-"""Elastic hora jobs on a real Ray cluster (``RayExecutor(min_workers=...)``): a worker's actor that dies mid-training
-leaves its peers to go on in place, from their last commit, in a smaller world; below ``min_workers`` the job fails
-with one line naming the lost rank and its node; no actor process is left either way.
+"""Elastic hora jobs on a real Ray cluster (``RayExecutor(min_workers=...)``, ``ElasticRayExecutor``): a worker's
+actor that dies mid-training leaves its peers to go on in place, from their last commit, in a smaller world; a
+new actor joins when its slot comes back; below ``min_workers`` the job fails with one line naming the lost rank
+and its node; no actor process is left either way.
 
 The cluster (conftest's ``ray_cluster``) is two Ray nodes of 2 CPUs on this machine: one host of 4 slots to hora.
 """
@@ -24,7 +25,7 @@ ELASTIC = """
 import json, os, signal, sys, time, ray
 import hora
 sys.path.append(os.path.join(os.path.dirname(hora.__file__), "_compat"))
-from horovod.ray import RayExecutor  # the stand-in: hora.ray.RayExecutor
+from horovod.ray import ElasticRayExecutor, RayExecutor  # the stand-ins: hora.ray's
 
 STEPS, KILL_AT = 8, 3
 
@@ -84,12 +85,19 @@ def reference(steps):
 ray.init(address="@address@")
 out = os.path.abspath("pids")
 os.makedirs(out, exist_ok=True)
-executor = RayExecutor(RayExecutor.create_settings(timeout_s=120), min_workers=@min_workers@, max_workers=3,
-                       cpus_per_worker=1, elastic_timeout=@elastic_timeout@, cooldown_range=@cooldown@)
+if "@api@" == "ElasticRayExecutor":  # Horovod's older API: settings hold the limits, worker_fn() takes nothing
+    executor = ElasticRayExecutor(ElasticRayExecutor.create_settings(
+        min_num_proc=@min_workers@, max_num_proc=3, elastic_timeout=@elastic_timeout@, timeout_s=120),
+        cpus_per_slot=1)
+    run = lambda: executor.run(lambda: elastic_train(out))
+else:
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=120), min_workers=@min_workers@, max_workers=3,
+                           cpus_per_worker=1, elastic_timeout=@elastic_timeout@, cooldown_range=@cooldown@)
+    run = lambda: executor.run(elastic_train, args=[out])
 executor.start()
 began = time.monotonic()
 try:
-    report = {"results": executor.run(elastic_train, args=[out])}
+    report = {"results": run()}
 except BaseException as e:
     report = {"type": type(e).__name__, "message": str(e), "code": getattr(e, "exit_code", None),
                "cause": type(e.__cause__).__name__}
@@ -102,10 +110,10 @@ print("REPORT " + json.dumps(report))
 
 
 def _run(ray_cluster: RayCluster, tmp_path: Path, *, min_workers: int, elastic_timeout: int, mode: str = "kill",
-         cooldown: str = "None", started: int = 3) -> tuple[dict, str]:
+         cooldown: str = "None", started: int = 3, api: str = "RayExecutor") -> tuple[dict, str]:
     script = ELASTIC
     for name, value in (("address", ray_cluster.address), ("min_workers", str(min_workers)), ("mode", mode),
-                        ("elastic_timeout", str(elastic_timeout)), ("cooldown", cooldown)):
+                        ("elastic_timeout", str(elastic_timeout)), ("cooldown", cooldown), ("api", api)):
         script = script.replace(f"@{name}@", value)
     done = run_driver(script, tmp_path, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -145,7 +153,7 @@ def test_a_new_actor_joins_when_the_slot_comes_back(ray_cluster: RayCluster, tmp
 
 
 def test_below_min_workers_the_job_fails_naming_the_lost_rank(ray_cluster: RayCluster, tmp_path: Path) -> None:
-    report, _stderr = _run(ray_cluster, tmp_path, min_workers=3, elastic_timeout=5)
+    report, _stderr = _run(ray_cluster, tmp_path, min_workers=3, elastic_timeout=5, api="ElasticRayExecutor")
     assert report.get("type") == "JobFailedError", report
     message = report["message"]
     assert "\n" not in message
