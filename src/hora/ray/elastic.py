@@ -36,7 +36,6 @@ from hora.errors import ConfigError, JobFailedError
 from hora.launcher.config import ElasticConfig, RunConfig
 from hora.launcher.elastic.driver import ElasticDriver
 from hora.launcher.elastic.workers import Worker
-from hora.launcher.engines import rank_failed
 from hora.launcher.hosts import HostSpec
 from hora.launcher.remote.agent_handle import AgentHandle
 from hora.protocol import messages as protocol
