@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -350,6 +351,7 @@ class ElasticRayJob:
         """Run ``fn(executable)`` elastically until the final world's workers return; their values in rank order.
 
         Raises:
+            KeyboardInterrupt: Ctrl-C (every actor stopped first).
             JobFailedError: the job could not go on (fewer than ``min_workers`` for ``elastic_timeout``, the
                 reset limit, no worker left holding the state); its message names the last failed worker's
                 rank and node, its cause is what that worker raised or Ray's error for its actor.
@@ -377,6 +379,8 @@ class ElasticRayJob:
         status = driver.run()
         if status == 0:
             return driver.results()
+        if driver.interrupted == signal.SIGINT and driver.failure is None:
+            raise KeyboardInterrupt  # Ctrl-C in the Ray driver: every actor was stopped, as under hora run
         line = driver.failure_line() if driver.failure is not None else f"hora.ray: the elastic job ended with " \
             f"exit status {status}"
         log.error("%s", line)
