@@ -28,6 +28,22 @@ def test_a_call_is_frozen_and_its_op_holds_what_the_steps_compute() -> None:
     assert tensor.tolist() == [1.0, 2.0, 3.0] and call.tensor is tensor
 
 
+def test_given_keeps_every_field_but_the_name_and_site() -> None:
+    """submit() names a call with Call.given, which lists the fields by hand: a field added later must be
+    passed on too."""
+    from hora.datapath.compression import Compression
+    from hora.diagnostics import callsite
+
+    call = Call(Kind.ALLREDUCE, torch.ones(2), "", global_process_set, op=ReduceOp.AVERAGE, root=1, prescale=2.0,
+                postscale=3.0, splits=(1, 1), compression=Compression.fp16, inplace=True,
+                rejected=ValueError("x"))
+    site = callsite.Site(7, "here.py:1")
+    named = call.given("n", site)
+    assert (named.name, named.site) == ("n", site)
+    kept = [f.name for f in dataclasses.fields(Call) if f.name not in ("name", "site")]
+    assert [getattr(named, f) for f in kept] == [getattr(call, f) for f in kept]
+
+
 class _Failing:
     """A kind whose launch fails, to see what a stack trace through the engine shows."""
 

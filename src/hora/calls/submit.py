@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -116,9 +115,9 @@ def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
         return []
     rt = newcomer.join(f"hvd.{calls[0].kind.tag}()")  # a new elastic worker joins the job here
     neg = rt.negotiator
+    site = None
     if neg.site_check and not calls[0].name and calls[0].site is callsite.UNKNOWN and calls[0].kind is not Kind.BARRIER:
         site = callsite.current()  # a barrier carries no data to mix up, and has no name= to opt out with
-        calls = [dataclasses.replace(call, site=site) for call in calls]
     try:
         for call in calls:
             if call.rejected is not None:
@@ -126,13 +125,20 @@ def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
             if call.name and not isinstance(call.name, str):
                 raise TypeError(f"collective names are strings, got {call.name!r}")
             _validate(call, rt.topo.rank)
-        calls = [call if call.name else dataclasses.replace(call, name=neg.unnamed(call.ps.process_set_id))
-                 for call in calls]
+        calls = [_named(call, neg, site) for call in calls]
         ops = [_local_op(call, neg) for call in calls]
     except Exception as e:
         _announce(calls, rt, e)
         raise
     return neg.submit_many(ops, waiting)
+
+
+def _named(call: Call, neg: Any, site: callsite.Site | None) -> Call:
+    """``call`` as the engine sees it: an unnamed call gets its sequence name, and every call of an unnamed
+    submission the caller's ``site`` (when the check is on). One new Call at most, none for a named call."""
+    if call.name and site is None:
+        return call
+    return call.given(call.name or neg.unnamed(call.ps.process_set_id), site or call.site)
 
 
 def _announce(calls: list[Call], rt: Any, error: Exception) -> None:
