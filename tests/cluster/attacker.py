@@ -90,7 +90,7 @@ def _forged(jobs: set[str], keys: list[str], me: str) -> Iterator[tuple[str, byt
                      "ts": time.time()}).encode()) for r in (0, 1))
                 yield f"{board}culprit", json.dumps({"rank": 1, "how": "pwned by a stranger", "by": 0}).encode()
                 yield from ((f"{board}ended/{r}", b"exit code 0 (pwned)") for r in (0, 1))
-                yield from ((f"{board}arrived/1/{r}", b"1") for r in (0, 1))
+                yield from ((f"{g}arrived/{r}", b"1") for r in (0, 1))
             elif target == "elastic-world":
                 e = f"hora/{job}/elastic/"
                 world = {"gen": 1, "size": 1, "updates": 0, "workers": {

@@ -24,6 +24,7 @@ def _post_ended(d: _Driver, job: str, gen: int, rank: int, how: str) -> None:
     board = ep.world_job_id(job, gen)
     d.store.set(protocol.board_key(board, protocol.ENDED, rank=rank), how)
     d.store.add(protocol.board_key(board, protocol.ENDS), 1)
+    d.store.set(ep.arrivals_key(job, gen), ep.MEMBER_ENDED)
 
 
 def _member_dies_before_setup(rank: int, size: int) -> Any:
@@ -39,7 +40,7 @@ def _member_dies_before_setup(rank: int, size: int) -> Any:
         d.wait_ready(workers, 1)
         d.publish(2, [*workers, "h3:0"])  # ... and dies right after world 2 is published
         for r in (0, 1):  # the survivors wait in world 2's rendezvous
-            d.wait_key(protocol.board_key(ep.world_job_id(job, 2), protocol.ARRIVED, gen=2, rank=r))
+            d.wait_key(f"{ep.world_prefix(job, 2)}/arrived/{r}")
         time.sleep(0.5)
         _post_ended(d, job, 2, 2, "signal SIGKILL (9)")
         d.wait_ready(workers, 2)  # they gave up world 2 and posted ready again

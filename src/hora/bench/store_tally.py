@@ -34,7 +34,7 @@ __all__ = ["FAMILIES", "CountingStore", "StoreCounts", "StoreTally", "family"]
 
 # Which part of the system a key belongs to: the first of these path segments found in it. torch's keys (its
 # rendezvous, Gloo's and NCCL's) are all under the "default" prefix hora gives init_process_group.
-FAMILIES = (("torch", "/default/"), ("mesh", "/mesh/"), ("watch", "/watch/"), ("bell", "/bell/"),
+FAMILIES = (("torch", "/default/"), ("arrival", "/arriv"), ("mesh", "/mesh/"), ("watch", "/watch/"), ("bell", "/bell/"),
             ("board", "/board/"), ("elastic", "/elastic/"), ("lost", "/lost"))
 
 

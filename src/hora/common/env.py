@@ -1,7 +1,8 @@
 """The only reader of ``os.environ`` in hora: :class:`WorkerEnv`, a frozen record of this process's place in
 the job (rank, size, local and cross ranks, where the rendezvous store is), detected from hora's launcher,
 horovodrun-style ``HOROVOD_*`` variables, torchrun, Open MPI, MPICH/Intel MPI or Slurm, else a single process;
-the job's secret; and :func:`environ`, what :mod:`hora.common.knobs` reads the tuning knobs from.
+the job's secret; :func:`environ`, what :mod:`hora.common.knobs` reads the tuning knobs from; and
+:func:`torch_gloo_lazy_connect`, the one variable hora sets for torch while it makes its process groups.
 
 Example:
     >>> env = WorkerEnv.from_environ({"HORA_RANK": "1", "HORA_SIZE": "2"})  # doctest: +SKIP
@@ -9,9 +10,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from hora.common.slurm import expand_nodelist, parse_tasks_per_node
@@ -278,3 +280,28 @@ def launcher_environ() -> dict[str, str]:
     """A copy of this process's environment, for the launcher to forward to workers."""
     return dict(os.environ)
 
+
+
+TORCH_GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"  # torch >= 2.8 reads it each time it makes a Gloo process group
+
+
+@contextlib.contextmanager
+def torch_gloo_lazy_connect(lazy: bool) -> Iterator[None]:
+    """Within the block, the Gloo process groups torch makes connect a pair of ranks at the first collective
+    that pair needs (``lazy``), or every pair at once, as torch does by default. Outside it, the variable is
+    what it was, so the groups a script makes itself follow the script's own choice.
+
+    Example:
+        >>> with torch_gloo_lazy_connect(True):
+        ...     os.environ[TORCH_GLOO_LAZY_INIT]
+        '1'
+    """
+    before = os.environ.get(TORCH_GLOO_LAZY_INIT)
+    os.environ[TORCH_GLOO_LAZY_INIT] = "1" if lazy else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(TORCH_GLOO_LAZY_INIT, None)
+        else:
+            os.environ[TORCH_GLOO_LAZY_INIT] = before

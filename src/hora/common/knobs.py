@@ -48,6 +48,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HORA_CONTROL_PLANE", None, str, "auto",
          "How negotiators talk: tcp (a direct connection between every pair of ranks), gloo (an allgather on a "
          "Gloo group, woken through the store), or auto (tcp up to 256 ranks, gloo beyond)."),
+    Knob("HORA_GLOO_LAZY_CONNECT", None, bool, True,
+         "The Gloo process groups hora makes connect a pair of ranks at the first collective that pair needs, "
+         "so a rank holds connections to the few peers its collectives use and init() reads no peer's address "
+         "(torch's TORCH_GLOO_LAZY_INIT, set for hora's groups only); 0 connects every pair at init() (torch's "
+         "default)."),
     Knob("HORA_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE", bool, False,
          "Allreduce on the global set in three steps: reduce within each host, allreduce across hosts, share "
          "the result within the host (through shared memory, each local rank carrying 1/p of the tensor, "
@@ -98,6 +103,7 @@ class Knobs:
     cycle_time: float = _DEFAULTS["cycle_time"]
     disable_cache: bool = _DEFAULTS["disable_cache"]
     control_plane: str = _DEFAULTS["control_plane"]
+    gloo_lazy_connect: bool = _DEFAULTS["gloo_lazy_connect"]
     call_site_check: bool = _DEFAULTS["call_site_check"]
     elastic_timeout: float = _DEFAULTS["elastic_timeout"]
     bucket_cap_mb: float = _DEFAULTS["bucket_cap_mb"]

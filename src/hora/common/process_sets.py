@@ -19,6 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hora.common import env as hora_env
+
 log = logging.getLogger(__name__)
 
 
@@ -79,9 +81,10 @@ class ProcessSetTable(dict[int, ProcessSet]):
     Registering is collective: every rank registers the same sets in the same order (``dist.new_group``).
     """
 
-    def __init__(self, size: int, rank: int, backend: str) -> None:
+    def __init__(self, size: int, rank: int, backend: str, lazy_connect: bool = False) -> None:
         super().__init__()
         self.size, self.rank, self.backend = size, rank, backend
+        self.lazy_connect = lazy_connect  # HORA_GLOO_LAZY_CONNECT: a set's Gloo group connects pairs at first use
         self._next_id = 1
 
     @staticmethod
@@ -116,7 +119,8 @@ class ProcessSetTable(dict[int, ProcessSet]):
         for other in self.values():
             if other.ranks == ps.ranks:
                 raise ValueError(f"a process set with ranks {ps.ranks} already exists: {other!r}")
-        group = dist.new_group(ranks=ps.ranks, backend=self.backend)  # collective: every rank calls it
+        with hora_env.torch_gloo_lazy_connect(self.lazy_connect):
+            group = dist.new_group(ranks=ps.ranks, backend=self.backend)  # collective: every rank calls it
         ps._bind(self._next_id, group, self.rank)
         self[self._next_id] = ps
         self._next_id += 1

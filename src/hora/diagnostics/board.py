@@ -10,7 +10,7 @@ and not the one that waited.
 Only under ``hora run`` (other launchers have no driver reading the board): elsewhere every call does
 nothing. Store errors are swallowed: the board only adds information, it never decides a job's fate. The store
 is the job's :class:`~hora.protocol.signedstore.SignedStore`: a post that fails its MAC check is ignored (one warning
-per key); only the arrivals, checked once every rank has arrived, fail ``init()`` naming the forged key.
+per key).
 
 Example:
     >>> Board(None, "", 0).ended([1, 2])
@@ -106,56 +106,3 @@ class Board:
                                                                                  "by": self.rank}))
         except Exception as e:
             log.debug("board: cannot name the culprit: %s", e)
-
-    def arrive(self, generation: int) -> None:
-        """Mark this rank as having reached its ``generation``-th ``init()``."""
-        if self._store is None:
-            return
-        try:
-            self._store.set(self._key(protocol.ARRIVED, gen=generation, rank=self.rank), "1")
-        except Exception as e:
-            log.debug("board: cannot mark arrival: %s", e)
-
-    def wait_arrivals(self, size: int, generation: int, timeout_s: float,
-                      poll_s: float = 0.005) -> tuple[list[int], dict[int, str]]:
-        """Wait until every rank below ``size`` has reached its ``generation``-th ``init()`` (:meth:`arrive`),
-        watching the launcher's ``ended/<rank>`` posts meanwhile (an elastic world's member can die after the
-        world was published: its peers must not wait for it inside the backend's rendezvous).
-
-        Returns:
-            ``(late ranks, ended ranks with how)``: ``([], {})`` once every rank arrived (or when the board is
-            off); as soon as the launcher saw one of them end, the ended ones; after ``timeout_s``, the late
-            ranks alone.
-
-        Raises:
-            StoreAuthError: an arrival was not posted by a process holding the job's secret.
-        """
-        if self._store is None:
-            return [], {}
-        keys = [self._key(protocol.ARRIVED, gen=generation, rank=r) for r in range(size)]
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not self._store.check(keys):  # one round trip for all of them
-                ended = self.ended(range(size))  # one round trip while nobody ended
-                if ended:
-                    return self.not_arrived(size, generation), ended
-                if time.monotonic() > deadline:
-                    return self.not_arrived(size, generation), {}
-                time.sleep(poll_s)
-            self._store.multi_get(keys)  # every arrival was posted by a rank of this job (one more round trip)
-        except StoreAuthError:
-            raise
-        except Exception as e:  # the store went away with the launcher: the backend's rendezvous will say so
-            log.debug("board: cannot read arrivals: %s", e)
-        return [], {}
-
-    def not_arrived(self, size: int, generation: int) -> list[int]:
-        """The ranks that have not reached their ``generation``-th ``init()``."""
-        if self._store is None:
-            return []
-        try:
-            return [r for r in range(size)
-                    if not self._store.check([self._key(protocol.ARRIVED, gen=generation, rank=r)])]
-        except Exception as e:
-            log.debug("board: cannot read arrivals: %s", e)
-            return []

@@ -33,8 +33,10 @@ and its board (``ended/<rank>`` etc. of :mod:`hora.protocol.messages`) is the bo
 :func:`world_job_id` (``<job>/g<N>``): a rank number means one worker within one world only.
 
 A worker that dies or raises: its agent tells the driver, which posts ``ended/<rank>`` on that world's board
-at once (the survivors' pending collectives fail with ``HorovodInternalError``), blacklists the host, and
-publishes a world without that host's workers once every survivor has posted ready.
+at once (the survivors' pending collectives fail with ``HorovodInternalError``) and sets the world's
+``arrived/all`` (:func:`arrivals_key`) to ``"ended"``, so that members still waiting in ``init()`` for the
+others to arrive (:mod:`hora.runtime.arrivals`) stop waiting; it blacklists the host and publishes a world
+without that host's workers once every survivor has posted ready.
 
 Example:
     >>> w1 = assign_world(None, 1, [("a:0", "a"), ("a:1", "a"), ("b:0", "b")])
@@ -74,6 +76,16 @@ def elastic_key(job_id: str, key: str, **fields: object) -> str:
 def world_prefix(job_id: str, gen: int) -> str:
     """The store prefix of world ``gen``'s process groups: ``"hora/<job>/g<gen>"``."""
     return f"hora/{job_id}/g{gen}"
+
+
+ARRIVALS_RELEASED = "arrived/all"  # in the world's prefix: "1" once every member arrived at init(), or "ended"
+MEMBER_ENDED = "ended"  # the value of ARRIVALS_RELEASED with which the driver ends that wait
+
+
+def arrivals_key(job_id: str, gen: int) -> str:
+    """The key that releases world ``gen``'s members from their wait for each other in ``init()``:
+    ``arrivals_key("ab12", 3)`` -> ``"hora/ab12/g3/arrived/all"``."""
+    return f"{world_prefix(job_id, gen)}/{ARRIVALS_RELEASED}"
 
 
 def world_job_id(job_id: str, gen: int) -> str:

@@ -10,8 +10,8 @@ The ranks and the driver also share a few keys in the rendezvous store (:func:`b
 negotiation round waits for peers that do not answer posts who it waits for (``waiting/<rank>``, counted in
 ``waits``); the driver posts which ranks have exited (``ended/<rank>``), so a rank waiting for one that exited
 (while a process it forked holds its connections open) stops waiting at once; the rank that knows the culprit
-of a failure names it (``culprit``), so the launcher's headline names that rank rather than a waiting one;
-every rank marks its arrival at ``init()`` (``arrived/<rank>``), so a late one is named; a rank whose data
+of a failure names it (``culprit``), so the launcher's headline names that rank rather than a waiting one; a
+rank whose data
 transfers have been on the wire past the stall warning time posts them (``inflight/<rank>``, also counted in
 ``waits``), so the driver finds the member frozen in the middle of a transfer and ends the job at the stall
 shutdown time.
@@ -28,7 +28,7 @@ STARTED, OUT, EXIT, DONE, PROBE = "started", "out", "exit", "done", "probe"
 # Driver -> agent commands (a STOP with "r": [ranks] stops only those workers: an elastic job lets them go).
 STOP, PING = "stop", "ping"
 # Keys of the board the ranks and the driver share in the store (see the module docstring).
-WAITING, WAITS, ENDED, CULPRIT, ARRIVED = "waiting/{rank}", "waits", "ended/{rank}", "culprit", "arrived/{gen}/{rank}"
+WAITING, WAITS, ENDED, CULPRIT = "waiting/{rank}", "waits", "ended/{rank}", "culprit"
 ENDS = "ends"  # how many ``ended/<rank>`` keys there are: a waiting rank reads only this, until it changes
 INFLIGHT = "inflight/{rank}"  # data transfers a rank launched that have not finished past the warning time
 

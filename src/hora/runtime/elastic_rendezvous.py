@@ -3,9 +3,9 @@
 In an elastic job (``hora run --min-np ...``, ``WorkerEnv.elastic``) the launcher's driver decides the
 worlds: it writes ``world/<gen>`` (every member's rank, local and cross ranks, host) then ``gen`` (the
 newest), under ``hora/<job>/elastic/`` in the rendezvous store. A worker posts ``ready/<worker_id>`` (the
-last world it was in, 0 if none) when it joins and at every reset, then waits for a world newer than its
-last one. A worker that was in a world and is not in the next one has been removed: it leaves with exit
-code 0.
+last world it was in, 0 if none) when it joins and at every reset, then waits in the store (no polling) for
+a world newer than its last one. A worker that was in a world and is not in the next one has been removed:
+it leaves with exit code 0.
 
 When a worker joins: the workers of the job's first world join at ``init()``. A worker that starts while the
 job already runs (a host added, a failed host back after its cooldown) does not: ``init()`` gives it a world
@@ -28,8 +28,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import time
+
+import torch.distributed as dist
 
 from hora.common.env import WorkerEnv
 from hora.errors import ElasticTimeoutError
@@ -39,7 +42,7 @@ from hora.protocol.topology import Topology
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.01  # how often a waiting worker reads the newest world's number (one small store read)
+_POLL_S = 0.01  # a worker woken by world/<gen> before the driver wrote gen: how soon it reads gen again
 _joined: proto.World | None = None  # the last world this process joined
 _before: proto.World | None = None  # the world it was in before that one
 
@@ -85,12 +88,28 @@ def join(store: SignedStore, env: WorkerEnv, last_gen: int, timeout_s: float) ->
                             "leaving with exit code 0", env.worker_id, last_gen, gen)
                 raise SystemExit(0)
             seen = gen  # a world made before this new worker was ready: wait for the next one
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if left <= 0 or not _wait_for_world(store, job, seen + 1, left):
             raise ElasticTimeoutError(
                 f"worker {env.worker_id} waited {timeout_s:g} s for the launcher's next world (after world "
                 f"{last_gen}) and none came: too few hosts (--min-np), or the launcher is gone. Give hosts more "
                 "time with --elastic-timeout (HOROVOD_ELASTIC_TIMEOUT)")
+
+
+def _wait_for_world(store: SignedStore, job: str, gen: int, timeout_s: float) -> bool:
+    """Wait in the store (no polling) until world ``gen`` is published; False after ``timeout_s``. The driver
+    writes ``world/<gen>`` before ``gen``: a worker woken between the two writes looks again a moment later."""
+    key = proto.elastic_key(job, proto.WORLD, gen=gen)
+    if store.check([key]):
         time.sleep(_POLL_S)
+        return True
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+        return True
+    except dist.DistStoreError as e:  # torch's wait timeout; any other store error is not ours to hide
+        if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+            return False
+        raise
 
 
 def newest(store: SignedStore, job: str) -> int:

@@ -45,6 +45,7 @@ from hora.protocol.jobsecret import ENV_SECRET_FILE, JobSecret
 from hora.protocol.signedstore import SignedStore
 from hora.protocol.topology import Topology, derive_topology
 from hora.runtime import elastic_rendezvous as world
+from hora.runtime.arrivals import Arrivals
 
 log = logging.getLogger(__name__)
 
@@ -203,26 +204,24 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, secret: JobSecret | No
         connect = rendezvous.connector(raw, prefix, timeout)
         hook = sys.excepthook
         board = Board(job_store, env.board_id, env.rank)
-        board.arrive(generation)
-        if env.elastic:  # wait for the members here, where the launcher's word that one ended is heard
-            late, ended = board.wait_arrivals(env.size, generation, knobs.start_timeout)
+        if env.size > 1:  # every rank waits for the others here, where a late one is named (Gloo connects lazily)
+            arrivals = Arrivals(job_store.under(prefix), env.rank, env.size)
+            arrivals.arrive()
+            late, ended = arrivals.wait(knobs.start_timeout,
+                                        (lambda: board.ended(range(env.size))) if env.elastic else None)
             if ended:
                 raise member_lost(env, generation, ended)
             if late:
                 raise late_error(board, env, knobs, late)
         try:
-            dist.init_process_group(
-                backend, store=dist.PrefixStore("default", base), rank=env.rank, world_size=env.size, timeout=timeout
-            )
-        except Exception as e:  # c10d raises DistStoreError with an internal key: say who is late instead
+            with hora_env.torch_gloo_lazy_connect(knobs.gloo_lazy_connect):
+                dist.init_process_group(backend, store=dist.PrefixStore("default", base), rank=env.rank,
+                                        world_size=env.size, timeout=timeout)
+        except Exception as e:
             ended = board.ended(range(env.size)) if env.elastic else {}
             if ended:
                 raise member_lost(env, generation, ended) from e
-            late = board.not_arrived(env.size, generation) if board.active else []
-            if not late:
-                raise
-            log.debug("rank %d: init_process_group failed: %s", env.rank, e)
-            raise late_error(board, env, knobs, late) from None
+            raise
         if env.source == "hora" or alone:  # hora run tags each line "[1]<stderr>:"; torch would add "[rank1]: "
             sys.excepthook = hook
     else:  # the script made the default group itself (e.g. under torchrun): join it
@@ -236,12 +235,13 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, secret: JobSecret | No
         connect = rendezvous.connector(job_store.raw, prefix, timeout)
         backend = dist.get_backend()
     try:
-        ctrl = dist.new_group(backend="gloo", timeout=control_timeout(knobs))
-        topo = topology(env, ctrl)
-        sets = ProcessSetTable(env.size, env.rank, backend)
-        sets.add_global(dist.new_group(backend=backend))
-        if knobs.hierarchical_allreduce and env.size > 1:
-            hierarchical.build(topo.hosts, env.rank, global_process_set.group, backend)
+        with hora_env.torch_gloo_lazy_connect(knobs.gloo_lazy_connect):
+            ctrl = dist.new_group(backend="gloo", timeout=control_timeout(knobs))
+            topo = topology(env, ctrl)
+            sets = ProcessSetTable(env.size, env.rank, backend, lazy_connect=knobs.gloo_lazy_connect)
+            sets.add_global(dist.new_group(backend=backend))
+            if knobs.hierarchical_allreduce and env.size > 1:
+                hierarchical.build(topo.hosts, env.rank, global_process_set.group, backend)
     except BaseException as e:  # leave nothing half-built behind (init() may be retried)
         hierarchical.clear()
         ProcessSetTable(env.size, env.rank, backend).unbind_all()

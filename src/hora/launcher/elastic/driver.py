@@ -205,6 +205,8 @@ class ElasticDriver(JobLoop):
         try:
             self.store.set(protocol.board_key(job, protocol.ENDED, rank=rank), how)
             self.store.add(protocol.board_key(job, protocol.ENDS), 1)
+            # members still waiting in init() for the world's others to arrive stop waiting (runtime.arrivals)
+            self.store.set(ep.arrivals_key(self.job_id, self.world.gen), ep.MEMBER_ENDED)
         except Exception as exc:
             log.debug("board: cannot post the end of rank %s: %s", rank, exc)
 
