@@ -17,7 +17,7 @@ from hora.engine import handshake
 from hora.engine.codec import MAX_FRAME_BYTES
 from hora.engine.gloo_plane import make_control_plane
 from hora.engine.handshake import Identity
-from hora.engine.mesh import _HEAD, BadFrame, Mesh, PeerLost, connect_mesh
+from hora.engine.mesh import _HEAD, LOSS, ROUND, BadFrame, Mesh, PeerLost, connect_mesh
 from hora.engine.seal import TAG_BYTES
 from hora.errors import CollectiveError, ConfigError
 from hora.protocol.jobsecret import JobSecret
@@ -30,9 +30,10 @@ def identity(rank: int, secret: JobSecret | None = SECRET, code: str = "c0de", w
 
 
 def _meshes(size: int, round_timeout: float = 30.0, before: Callable[[dist.Store], None] | None = None,
-            secret: JobSecret | None = SECRET) -> list[Mesh]:
-    """Connect ``size`` ranks; ``before(store)``, if given, runs once rank 0 listens, before the others start."""
-    store = dist.HashStore()
+            secret: JobSecret | None = SECRET, full_upto: int = 1 << 20, store: Any = None) -> list[Mesh]:
+    """Connect ``size`` ranks (the full exchange unless ``full_upto`` < ``size``); ``before(store)``, if given,
+    runs once rank 0 listens, before the others start."""
+    store = dist.HashStore() if store is None else store
     out: list[Any] = [None] * size
     errors: list[BaseException] = []
 
@@ -44,7 +45,8 @@ def _meshes(size: int, round_timeout: float = 30.0, before: Callable[[dist.Store
                     before(store)
                     store.set("before-done", "1")
                 store.wait(["before-done"])
-            out[rank] = connect_mesh(identity(rank, secret), size, store, "127.0.0.1", 20.0, round_timeout)
+            out[rank] = connect_mesh(identity(rank, secret), size, store, "127.0.0.1", 20.0, round_timeout,
+                                     full_upto=full_upto)
         except BaseException as e:  # surfaced below
             errors.append(e)
 
@@ -164,7 +166,7 @@ def test_a_peer_that_leaves_after_the_last_round_is_no_failure_of_that_round() -
         def ranks(rank: int, mesh: Mesh) -> list[bytes] | None:
             if rank == 2:  # rank 2's frame reaches rank 1 now, rank 0 only once rank 1 has gone
                 payload = b"bye 2"
-                head = _HEAD.pack(0, len(payload))
+                head = _HEAD.pack(0, len(payload), ROUND)
                 frame = head + payload + mesh._seal.tag(head, payload)
                 mesh._peers[1].sendall(frame)
                 left.wait(10)
@@ -257,7 +259,7 @@ def _inject(meshes: list[Mesh], data: bytes) -> BadFrame:
 def test_a_forged_frame_fails_the_round_naming_the_peer() -> None:
     meshes = _meshes(2)
     try:
-        head = _HEAD.pack(0, 3)
+        head = _HEAD.pack(0, 3, ROUND)
         error = _inject(meshes, head + b"abc" + b"\0" * TAG_BYTES)
         assert "failed authentication" in str(error)
     finally:
@@ -267,7 +269,7 @@ def test_a_forged_frame_fails_the_round_naming_the_peer() -> None:
 def test_a_changed_byte_fails_authentication() -> None:
     meshes = _meshes(2)
     try:
-        head = _HEAD.pack(0, 3)
+        head = _HEAD.pack(0, 3, ROUND)
         tag = meshes[1]._seal.tag(head, b"abc")
         error = _inject(meshes, head + b"abd" + tag)
         assert "failed authentication" in str(error)
@@ -279,7 +281,7 @@ def test_a_replayed_frame_is_refused_by_its_number() -> None:
     meshes = _meshes(2)
     try:
         assert _on_every_rank(meshes, lambda r, m: m.allgather(b"round0"))[0] == [b"round0", b"round0"]
-        head = _HEAD.pack(0, 6)
+        head = _HEAD.pack(0, 6, ROUND)
         recorded = head + b"round0" + meshes[1]._seal.tag(head, b"round0")  # rank 1's genuine frame of round 0
         error = _inject(meshes, recorded)
         assert "frame number 0 where number 1 was due" in str(error)
@@ -290,7 +292,7 @@ def test_a_replayed_frame_is_refused_by_its_number() -> None:
 def test_an_oversized_frame_is_refused_from_its_header_alone() -> None:
     meshes = _meshes(2)
     try:
-        error = _inject(meshes, _HEAD.pack(0, MAX_FRAME_BYTES + 1))  # no payload follows: never waited for
+        error = _inject(meshes, _HEAD.pack(0, MAX_FRAME_BYTES + 1, ROUND))  # no payload follows: never waited for
         bound = f"announced a {MAX_FRAME_BYTES + 1}-byte frame, more than the {MAX_FRAME_BYTES} bytes allowed"
         assert bound in str(error)
     finally:
@@ -309,7 +311,134 @@ def test_without_a_secret_frames_carry_no_tag_and_still_check_their_number() -> 
     meshes = _meshes(2, secret=None)
     try:
         assert meshes[0]._seal.tag_bytes == 0
-        error = _inject(meshes, _HEAD.pack(7, 1) + b"x")
+        error = _inject(meshes, _HEAD.pack(7, 1, ROUND) + b"x")
         assert "frame number 7 where number 0 was due" in str(error)
+    finally:
+        _close(meshes)
+
+
+# --- recursive doubling (above HORA_MESH_FULL_UPTO ranks) ---------------------------------------------------------
+
+@pytest.mark.parametrize("size", [2, 3, 5, 6, 8, 11])
+def test_doubling_rounds_gather_every_payload_in_rank_order_over_log_n_connections(size: int) -> None:
+    meshes = _meshes(size, full_upto=1)
+    try:
+        assert all(m.plan.shape == "doubling" for m in meshes)
+        p = 1 << (size.bit_length() - 1)
+        for rank, m in enumerate(meshes):  # log2(p) partners, and the extra rank folded in (or the one it folds into)
+            assert len(m._peers) == (1 if rank >= p else (p.bit_length() - 1) + (rank < size - p))
+        sizes = [0, 10, 3000, 200_000, 7]  # mixed sizes; each rank's payload differs
+
+        def rounds(rank: int, mesh: Mesh) -> list[list[bytes]]:
+            return [mesh.allgather(bytes([rank]) * (n + rank)) for n in sizes]
+
+        results = _on_every_rank(meshes, rounds)
+        for i, n in enumerate(sizes):
+            expected = [bytes([r]) * (n + r) for r in range(size)]
+            assert all(per_rank[i] == expected for per_rank in results)
+    finally:
+        _close(meshes)
+
+
+def test_doubling_ranks_wait_in_the_store_only_for_their_partners_addresses() -> None:
+    class CountingStore:
+        def __init__(self) -> None:
+            self.store = dist.HashStore()
+            self.waited: list[str] = []
+            self.lock = threading.Lock()
+
+        def wait(self, keys: list[str], *args: Any) -> None:
+            with self.lock:
+                self.waited += keys
+            self.store.wait(keys, *args)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.store, name)
+
+    store = CountingStore()
+    meshes = _meshes(16, full_upto=8, store=store)
+    try:
+        # each rank dials only its lower partners: 0 + 1 + 1 + 2 + ... = the number of edges, 4 * 16 / 2
+        assert len(store.waited) == 32
+        assert max(len(m._peers) for m in meshes) == 4
+    finally:
+        _close(meshes)
+
+
+def _until_lost(rank: int, mesh: Mesh) -> PeerLost:
+    """What an idle rank learns, reading whatever wakes it, until a loss reaches it."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        mesh.wait(0, 1.0)
+        try:
+            mesh.receive_ready()
+        except PeerLost as e:
+            return e
+    raise AssertionError(f"rank {rank} never learned of the loss")
+
+
+@pytest.mark.parametrize("size", [8, 5])
+def test_doubling_a_lost_rank_is_named_on_every_rank_also_on_those_not_connected_to_it(size: int) -> None:
+    meshes = _meshes(size, full_upto=1)
+    dead = size - 3  # size 8: rank 5 (partners 4, 7, 1); size 5: rank 2 (partners 3, 0)
+    try:
+        assert _on_every_rank(meshes, lambda r, m: m.allgather(bytes([r])))[0] == [bytes([r]) for r in range(size)]
+        meshes[dead].close()
+        alive = [m for r, m in enumerate(meshes) if r != dead]
+        strangers = [m.rank for m in alive if dead not in m._peers]
+        assert strangers, "some rank has no connection to the lost one"
+        errors = _on_every_rank(alive, lambda i, m: _until_lost(m.rank, m))
+        assert [e.peer for e in errors] == [dead] * (size - 1)
+        for e in errors:
+            assert f"rank {dead}" in str(e)
+    finally:
+        _close(meshes)
+
+
+def test_doubling_a_rank_lost_during_a_round_fails_that_round_on_every_rank_naming_it() -> None:
+    meshes = _meshes(8, full_upto=1)
+    try:
+        meshes[5].close()
+        alive = [m for r, m in enumerate(meshes) if r != 5]
+
+        def one_round(i: int, mesh: Mesh) -> int:
+            with pytest.raises(PeerLost) as info:
+                mesh.allgather(b"x")
+            return info.value.peer
+
+        assert _on_every_rank(alive, one_round) == [5] * 7
+    finally:
+        _close(meshes)
+
+
+def test_doubling_a_frame_that_does_not_hold_the_scheduled_payloads_fails_the_round() -> None:
+    meshes = _meshes(4, full_upto=1, round_timeout=5.0)  # rank 2's step-1 partner is rank 0: ranks 0 and 1's payloads
+    try:
+        head = _HEAD.pack(0, 5, ROUND)
+        payload = b"\x01\0\0\0a"  # rank 0's payload, then nothing for rank 1
+        meshes[0]._peers[2].sendall(head + payload + meshes[0]._seal.tag(head, payload))
+
+        def ranks_2_and_3(i: int, mesh: Mesh) -> BaseException | None:  # rank 3 is rank 2's step-0 partner
+            try:
+                mesh.allgather(b"x")
+            except CollectiveError as e:
+                return e
+            return None
+
+        error = _on_every_rank([meshes[2], meshes[3]], ranks_2_and_3)[0]
+        assert isinstance(error, BadFrame) and error.peer == 0, error
+        assert "ends before rank 1's payload" in str(error)
+    finally:
+        _close(meshes)
+
+
+def test_a_loss_notice_is_authenticated_like_any_frame() -> None:
+    meshes = _meshes(4, full_upto=1)
+    try:
+        head = _HEAD.pack(0, 4, LOSS)
+        body = (3).to_bytes(4, "little")
+        meshes[0]._peers[2].sendall(head + body + b"\0" * TAG_BYTES)  # a forged notice that rank 3 is gone
+        with pytest.raises(BadFrame, match="failed authentication"):
+            meshes[2].receive_ready()
     finally:
         _close(meshes)

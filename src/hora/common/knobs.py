@@ -53,6 +53,10 @@ KNOBS: tuple[Knob, ...] = (
          "so a rank holds connections to the few peers its collectives use and init() reads no peer's address "
          "(torch's TORCH_GLOO_LAZY_INIT, set for hora's groups only); 0 connects every pair at init() (torch's "
          "default)."),
+    Knob("HORA_MESH_FULL_UPTO", None, int, 8,
+         "TCP control plane: up to this many ranks a negotiation round is one exchange between every pair of "
+         "ranks (one round trip, n-1 connections per rank); above, recursive doubling (log2 n round trips, "
+         "about log2 n connections and frames per rank)."),
     Knob("HORA_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE", bool, False,
          "Allreduce on the global set in three steps: reduce within each host, allreduce across hosts, share "
          "the result within the host (through shared memory, each local rank carrying 1/p of the tensor, "
@@ -104,6 +108,7 @@ class Knobs:
     disable_cache: bool = _DEFAULTS["disable_cache"]
     control_plane: str = _DEFAULTS["control_plane"]
     gloo_lazy_connect: bool = _DEFAULTS["gloo_lazy_connect"]
+    mesh_full_upto: int = _DEFAULTS["mesh_full_upto"]
     call_site_check: bool = _DEFAULTS["call_site_check"]
     elastic_timeout: float = _DEFAULTS["elastic_timeout"]
     bucket_cap_mb: float = _DEFAULTS["bucket_cap_mb"]

@@ -338,4 +338,4 @@ def make_control_plane(ctx: EngineContext) -> ControlPlane:
     # no fixed round timeout: a peer that does not answer is the stall inspector's (Rounds.on_wait), on the
     # deadlines of --stall-check-warning-time-seconds / --stall-check-shutdown-time-seconds
     return connect_mesh(identity(ctx, "mesh"), ctx.size, ctx.store, advertised_address(ctx.store_addr),
-                        ctx.knobs.start_timeout)
+                        ctx.knobs.start_timeout, full_upto=ctx.knobs.mesh_full_upto)

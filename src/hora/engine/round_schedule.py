@@ -1,0 +1,107 @@
+"""Who sends which ranks' payloads to whom in a negotiation round on the TCP mesh: the round's schedule.
+
+A round gathers every rank's payload on every rank. Two shapes, chosen by the number of ranks n
+(``HORA_MESH_FULL_UPTO``, :func:`schedule`):
+
+- **full**: one step. Each rank sends its payload to each other rank and receives each other's: one round
+  trip, but n-1 connections and 2(n-1) frames per rank per round.
+- **doubling** (recursive doubling): with p the largest power of two <= n, the ranks below p pair up in
+  log2(p) steps, the partner of step k being ``rank ^ 2**k``: each sends the payloads it holds so far and
+  receives as many, so after step k it holds those of its aligned block of 2**(k+1) ranks. The n-p *extra*
+  ranks (p and above) fold into a partner first: extra ``p+i`` sends its payload to rank i before the first
+  step and receives everything else from it after the last. log2(p) (+1) connections and about 2 log2(p)
+  frames per rank per round; log2(p) round trips (+2 for the extras).
+
+In both shapes every connection carries exactly one frame each way per round, and which ranks' payloads a
+frame holds (its *origins*, in rank order) follows from the schedule alone: a frame names no ranks, and a
+receiver knows in advance what each peer's frame must hold.
+
+Example:
+    >>> s = doubling(2, 6)  # p = 4: ranks 4 and 5 are extras, folded into ranks 0 and 1
+    >>> s.peers
+    (0, 3)
+    >>> [(t.peer, t.origins) for step in s.steps for t in step.receives]
+    [(3, (3,)), (0, (0, 1, 4, 5))]
+    >>> [(t.peer, t.origins) for t in doubling(5, 6).steps[0].receives]
+    [(1, (0, 1, 2, 3, 4))]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FULL, DOUBLING = "full", "doubling"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One frame of a round: to or from ``peer``, holding the payloads of ``origins`` in this order."""
+
+    peer: int
+    origins: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Step:
+    """Frames a rank sends, then frames it must receive before its next step (sends need not have left)."""
+
+    sends: tuple[Transfer, ...] = ()
+    receives: tuple[Transfer, ...] = ()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One rank's part of a round: its steps, in order. The same every round."""
+
+    rank: int
+    size: int
+    shape: str
+    steps: tuple[Step, ...]
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """The ranks this rank exchanges frames with (the only ones it connects to), in rank order."""
+        return tuple(sorted({t.peer for step in self.steps for t in (*step.sends, *step.receives)}))
+
+    def receiving(self) -> dict[int, Transfer]:
+        """Each peer's frame of a round (exactly one per peer)."""
+        return {t.peer: t for step in self.steps for t in step.receives}
+
+
+def full(rank: int, size: int) -> Schedule:
+    others = [r for r in range(size) if r != rank]
+    step = Step(sends=tuple(Transfer(r, (rank,)) for r in others), receives=tuple(Transfer(r, (r,)) for r in others))
+    return Schedule(rank, size, FULL, (step,) if others else ())
+
+
+def doubling(rank: int, size: int) -> Schedule:
+    p = 1 << (size.bit_length() - 1)  # the largest power of two <= size
+    extras = size - p
+    everyone = tuple(range(size))
+    if rank >= p:  # an extra: its payload goes to its partner, everything else comes back from it
+        home = rank - p
+        rest = tuple(r for r in everyone if r != rank)
+        return Schedule(rank, size, DOUBLING, (Step(sends=(Transfer(home, (rank,)),), receives=(Transfer(home, rest),)),))
+
+    def block(first: int, width: int) -> tuple[int, ...]:
+        """The payloads core ranks first..first+width-1 hold together: theirs and their extras'."""
+        cores = range(first, first + width)
+        return tuple(sorted([*cores, *(c + p for c in cores if c < extras)]))
+
+    steps: list[Step] = []
+    if rank < extras:
+        steps.append(Step(receives=(Transfer(rank + p, (rank + p,)),)))
+    width = 1
+    while width < p:
+        partner = rank ^ width
+        steps.append(Step(sends=(Transfer(partner, block(rank & ~(width - 1), width)),),
+                          receives=(Transfer(partner, block(partner & ~(width - 1), width)),)))
+        width <<= 1
+    if rank < extras:
+        steps.append(Step(sends=(Transfer(rank + p, tuple(r for r in everyone if r != rank + p)),)))
+    return Schedule(rank, size, DOUBLING, tuple(steps))
+
+
+def schedule(rank: int, size: int, full_upto: int) -> Schedule:
+    """The full exchange up to ``full_upto`` ranks, recursive doubling above."""
+    return full(rank, size) if size <= full_upto else doubling(rank, size)
