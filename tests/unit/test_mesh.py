@@ -442,3 +442,19 @@ def test_a_loss_notice_is_authenticated_like_any_frame() -> None:
             meshes[2].receive_ready()
     finally:
         _close(meshes)
+
+
+@pytest.mark.parametrize("size,starter", [(3, 0), (3, 1), (6, 5), (6, 3)])
+def test_doubling_a_round_one_rank_starts_wakes_every_idle_rank(size: int, starter: int) -> None:
+    """Idle negotiators wake only on a peer's frame: every rank, extras included, must get one once a round
+    starts anywhere (an extra whose partner waited for its payload first never woke)."""
+    meshes = _meshes(size, full_upto=1)
+    try:
+        def rank(r: int, mesh: Mesh) -> list[bytes]:
+            if r != starter:
+                assert mesh.wait(0, 10.0), f"rank {r} was not woken by the round rank {starter} started"
+            return mesh.allgather(bytes([r]))
+
+        assert _on_every_rank(meshes, rank) == [[bytes([r]) for r in range(size)]] * size
+    finally:
+        _close(meshes)

@@ -15,8 +15,8 @@ in a *loss notice* naming the lost rank, and each rank passes the first notice i
 The connections form a connected graph (log2(n) hops across at most), so every rank learns the lost rank's
 number, not merely that a partner stopped answering.
 
-Each connection carries exactly one frame each way per round, so frames of later rounds may arrive early (a
-fast peer is already in the next round) and wait in a per-peer buffer. Sockets are non-blocking and a round
+Each connection carries the same frames every round, in the same order, so frames of later rounds may
+arrive early (a fast peer is already in the next round) and wait in a per-peer buffer. Sockets are non-blocking and a round
 sends and receives together, so two ranks exchanging large first-round payloads never deadlock on full
 socket buffers.
 
@@ -104,9 +104,12 @@ class Mesh:
         self._by_fd = {s.fileno(): r for r, s in peers.items()}
         self._inbox = {r: bytearray() for r in peers}
         self._frames: dict[int, deque[bytes]] = {r: deque() for r in peers}  # checked payloads, not yet taken
-        self._receiving = self.plan.receiving()  # what each peer's frame of a round holds
+        self._receiving = self.plan.receiving()  # what each peer's frames of a round hold
+        sending = self.plan.sending()
+        self._frames_in = {r: len(self._receiving.get(r, ())) for r in peers}  # how many each round
+        self._frames_out = {r: len(sending.get(r, ())) for r in peers}
         # the longest round frame each peer may announce: MAX_FRAME_BYTES per payload it carries
-        self._bound = {r: _bound(len(t.origins)) for r, t in self._receiving.items()}
+        self._bound = {r: _bound(max((len(t.origins) for t in self._receiving.get(r, ())), default=1)) for r in peers}
         self._next_in = dict.fromkeys(peers, 0)  # the number of the next frame due from each peer
         self._next_out = dict.fromkeys(peers, 0)  # the number of the next frame to each peer
         self._unsent: dict[int, memoryview] = {}  # what is still to send to each peer
@@ -196,7 +199,7 @@ class Mesh:
         found: dict[int, bytes] = {}
         for peer, frames in self._frames.items():
             if frames:
-                origins = self._receiving[peer].origins
+                origins = self._receiving[peer][0].origins
                 found.update(zip(origins, self._split(peer, origins, frames[0])))
         return found
 
@@ -209,8 +212,8 @@ class Mesh:
                                   "hora.engine.codec.MAX_FRAME_BYTES): "
                                   "submit fewer new collectives at once")
         got: dict[int, bytes] = {self.rank: payload}
-        taken: set[int] = set()  # peers whose frame of this round is in
-        sent: set[int] = set()  # peers whose frame of this round is queued (in self._unsent until it is out)
+        to_take = dict(self._frames_in)  # frames of this round each peer has still to send
+        to_send = dict(self._frames_out)  # frames of this round still to queue for each peer
         made: dict[tuple[int, tuple[int, ...]], memoryview] = {}  # frames by (number, origins): built once
         done: list[int] = []  # peers this round needs nothing more from, left out of the poll until it ends
         start = time.monotonic()
@@ -218,21 +221,21 @@ class Mesh:
             for step in self.plan.steps:
                 for t in step.sends:
                     self._queue(t, got, made)
-                    sent.add(t.peer)
+                    to_send[t.peer] -= 1
                 need = {t.peer: t for t in step.receives}
                 for t in step.receives:
                     if self._take(t, got):
-                        taken.add(t.peer)
+                        to_take[t.peer] -= 1
                         del need[t.peer]
-                self._pump(need, got, taken, sent, done, start, drain=False)
-            self._pump({}, got, taken, sent, done, start, drain=True)
+                self._pump(need, got, to_take, to_send, done, start, drain=False)
+            self._pump({}, got, to_take, to_send, done, start, drain=True)
         finally:
             for fd in done:
                 self._poll.register(fd, _READ)
         return [got[r] for r in range(self.size)]
 
-    def _pump(self, need: dict[int, Transfer], got: dict[int, bytes], taken: set[int], sent: set[int],
-              done: list[int], start: float, drain: bool) -> None:
+    def _pump(self, need: dict[int, Transfer], got: dict[int, bytes], to_take: dict[int, int],
+              to_send: dict[int, int], done: list[int], start: float, drain: bool) -> None:
         """Send and receive until every frame in ``need`` is in (and, with ``drain``, every frame is out)."""
         deadline = start + self._round_timeout
         tick = time.monotonic() + WAIT_TICK_S
@@ -256,8 +259,8 @@ class Mesh:
                     if peer not in self._unsent:
                         self._poll.modify(fd, _READ)
                 if ev & ~select.POLLOUT:
-                    if peer in taken and peer in sent and peer not in self._unsent:
-                        # Its frame of this round is in and ours is out: what it does now is the next
+                    if not to_take[peer] and not to_send[peer] and peer not in self._unsent:
+                        # Its frames of this round are in and ours are out: what it does now is the next
                         # round's business. After the last round (the shutdown) a peer that has it all exits
                         # while others still wait for a slower rank: its closing is no failure of this round.
                         self._poll.unregister(fd)
@@ -266,7 +269,7 @@ class Mesh:
                     self._receive(peer)
                     t = need.get(peer)
                     if t is not None and self._take(t, got):
-                        taken.add(peer)
+                        to_take[peer] -= 1
                         del need[peer]
 
     def _report_wait(self, waiting_for: list[int], waited: float) -> None:
@@ -291,7 +294,8 @@ class Mesh:
                 body = b"".join(part for o in t.origins for part in (_LEN.pack(len(got[o])), got[o]))
             head = _HEAD.pack(seq, len(body), ROUND)
             frame = made[(seq, t.origins)] = memoryview(b"".join((head, body, self._seal.tag(head, body))))
-        self._unsent[t.peer] = frame
+        before = self._unsent.get(t.peer)  # the peer's previous frame of this round, not all out yet
+        self._unsent[t.peer] = frame if before is None else memoryview(b"".join((before, frame)))
         self._send(t.peer)
 
     def _send(self, peer: int) -> None:

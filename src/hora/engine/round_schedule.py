@@ -8,13 +8,16 @@ A round gathers every rank's payload on every rank. Two shapes, chosen by the nu
 - **doubling** (recursive doubling): with p the largest power of two <= n, the ranks below p pair up in
   log2(p) steps, the partner of step k being ``rank ^ 2**k``: each sends the payloads it holds so far and
   receives as many, so after step k it holds those of its aligned block of 2**(k+1) ranks. The n-p *extra*
-  ranks (p and above) fold into a partner first: extra ``p+i`` sends its payload to rank i before the first
-  step and receives everything else from it after the last. log2(p) (+1) connections and about 2 log2(p)
-  frames per rank per round; log2(p) round trips (+2 for the extras).
+  ranks (p and above) fold into a partner: extra ``p+i`` and rank i swap their payloads before the first
+  step, and the extra receives everything else from rank i after the last. log2(p) (+1) connections and
+  about 2 log2(p) frames per rank per round; log2(p) round trips (+1 for the extras).
 
-In both shapes every connection carries exactly one frame each way per round, and which ranks' payloads a
-frame holds (its *origins*, in rank order) follows from the schedule alone: a frame names no ranks, and a
-receiver knows in advance what each peer's frame must hold.
+Every step sends before it waits, so a round that one rank starts wakes its idle peers step by step (an
+idle negotiator wakes on a peer's frame); the swap is what wakes an idle extra.
+
+Which ranks' payloads a frame holds (its *origins*, in rank order) follows from the schedule alone: a frame
+names no ranks, and a receiver knows in advance what each frame of each peer must hold. Every connection
+carries the same frames each round (one each way, and a second to an extra).
 
 Example:
     >>> s = doubling(2, 6)  # p = 4: ranks 4 and 5 are extras, folded into ranks 0 and 1
@@ -22,8 +25,8 @@ Example:
     (0, 3)
     >>> [(t.peer, t.origins) for step in s.steps for t in step.receives]
     [(3, (3,)), (0, (0, 1, 4, 5))]
-    >>> [(t.peer, t.origins) for t in doubling(5, 6).steps[0].receives]
-    [(1, (0, 1, 2, 3, 4))]
+    >>> [(t.peer, t.origins) for step in doubling(5, 6).steps for t in step.receives]
+    [(1, (1,)), (1, (0, 2, 3, 4))]
 """
 
 from __future__ import annotations
@@ -63,9 +66,21 @@ class Schedule:
         """The ranks this rank exchanges frames with (the only ones it connects to), in rank order."""
         return tuple(sorted({t.peer for step in self.steps for t in (*step.sends, *step.receives)}))
 
-    def receiving(self) -> dict[int, Transfer]:
-        """Each peer's frame of a round (exactly one per peer)."""
-        return {t.peer: t for step in self.steps for t in step.receives}
+    def receiving(self) -> dict[int, list[Transfer]]:
+        """The frames each peer sends this rank in a round, in order."""
+        out: dict[int, list[Transfer]] = {}
+        for step in self.steps:
+            for t in step.receives:
+                out.setdefault(t.peer, []).append(t)
+        return out
+
+    def sending(self) -> dict[int, list[Transfer]]:
+        """The frames this rank sends each peer in a round, in order."""
+        out: dict[int, list[Transfer]] = {}
+        for step in self.steps:
+            for t in step.sends:
+                out.setdefault(t.peer, []).append(t)
+        return out
 
 
 def full(rank: int, size: int) -> Schedule:
@@ -78,10 +93,11 @@ def doubling(rank: int, size: int) -> Schedule:
     p = 1 << (size.bit_length() - 1)  # the largest power of two <= size
     extras = size - p
     everyone = tuple(range(size))
-    if rank >= p:  # an extra: its payload goes to its partner, everything else comes back from it
+    if rank >= p:  # an extra: it swaps payloads with its partner, then gets everything else from it
         home = rank - p
-        rest = tuple(r for r in everyone if r != rank)
-        return Schedule(rank, size, DOUBLING, (Step(sends=(Transfer(home, (rank,)),), receives=(Transfer(home, rest),)),))
+        rest = tuple(r for r in everyone if r not in (rank, home))
+        return Schedule(rank, size, DOUBLING, (Step(sends=(Transfer(home, (rank,)),), receives=(Transfer(home, (home,)),)),
+                                               Step(receives=(Transfer(home, rest),))))
 
     def block(first: int, width: int) -> tuple[int, ...]:
         """The payloads core ranks first..first+width-1 hold together: theirs and their extras'."""
@@ -89,8 +105,8 @@ def doubling(rank: int, size: int) -> Schedule:
         return tuple(sorted([*cores, *(c + p for c in cores if c < extras)]))
 
     steps: list[Step] = []
-    if rank < extras:
-        steps.append(Step(receives=(Transfer(rank + p, (rank + p,)),)))
+    if rank < extras:  # sending first wakes the extra, which an idle rank needs to join the round
+        steps.append(Step(sends=(Transfer(rank + p, (rank,)),), receives=(Transfer(rank + p, (rank + p,)),)))
     width = 1
     while width < p:
         partner = rank ^ width
@@ -98,7 +114,7 @@ def doubling(rank: int, size: int) -> Schedule:
                           receives=(Transfer(partner, block(partner & ~(width - 1), width)),)))
         width <<= 1
     if rank < extras:
-        steps.append(Step(sends=(Transfer(rank + p, tuple(r for r in everyone if r != rank + p)),)))
+        steps.append(Step(sends=(Transfer(rank + p, tuple(r for r in everyone if r not in (rank, rank + p))),)))
     return Schedule(rank, size, DOUBLING, tuple(steps))
 
 
