@@ -66,6 +66,25 @@ hvd.allreduce(torch.ones(2), name="loss")
     _nothing_left(tmp_path)
 
 
+def test_with_recursive_doubling_the_stopped_rank_is_named_not_the_peers_that_wait_for_it(tmp_path: Path) -> None:
+    """5 ranks, rounds by recursive doubling: only ranks 1 and 2 exchange frames with rank 3; rank 0 waits
+    for rank 2 and rank 4 for rank 0, which all wait too. The reports follow the posted waits to rank 3."""
+    code, err = _run(tmp_path, """
+if hvd.rank() == 3:
+    os.kill(os.getpid(), signal.SIGSTOP)
+hvd.allreduce(torch.ones(2), name="loss")
+""", [*FAST_STALL, "-x", "HORA_MESH_FULL_UPTO=1"], np=5)
+    assert code == 1, err
+    assert re.search(r"\[0\]<stderr>:hora stall: rank 3 on localhost has not answered rank 0's negotiation round "
+                     r"for [234] s\. Its process cannot run Python", err), err
+    assert re.search(r"hora run: stall: rank 3 on host localhost has not answered its peers for [234] s: its process is "
+                     r"stopped", err), err
+    assert re.search(r"hora run: rank 3 on host localhost failed first: did not answer its peers for [45] s", err), err
+    for waiting in (0, 1, 2, 4):
+        assert f"hora stall: rank {waiting} on localhost has not answered" not in err, err
+    _nothing_left(tmp_path)
+
+
 def test_a_native_call_holding_the_gil_is_reported_and_the_job_goes_on_when_it_returns(tmp_path: Path) -> None:
     # no shutdown time: a freeze of a few seconds is reported on time, then the job finishes normally
     code, err = _run(tmp_path, """

@@ -61,6 +61,25 @@ class Board:
         except Exception as e:  # the store went away with the launcher: nothing to tell
             log.debug("board: cannot post waiting: %s", e)
 
+    def waits_of(self, rank: int, since_round: int) -> list[int] | None:
+        """Whom ``rank`` posted (:meth:`post_waiting`) that its round waits for, if it posted for round
+        ``since_round`` or later; None when it posted nothing since (it cannot run Python, or is not waiting)."""
+        if self._store is None:
+            return None
+        key = self._key(protocol.WAITING, rank=rank)
+        try:
+            if not self._store.check([key]):
+                return None
+            post = json.loads(self._store.get(key))
+            if int(post.get("round", -1)) < since_round:
+                return None
+            return [int(r) for r in post.get("missing", [])]
+        except StoreAuthError as e:  # a stranger's post says nothing about that rank
+            signedstore.ignored(e)
+        except Exception as e:
+            log.debug("board: cannot read rank %d's wait: %s", rank, e)
+        return None
+
     def post_inflight(self, ops: list[dict[str, Any]], waited_s: float, expired: bool, shutdown_s: float) -> None:
         """Tell the launcher which data transfers of this rank have been on the wire for ``waited_s`` (each op:
         ``kind``, ``name``, ``op`` in words, ``ps``, ``bytes``, ``age``); ``expired``: past the shutdown time.

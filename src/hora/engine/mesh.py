@@ -16,9 +16,9 @@ The connections form a connected graph (log2(n) hops across at most), so every r
 number, not merely that a partner stopped answering.
 
 Each connection carries the same frames every round, in the same order, so frames of later rounds may
-arrive early (a fast peer is already in the next round) and wait in a per-peer buffer. Sockets are non-blocking and a round
-sends and receives together, so two ranks exchanging large first-round payloads never deadlock on full
-socket buffers.
+arrive early (a fast peer is already in the next round) and wait in a per-peer buffer. Sockets are
+non-blocking and a round sends and receives together, so two ranks exchanging large first-round payloads
+never deadlock on full socket buffers.
 
 Trust: a connection is used only after both ends proved who they are (:mod:`hora.engine.handshake`, run by
 :func:`connect_mesh` and :class:`~hora.engine.listener.PeerListener`). After that every frame is
@@ -450,11 +450,11 @@ def _bound(payloads: int) -> int:
 def connect_mesh(me: Identity, size: int, store: Any, advertise: str, timeout: float,
                  round_timeout: float = math.inf, full_upto: int | None = None) -> Mesh:
     """Connect each rank to the peers its rounds exchange frames with (collective: every rank calls it):
-    every other rank up to ``full_upto`` ranks (default: ``HORA_MESH_FULL_UPTO``'s), its recursive-doubling partners above
-    (:func:`hora.engine.round_schedule.schedule`). A rank with higher peers listens and publishes its address
-    in the store; it dials its lower peers (waiting in the store for their addresses only) and accepts its
-    higher ones, each connection opened by the handshake of :mod:`hora.engine.handshake`. Rounds' frames
-    are then sealed with ``me.secret``.
+    every other rank up to ``full_upto`` ranks (default: ``HORA_MESH_FULL_UPTO``'s), its recursive-doubling
+    partners above (:func:`hora.engine.round_schedule.schedule`). A rank with higher peers listens and
+    publishes its address in the store; it dials its lower peers (waiting in the store for their addresses
+    only) and accepts its higher ones, each connection opened by the handshake of
+    :mod:`hora.engine.handshake`. Rounds' frames are then sealed with ``me.secret``.
 
     Raises:
         IncompatiblePeer: a rank runs another wire version or other hora code.

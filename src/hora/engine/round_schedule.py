@@ -96,8 +96,8 @@ def doubling(rank: int, size: int) -> Schedule:
     if rank >= p:  # an extra: it swaps payloads with its partner, then gets everything else from it
         home = rank - p
         rest = tuple(r for r in everyone if r not in (rank, home))
-        return Schedule(rank, size, DOUBLING, (Step(sends=(Transfer(home, (rank,)),), receives=(Transfer(home, (home,)),)),
-                                               Step(receives=(Transfer(home, rest),))))
+        swap = Step(sends=(Transfer(home, (rank,)),), receives=(Transfer(home, (home,)),))
+        return Schedule(rank, size, DOUBLING, (swap, Step(receives=(Transfer(home, rest),))))
 
     def block(first: int, width: int) -> tuple[int, ...]:
         """The payloads core ranks first..first+width-1 hold together: theirs and their extras'."""

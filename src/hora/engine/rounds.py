@@ -25,10 +25,11 @@ from hora.engine.context import EngineContext
 from hora.engine.dispatch import Dispatcher
 from hora.engine.frames import decode_round, encode_round
 from hora.engine.gloo_plane import ControlPlane
-from hora.engine.mesh import BadFrame, PeerLost
+from hora.engine.mesh import BadFrame, Mesh, PeerLost
 from hora.engine.notices import Notices
 from hora.engine.pending import Pending
 from hora.engine.response_cache import ResponseCache
+from hora.engine.round_schedule import FULL
 from hora.engine.stall_inspector import StallInspector
 from hora.engine.table import JOIN, SHUTDOWN, UNNAMED, Decision, Request, Table
 from hora.errors import CollectiveError, CollectiveTimeoutError, PeerLostError, StoreAuthError
@@ -51,7 +52,11 @@ class Rounds:
         self.dispatch = Dispatcher(ctx.rank, ctx.process_sets, pending.take, ctx.knobs.fusion_threshold, ctx.device)
         self.number = 0  # the next round's number (the same on every rank)
         self.stall_failed = False  # a stalled collective was failed: the silent peers will not join a shutdown
-        self._warned = -1  # the round whose silent peers were reported
+        self._warned = -1  # the round whose wait was posted on the board
+        self._reported = -1  # the round whose silent peers were reported
+        # the full exchange waits only for ranks that sent nothing; recursive doubling may wait for a peer
+        # that itself waits for another
+        self._full_exchange = not isinstance(plane, Mesh) or plane.plan.shape == FULL
 
     # --- the round ----------------------------------------------------------------------------------
     def run(self) -> bool:
@@ -177,20 +182,44 @@ class Rounds:
         policy = self.stall.policy
         if not policy.enabled or waited < policy.warning_s:
             return
-        silent = {r: self.ctx.hostname(r) for r in missing}
         round_no = self.number  # as posted since the board began: the number after the waiting round's
-        if self._warned != round_no:
+        if self._warned != round_no:  # whom this rank waits for, for the launcher and for the ranks behind it
             self._warned = round_no
-            if self.rank == min(set(range(self.ctx.size)) - set(missing)):  # one report per side of a partition
+            board.post_waiting(missing, waited, round_no)
+            if not self._full_exchange:
+                return  # the peers this rank waits for post theirs meanwhile (within a tick)
+        silent_ranks = missing if self._full_exchange else self._silent(missing, round_no)
+        silent = {r: self.ctx.hostname(r) for r in silent_ranks}
+        if self._reported != round_no:
+            self._reported = round_no
+            if self.rank == min(set(range(self.ctx.size)) - set(silent)):  # one report per side of a partition
                 log.error("%s", stall_mod.format_silent_report(self.rank, silent, waited, policy.shutdown_s,
                                                                board.active))
-            board.post_waiting(missing, waited, round_no)
         if policy.shutdown_s > 0 and waited >= policy.shutdown_s:
-            board.blame(missing[0], f"did not answer its peers for {waited:.0f} s "
-                                    f"(--stall-check-shutdown-time-seconds {policy.shutdown_s:g})")
+            board.blame(silent_ranks[0], f"did not answer its peers for {waited:.0f} s "
+                                         f"(--stall-check-shutdown-time-seconds {policy.shutdown_s:g})")
             self.stall_failed = True
             raise CollectiveTimeoutError(stall_mod.format_silent_report(self.rank, silent, waited,
                                                                         policy.shutdown_s, False))
+
+    def _silent(self, waiting_for: list[int], round_no: int) -> list[int]:
+        """The ranks that hold up this round, from the peers this rank waits for (recursive doubling: a peer
+        may itself wait for another). Follows the ranks' posts on the board: a rank that posted no wait for
+        this round (or the one before: a peer may still finish it) is silent. Without the board, or when the
+        posts go round in a circle (a partition), the peers themselves."""
+        silent: list[int] = []
+        seen = set(waiting_for) | {self.rank}
+        todo = list(waiting_for)
+        while todo:
+            rank = todo.pop(0)
+            waits = self.ctx.board.waits_of(rank, round_no - 1)
+            if waits is None:
+                silent.append(rank)
+                continue
+            fresh = [r for r in waits if r not in seen]
+            seen.update(fresh)
+            todo += fresh
+        return sorted(silent) or waiting_for
 
     def peer_loss(self, error: BaseException) -> CollectiveError:
         """The error every pending op gets when a round fails: name the lost rank if some rank saw it go
@@ -205,16 +234,20 @@ class Rounds:
             if store.check(["lost"]):
                 peer = int(store.get("lost"))
                 log.debug("rank %d: round failed after rank %d was lost: %s", self.rank, peer, error)
-                return PeerLostError(
-                    f"rank {self.rank}: rank {peer} on host {self.ctx.hostname(peer)} is gone (its process "
-                    "exited or its link broke), so collectives cannot continue: see that rank's log for the root "
-                    "cause", peer)
+                return self._lost_error(peer)
         except StoreAuthError as e:  # a stranger wrote the key: who was lost is not known
             return CollectiveError(f"rank {self.rank}: negotiation with peers failed: {error}; {e}")
         except Exception:  # the store may be gone with the launcher
             pass
+        if isinstance(error, PeerLost):  # the mesh (or a peer's loss notice) named it
+            return self._lost_error(error.peer)
         return CollectiveError(f"rank {self.rank}: negotiation with peers failed: {error}. A peer process probably "
                                "died or lost its network link: see the other ranks' logs for the root cause.")
+
+    def _lost_error(self, peer: int) -> PeerLostError:
+        return PeerLostError(f"rank {self.rank}: rank {peer} on host {self.ctx.hostname(peer)} is gone (its process "
+                             "exited or its link broke), so collectives cannot continue: see that rank's log for the "
+                             "root cause", peer)
 
 
 def record_lost(store: Any, peer: int) -> None:
