@@ -77,8 +77,8 @@ hvd.allreduce(torch.ones(2), name="loss")
     assert code == 1, err
     assert re.search(r"\[0\]<stderr>:hora stall: rank 3 on localhost has not answered rank 0's negotiation round "
                      r"for [234] s\. Its process cannot run Python", err), err
-    assert re.search(r"hora run: stall: rank 3 on host localhost has not answered its peers for [234] s: its process is "
-                     r"stopped", err), err
+    assert re.search(r"hora run: stall: rank 3 on host localhost has not answered its peers for [234] s: its process "
+                     r"is stopped", err), err
     assert re.search(r"hora run: rank 3 on host localhost failed first: did not answer its peers for [45] s", err), err
     for waiting in (0, 1, 2, 4):
         assert f"hora stall: rank {waiting} on localhost has not answered" not in err, err

@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "ranks on this machine, counts, and projects to larger jobs")
     c.add_argument("--ranks", type=_ints, default=[8, 16, 32, 64, 128], help="rank counts (default 8,16,32,64,128)")
     c.add_argument("--planes", default="tcp,gloo",
-                   help="control planes to measure, of auto, tcp, gloo (default tcp,gloo: hora picks gloo above "
-                        "256 ranks)")
+                   help="control planes to measure, of auto, tcp, gloo (default tcp,gloo: hora picks tcp at "
+                        "every size)")
     c.add_argument("--ops", type=int, default=20, help="allreduces per rounds phase, cold then warm (default 20)")
     c.add_argument("--no-elastic", action="store_true", help="skip the elastic job (start and reset)")
     c.add_argument("--timeout", type=float, default=1800.0, help="seconds one job may take (default 1800)")

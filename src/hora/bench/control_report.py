@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hora.bench.report import markdown_table
-from hora.engine.gloo_plane import MESH_MAX_RANKS
+from hora.engine.gloo_plane import AUTO_PLANE
 
 __all__ = ["at", "compact", "markdown", "plot", "summarize_elastic", "summarize_fixed"]
 
@@ -100,7 +100,7 @@ def summarize_fixed(n: int, plane: str, records: list[dict[str, Any]]) -> dict[s
     """The summary row of a fixed job's ``records`` (one per rank, in rank order)."""
     built = {str(r.get("plane", "")) for r in records}  # what init() built (older records: what "auto" picks)
     used = {"Mesh": "tcp", "GlooPlane": "gloo"}.get(built.pop(), "") if len(built) == 1 else ""
-    used = used or (plane if plane != "auto" else ("tcp" if n <= MESH_MAX_RANKS else "gloo"))
+    used = used or (plane if plane != "auto" else AUTO_PLANE)
     shutdown = [r["shutdown"] for r in records]
     return {"ranks": n, "plane": used, "asked": plane, "init": _init(n, [r["init"] for r in records]),
             "cold": _phase(n, [r["cold"] for r in records]), "warm": _phase(n, [r["warm"] for r in records]),
@@ -117,7 +117,7 @@ def summarize_elastic(n: int, records: list[dict[str, Any]]) -> dict[str, Any]:
     """The summary row of an elastic job: ``records[0]`` is the driver's, the rest the workers'."""
     driver, workers = records[0], records[1:]
     resets = [w["reset"] for w in workers]
-    return {"ranks": n, "plane": "tcp" if n <= MESH_MAX_RANKS else "gloo",
+    return {"ranks": n, "plane": AUTO_PLANE,
             "init": _init(n, [w["init"] for w in workers]),
             "driver": {"init": driver["init"], "reset": driver["reset"]},
             "reset": {"store": _store([r["store"] for r in resets]),

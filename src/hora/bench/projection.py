@@ -38,7 +38,7 @@ from typing import Any
 from hora.bench.control_report import at
 from hora.bench.planner import LinkFit, Plan
 from hora.bench.report import markdown_table
-from hora.engine.gloo_plane import MESH_MAX_RANKS
+from hora.engine.gloo_plane import AUTO_PLANE
 
 __all__ = ["Fit", "markdown", "project"]
 
@@ -215,11 +215,10 @@ def project(record: dict[str, Any], plan: Plan | None, targets: Sequence[int] = 
         return n / ARRIVAL_POLL_S * per_poll
 
     def auto(n: float) -> _Plane:
-        want = "tcp" if n <= MESH_MAX_RANKS else "gloo"
-        return planes.get(want) or next(iter(planes.values()))
+        return planes.get(AUTO_PLANE) or next(iter(planes.values()))
 
     def target(n: int) -> dict[str, Any]:
-        out: dict[str, Any] = {"ranks": n, "auto_plane": "tcp" if n <= MESH_MAX_RANKS else "gloo", "planes": {}}
+        out: dict[str, Any] = {"ranks": n, "auto_plane": AUTO_PLANE, "planes": {}}
         for name, pl in planes.items():
             server, serial = pl.init_s(n, link)
             out["planes"][name] = {
@@ -259,10 +258,10 @@ def project(record: dict[str, Any], plan: Plan | None, targets: Sequence[int] = 
 def _limits(planes: dict[str, _Plane], link: LinkFit | None, per_host: int, join_load: Callable[[float], float],
             arrival_load: Callable[[float], float]) -> list[dict[str, Any]]:
     """The smallest rank count at which each limit is crossed (searched up to 65,536), for each plane measured
-    and, when both were, for hora's own choice (the mesh up to MESH_MAX_RANKS ranks, the Gloo plane above)."""
+    and, when both were, for hora's own choice (AUTO_PLANE at every size)."""
     setups: dict[str, Callable[[float], _Plane]] = {name: _always(pl) for name, pl in planes.items()}
     if "tcp" in planes and "gloo" in planes:
-        setups["auto"] = lambda n: planes["tcp"] if n <= MESH_MAX_RANKS else planes["gloo"]
+        setups["auto"] = _always(planes[AUTO_PLANE])
     checks: list[tuple[str, str, Callable[[float], float], float]] = []
     for name, pick in setups.items():
         checks += [(name, what, value, limit) for what, value, limit in _plane_limits(pick, link, per_host)]

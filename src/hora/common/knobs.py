@@ -46,8 +46,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HORA_DISABLE_CACHE", "HOROVOD_CACHE_CAPACITY", bool, False,
          "Turn the negotiation response cache off (Horovod's HOROVOD_CACHE_CAPACITY=0)."),
     Knob("HORA_CONTROL_PLANE", None, str, "auto",
-         "How negotiators talk: tcp (a direct connection between every pair of ranks), gloo (an allgather on a "
-         "Gloo group, woken through the store), or auto (tcp up to 256 ranks, gloo beyond)."),
+         "How negotiators talk: tcp (direct TCP connections: between every pair of ranks up to "
+         "HORA_MESH_FULL_UPTO ranks, to about log2 n partners per rank above), gloo (an allgather on a Gloo group, "
+         "woken through the store), or auto (tcp)."),
     Knob("HORA_GLOO_LAZY_CONNECT", None, bool, True,
          "The Gloo process groups hora makes connect a pair of ranks at the first collective that pair needs, "
          "so a rank holds connections to the few peers its collectives use and init() reads no peer's address "

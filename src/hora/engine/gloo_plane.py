@@ -2,9 +2,10 @@
 only; the logic is in negotiator.py and rounds.py.
 
 Two control planes share one interface (:class:`ControlPlane`): the TCP mesh (:mod:`hora.engine.mesh`, the
-default up to 256 ranks: one round trip per round) and :class:`GlooPlane` (an allgather on a Gloo group, idle
-ranks woken through a store key, peers watched by :mod:`hora.engine.death_watch`), which needs one connection
-per rank instead of one per pair.
+default at every size: one round trip per round up to ``HORA_MESH_FULL_UPTO`` ranks, recursive doubling over
+about log2 n connections per rank above) and :class:`GlooPlane` (``HORA_CONTROL_PLANE=gloo`` only: an
+allgather on a Gloo group, idle ranks woken through a store key, peers watched by
+:mod:`hora.engine.death_watch`).
 
 Both planes follow the same trust rules (docs/security.md, "The control mesh"): their frames are plain values
 (:mod:`hora.engine.frames`), never pickles, and carry their sender's tag (:mod:`hora.engine.seal`), checked
@@ -322,8 +323,9 @@ class LocalPlane(_UnreadPlane):
         pass
 
 
-MESH_MAX_RANKS = 256  # beyond this "auto" picks Gloo: a mesh holds one socket per peer in every process
 CONTROL_PLANES = ("auto", "tcp", "gloo")
+AUTO_PLANE = "tcp"  # what "auto" picks, at every size: the mesh's rounds cost O(log n) frames and connections per
+# rank above HORA_MESH_FULL_UPTO ranks, against the Gloo plane's n-1 steps and a store wake-up per round
 
 
 def make_control_plane(ctx: EngineContext) -> ControlPlane:
@@ -333,7 +335,7 @@ def make_control_plane(ctx: EngineContext) -> ControlPlane:
         raise ConfigError(f"HORA_CONTROL_PLANE={ctx.knobs.control_plane!r}: use one of {', '.join(CONTROL_PLANES)}")
     if ctx.size == 1:
         return LocalPlane()
-    if choice == "gloo" or (choice == "auto" and ctx.size > MESH_MAX_RANKS):
+    if choice == "gloo":
         return GlooPlane(ctx)
     # no fixed round timeout: a peer that does not answer is the stall inspector's (Rounds.on_wait), on the
     # deadlines of --stall-check-warning-time-seconds / --stall-check-shutdown-time-seconds

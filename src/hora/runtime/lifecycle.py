@@ -471,8 +471,8 @@ def member_lost(env: WorkerEnv, generation: int, ended: dict[int, str]) -> World
 
 
 def control_timeout(knobs: Knobs) -> datetime.timedelta:
-    """The Gloo control group's deadline (the rounds of the Gloo control plane, ``HORA_CONTROL_PLANE=gloo`` or
-    more than 256 ranks, which cannot report a silent rank early): the stall shutdown time when one is set,
+    """The Gloo control group's deadline (the rounds of the Gloo control plane, ``HORA_CONTROL_PLANE=gloo``,
+    which cannot report a silent rank early): the stall shutdown time when one is set,
     else torch's default. The default mesh plane needs none: its rounds follow the stall inspector's flags."""
     if not knobs.stall_check_disable and knobs.stall_shutdown_time_seconds > 0:
         return datetime.timedelta(seconds=knobs.stall_shutdown_time_seconds)
