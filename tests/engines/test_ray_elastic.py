@@ -20,7 +20,8 @@ pytestmark = pytest.mark.engines
 # The training: a fixed batch of 12 samples split into equal shards (3 or 2 ranks), mean loss, averaged gradients:
 # every step applies the whole batch's gradient whatever the world's size, so the final parameters equal one
 # process's over the same steps, provided each step is applied exactly once (the reset goes back to the last
-# commit, made after every step). Rank 1 of the first world SIGKILLs its own actor process before step KILL_AT.
+# commit, made after every step). Rank 1 of the first world SIGKILLs its own actor process before step KILL_AT
+# (raises, in the test where a newcomer joins).
 ELASTIC = """
 import json, os, signal, sys, time, ray
 import hora
@@ -58,6 +59,8 @@ def elastic_train(out_dir):
         while not done():
             rank, size = hvd.rank(), hvd.size()
             if size == 3 and rank == 1 and state.step == KILL_AT:
+                if "@mode@" == "rejoin":
+                    raise ValueError("bad batch on rank 1")  # a worker that raises is a failed worker too
                 os.kill(os.getpid(), signal.SIGKILL)  # this actor's process dies mid-training
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x[rank::size]), y[rank::size]).backward()
@@ -133,11 +136,13 @@ def test_survivors_of_a_killed_actor_go_on_and_finish(ray_cluster: RayCluster, t
         assert r["sizes"] == [3, 3, 3, 2, 2, 2, 2, 2], r["sizes"]
     assert results[0]["params"] == results[1]["params"], "the survivors' parameters differ"
     assert results[0]["params"] == pytest.approx(report["reference"], rel=1e-5, abs=1e-6)
-    assert "world 2: 2 workers" in stderr, stderr[-3000:]
+    assert "hora.ray: elastic: world 2: 2 workers" in stderr, stderr[-3000:]
+    assert "rank 1) on host " in stderr and "failed: its Ray actor died" in stderr, stderr[-3000:]
 
 
 def test_a_new_actor_joins_when_the_slot_comes_back(ray_cluster: RayCluster, tmp_path: Path) -> None:
-    # with a blacklist cooldown the host takes workers again: a new actor starts on the freed CPU and joins
+    # rank 1 raises (its traceback shows on the driver's stderr) and the others go on; with a blacklist cooldown
+    # the host takes workers again: a new actor starts on the freed CPU and joins
     report, stderr = _run(ray_cluster, tmp_path, min_workers=2, elastic_timeout=60, mode="rejoin",
                           cooldown="[1, 2]", started=4)
     assert "results" in report, f"the job failed: {report}\n{stderr[-3000:]}"
@@ -149,11 +154,14 @@ def test_a_new_actor_joins_when_the_slot_comes_back(ray_cluster: RayCluster, tmp
     assert all(r["sizes"] == sizes for r in results), "the newcomer got the state of the others"
     assert results[0]["params"] == results[1]["params"] == results[2]["params"]
     assert results[0]["params"] == pytest.approx(report["reference"], rel=1e-4, abs=1e-5)
-    assert "world 3: 3 workers" in stderr, stderr[-3000:]
+    assert "hora.ray: elastic: world 3: 3 workers" in stderr, stderr[-3000:]
+    worker_lines = [text for text in stderr.splitlines() if text.startswith("[1]<stderr>:")]
+    assert any(", in loop" in text for text in worker_lines), stderr[-3000:]
+    assert worker_lines[-1] == "[1]<stderr>:ValueError: bad batch on rank 1", stderr[-3000:]
 
 
 def test_below_min_workers_the_job_fails_naming_the_lost_rank(ray_cluster: RayCluster, tmp_path: Path) -> None:
-    report, _stderr = _run(ray_cluster, tmp_path, min_workers=3, elastic_timeout=5, api="ElasticRayExecutor")
+    report, stderr = _run(ray_cluster, tmp_path, min_workers=3, elastic_timeout=5, api="ElasticRayExecutor")
     assert report.get("type") == "JobFailedError", report
     message = report["message"]
     assert "\n" not in message
@@ -162,3 +170,5 @@ def test_below_min_workers_the_job_fails_naming_the_lost_rank(ray_cluster: RayCl
     assert "lost: rank 1 (worker " in message and "(Ray node " in message, message
     assert "its Ray actor died" in message, message
     assert report["code"] == 75 and report["cause"] == "ActorDiedError", report
+    assert "hora.ray: job failed: fewer than 3 slots (min_workers)" in stderr, stderr[-3000:]
+    assert "hora run:" not in stderr, "the driver's lines name the executor, not hora run"

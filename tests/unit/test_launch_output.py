@@ -1,8 +1,10 @@
-"""The launcher's root-cause report: what a user reads when a rank fails."""
+"""The launcher's root-cause report: what a user reads when a rank fails; its lines under a cluster engine."""
 
 from __future__ import annotations
 
 import sys
+
+import pytest
 
 from hora.launcher.output import failure_report
 
@@ -39,3 +41,15 @@ def test_no_join_hint_when_nobody_finished_or_the_error_is_the_users_own() -> No
     assert failure_report(0, "localhost", "exit code 1", LOST_PEER, 1)[-1] == "hora run: ----"
     own = [*LOST_PEER[:-1], "ValueError: bad batch"]
     assert failure_report(0, "localhost", "exit code 1", own, 0, finished=[1])[-1] == "hora run: ----"
+
+
+def test_a_cluster_engine_speaks_the_launchers_lines_in_its_own_terms(capsys: pytest.CaptureFixture[str]) -> None:
+    from hora.launcher import output
+
+    with output.speaking_as("hora.ray", lambda text: text.replace("--min-np", "min_workers")):
+        output.note("elastic: fewer than the 3 of --min-np")
+        output.print_lines(["hora run: ----", "[1]: a worker's own line"])
+    output.note("back to --min-np")
+    assert capsys.readouterr().err.splitlines() == [
+        "hora.ray: elastic: fewer than the 3 of min_workers", "hora.ray: ----", "[1]: a worker's own line",
+        "hora run: back to --min-np"]

@@ -7,11 +7,12 @@ The only module of the launcher that writes to the console. Worker lines look li
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
 TAIL_LINES = 200  # stderr lines kept per rank for the failure report
@@ -34,8 +35,34 @@ _ERASE_LINE = "\r\x1b[2K"  # to the line's start, clear it
 _UP = "\x1b[1A"
 
 
+_LAUNCHER = "hora run: "
+_speaker: tuple[str, Callable[[str], str]] | None = None  # see speaking_as
+
+
+@contextlib.contextmanager
+def speaking_as(program: str, translate: Callable[[str], str]) -> Iterator[None]:
+    """Within the block, the launcher's own lines start with ``<program>: `` instead of ``hora run: `` and go
+    through ``translate``: a cluster engine's driver (``hora.ray``'s elastic jobs) runs the launcher's drivers
+    inside a user's program, whose parameters are not ``hora run``'s flags. One job at a time per process."""
+    global _speaker
+    previous, _speaker = _speaker, (program, translate)
+    try:
+        yield
+    finally:
+        _speaker = previous
+
+
+def _spoken(text: str) -> str:
+    """``text`` as the current speaker says it (:func:`speaking_as`)."""
+    speaker = _speaker
+    if speaker is None or not text.startswith(_LAUNCHER):
+        return text
+    return f"{speaker[0]}: {speaker[1](text[len(_LAUNCHER):])}"
+
+
 def line(text: str, stream: IO[str] | None = None) -> None:
     """Print one line of the launcher's own (above any live progress bars)."""
+    text = _spoken(text)
     out = stream or sys.stdout
     try:
         with _hold_bars(out):
@@ -423,7 +450,7 @@ def print_lines(lines: list[str]) -> None:
     try:
         with _hold_bars(sys.stderr):
             for text in lines:
-                sys.stderr.write(text + "\n")
+                sys.stderr.write(_spoken(text) + "\n")
             sys.stderr.flush()
     except (OSError, ValueError):
         _reader_gone(sys.stderr)

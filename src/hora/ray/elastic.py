@@ -34,6 +34,7 @@ import ray.exceptions
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hora.errors import ConfigError, JobFailedError
+from hora.launcher import output
 from hora.launcher.config import ElasticConfig, RunConfig
 from hora.launcher.elastic.driver import ElasticDriver
 from hora.launcher.elastic.workers import Worker
@@ -138,7 +139,15 @@ class RayActors(AgentHandle):
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
-                events.put(("msg", self.index, self._exit(pending.pop(ref))))
+                a = pending.pop(ref)
+                end = self._exit(a)
+                # its process ends with its function, as a worker's does under hora run: the actor's CPUs (or
+                # GPUs) go back to Ray for a newcomer
+                self._release(a)
+                for text in _traceback_lines(a.error):  # the worker's own report, as its stderr under hora run
+                    events.put(("msg", self.index, {"t": protocol.OUT, "r": a.number, "s": "stderr", "l": text,
+                                                    "ts": end["ts"]}))
+                events.put(("msg", self.index, end))
         self.ended.set()
         events.put(("eof", self.index, 0))
 
@@ -175,10 +184,28 @@ class RayActors(AgentHandle):
     @staticmethod
     def _kill(a: _Actor) -> None:
         a.stopping = True
+        RayActors._release(a)
+
+    @staticmethod
+    def _release(a: _Actor) -> None:
         try:
             ray.kill(a.actor, no_restart=True)
         except Exception as e:  # noqa: BLE001 - already gone
             log.debug("hora.ray: actor of worker %d already gone: %s", a.number, e)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CARETS = re.compile(r"^\s*\^+\s*$")
+
+
+def _traceback_lines(error: BaseException | None) -> list[str]:
+    """The traceback a worker's function raised with, as Ray words it (its ``ray::...execute() (pid, ip)`` line,
+    then the frames), colours and the carets of Ray's own frame removed; none for a dead actor."""
+    if not isinstance(error, ray.exceptions.RayTaskError):
+        return []
+    lines = _ANSI.sub("", str(error)).rstrip("\n").splitlines()
+    first_frame = next((i for i, text in enumerate(lines) if text.lstrip().startswith("File ")), len(lines))
+    return [text for i, text in enumerate(lines) if i >= first_frame or not _CARETS.match(text)]
 
 
 @dataclass(kw_only=True)
@@ -376,15 +403,15 @@ class ElasticRayJob:
         driver = RayElasticDriver(cfg, hosts, fn, env, self._executable, p.cpus_per_worker, p.gpus_per_worker)
         # the job's secret: made by the driver for this job, to the actors in a Ray call only
         driver.env[ENV_SECRET] = driver.secret.hex()
-        status = driver.run()
+        with output.speaking_as("hora.ray", in_ray_terms):
+            status = driver.run()
         if status == 0:
             return driver.results()
         if driver.interrupted == signal.SIGINT and driver.failure is None:
             raise KeyboardInterrupt  # Ctrl-C in the Ray driver: every actor was stopped, as under hora run
         line = driver.failure_line() if driver.failure is not None else f"hora.ray: the elastic job ended with " \
             f"exit status {status}"
-        log.error("%s", line)
-        raise JobFailedError(line, status) from driver.last_error()
+        raise JobFailedError(line, status) from driver.last_error()  # the driver's lines said it on stderr
 
     def shutdown(self) -> None:
         self._started = False
