@@ -272,6 +272,13 @@ class RayElasticDriver(ElasticDriver):
         self.gpus_per_worker = gpus_per_worker
         self.lost: list[tuple[int, int, Worker]] = []  # (world, rank in it, worker) of each member that failed
 
+    def _store_address(self, hosts: list[HostSpec]) -> str:
+        """The Ray driver's node address (every Ray node reaches it, as Ray requires), or the ``nics``' address:
+        not chosen from the first hosts, which may be none yet (a head without CPUs, workers still joining)."""
+        if self.cfg.network_interfaces:
+            return super()._store_address(hosts)
+        return str(ray.util.get_node_ip_address())
+
     def _launch(self, host: str, workers: list[tuple[int, int, dict[str, str]]]) -> AgentHandle:
         actor_cls = ray.remote(BaseHorovodWorker)
         handle = RayActors(index=len(self.agents), host=host, proc=None, ranks=[n for n, _, _ in workers])

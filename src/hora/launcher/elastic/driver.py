@@ -231,9 +231,12 @@ class ElasticDriver(JobLoop):
         self._stop_all()
 
     # --- the rendezvous store --------------------------------------------------------------------------
+    def _store_address(self, hosts: list[HostSpec]) -> str:
+        """The address the job's store listens on: the one this machine reaches ``hosts`` from."""
+        return network.store_address([h.name for h in hosts if not h.is_local], self.cfg.network_interfaces)
+
     def _start_store(self, hosts: list[HostSpec]) -> None:
-        remote = [h.name for h in hosts if not h.is_local]
-        self.addr = network.store_address(remote, self.cfg.network_interfaces)
+        self.addr = self._store_address(hosts)
         raw = store.listen(self.addr, max(self.cfg.start_timeout, 60))  # on the job's address only
         self.port = int(raw.port)
         self.store = SignedStore(raw, self.secret, self.job_id, f"{self.addr}:{self.port}")
