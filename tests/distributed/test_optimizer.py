@@ -209,3 +209,60 @@ def test_a_bucket_averages_as_ddp_does_bit_for_bit_on_3_ranks() -> None:
     results = run_ranks(_averaged_like_ddp, 3, timeout=120)
     assert [equal for equal, _ in results] == [True] * 3, results
     assert all(differ > 0 for _, differ in results), f"the two designs no longer round apart: {results}"
+
+
+
+def _compressed_buckets(rank: int, size: int, wire: str) -> tuple[bool, bool, bool, int]:
+    """Two steps of a compressed DistributedOptimizer: a large layer's bucket (its 16-bit wire cast piece by
+    piece as it starts) and a small layer's (an explicit group: cast at submit). Returns (every gradient equals
+    the members' 16-bit sum cast back, then halved; the large layer's weight and bias gradients are float32
+    slices of one bucket; the second step's gradients sit where the first's did; wire buffers the pool made in
+    the second step)."""
+    from hora.datapath.compression import WIRE_BUFFERS
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[wire]
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 4))
+
+    model = build()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters(),
+                                   compression=getattr(hvd.Compression, wire), groups=[list(model[1].parameters())])
+    exact, shared, reused, made = True, True, True, 0
+    where: list[int] = []
+    for step in range(2):
+        before = WIRE_BUFFERS.allocated
+        opt.zero_grad(set_to_none=False)
+        xs = [torch.randn(8, 1024, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(size)]
+        model(xs[rank]).pow(2).sum().backward()
+        opt.step()
+        made = WIRE_BUFFERS.allocated - before
+        alone = []  # every member's own gradients, computed here
+        for x in xs:
+            ref = build()
+            ref(x).pow(2).sum().backward()
+            alone.append([p.grad for p in ref.parameters()])
+        grads = [p.grad for p in model.parameters()]
+        for i, g in enumerate(grads):
+            total = alone[0][i].to(dtype)
+            for member in alone[1:]:
+                total = total + member[i].to(dtype)
+            exact &= torch.equal(g, total.float() * (1 / size))
+        shared &= grads[0].untyped_storage().data_ptr() == grads[1].untyped_storage().data_ptr()
+        shared &= all(g.dtype == torch.float32 for g in grads)
+        if step:
+            reused &= where == [g.data_ptr() for g in grads]
+        where = [g.data_ptr() for g in grads]
+    return exact, shared, reused, made
+
+
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+def test_a_compressed_bucket_takes_the_single_op_path_into_its_own_slices(wire: str) -> None:
+    """A compressed bucket is submitted through the allreduce kind like an uncompressed one: each ``.grad``
+    becomes its slice of the full-precision bucket (no cast back into autograd's tensors), the kind casts into
+    the bucket's own 16-bit buffer (no allocation from the pool in a steady loop), and the result is the 16-bit
+    sum, cast back, then scaled in float32 (docs/architecture.md, "The walk of one gradient bucket")."""
+    results = run_ranks(_compressed_buckets, 2, wire, timeout=120)
+    assert results == [(True, True, True, 0)] * 2, results
