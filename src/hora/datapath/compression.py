@@ -166,20 +166,20 @@ WIRE_BUFFERS = WireBuffers()
 
 
 def lease_wire(compression: Compressor, tensor: torch.Tensor, own: torch.Tensor | None = None) -> torch.Tensor | None:
-    """For a built-in cast of a contiguous CPU float tensor: a reused flat buffer of the wire dtype to cast it
-    into. ``own`` is the caller's (a gradient bucket's, any size), returned as it is; else, for a large tensor,
-    one taken from :data:`WIRE_BUFFERS` (give it back when done). None for everything else, which goes
-    through ``compression.compress`` as usual."""
-    if (type(compression) is not CastCompressor or tensor.device.type != "cpu" or not tensor.is_floating_point()
+    """For a built-in cast of a contiguous float tensor: a reused flat buffer of the wire dtype to cast it
+    into. ``own`` is the caller's (a gradient bucket's: any size, CPU or GPU), returned as it is; else, for a
+    large CPU tensor, one taken from :data:`WIRE_BUFFERS` (give it back when done). None for everything else,
+    which goes through ``compression.compress`` as usual."""
+    if (type(compression) is not CastCompressor or not tensor.is_floating_point()
             or tensor.dtype == compression.wire_dtype or not tensor.is_contiguous()):
         return None
     numel = tensor.numel()
     if own is not None:
-        if own.dtype != compression.wire_dtype or own.numel() != numel or own.device.type != "cpu":
+        if own.dtype != compression.wire_dtype or own.numel() != numel or own.device != tensor.device:
             raise ValueError(f"the caller's wire buffer is {own.numel()} {own.dtype} on {own.device}; "
-                             f"this call needs {numel} {compression.wire_dtype} on the CPU")
+                             f"this call needs {numel} {compression.wire_dtype} on {tensor.device}")
         return own
-    if numel * compression.wire_dtype.itemsize < POOL_MIN_BYTES:
+    if tensor.device.type != "cpu" or numel * compression.wire_dtype.itemsize < POOL_MIN_BYTES:
         return None
     return WIRE_BUFFERS.take(compression.wire_dtype, numel)
 

@@ -249,9 +249,12 @@ def _zeros_like_request(peers: Peers, rows: int | None = None) -> torch.Tensor:
 
 # --- reductions: allreduce, reducescatter -------------------------------------------------------------------
 def _casts_at_launch(op: Op) -> bool:
-    """A large allreduce into a reused 16-bit buffer is cast piece by piece when it starts, each piece's cast
-    overlapping another's wire (never fused: larger than fusion takes, so nothing reads the buffer before)."""
-    return op.lease is not None and op.call.kind is Kind.ALLREDUCE and op.lease.nbytes >= POOL_MIN_BYTES
+    """A large CPU allreduce into a reused 16-bit buffer is cast piece by piece when it starts, each piece's
+    cast overlapping another's wire (never fused: larger than fusion takes, so nothing reads the buffer before).
+    Anything else is cast at submit, on the caller's stream for a GPU tensor."""
+    lease = op.lease
+    return (lease is not None and op.call.kind is Kind.ALLREDUCE and lease.nbytes >= POOL_MIN_BYTES
+            and lease.device.type == "cpu")
 
 
 def _prepare_reduction(op: Op) -> None:
@@ -300,7 +303,7 @@ def _cast_back(op: Op, result: torch.Tensor) -> torch.Tensor:
     """A 16-bit sum cast back into the caller's dtype, then scaled there (Average, postscale), as each piece
     of a large one is (:func:`_launch_pieces`)."""
     call = op.call
-    out = call.tensor if call.inplace else torch.empty(call.tensor.shape, dtype=call.tensor.dtype)
+    out = call.tensor if call.inplace else torch.empty_like(call.tensor)
     cast_scaled(result, out.detach(), float_factor(call.op, call.postscale, op.members))
     return out
 

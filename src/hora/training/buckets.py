@@ -120,7 +120,7 @@ class FlatBucket:
     """A bucket's flat buffer, allocated once and reused every step, plus its per-step state.
 
     ``views[k]`` is the slice of the buffer that holds parameter ``plan.params[k]``'s gradient. The buffer has
-    the parameters' dtype; with a ``wire_dtype`` of its own (a cast compressor's) a CPU bucket also owns
+    the parameters' dtype; with a ``wire_dtype`` of its own (a cast compressor's) a bucket also owns
     ``wire_buffer``, the reused flat buffer its allreduce casts into (:attr:`hora.datapath.kinds.Call.wire_buffer`).
     """
 
@@ -131,8 +131,8 @@ class FlatBucket:
         self.name = name
         self.buffer = torch.zeros(plan.numel, dtype=plan.dtype, device=plan.device)
         self.views = [self.buffer.narrow(0, o, n) for o, n in zip(plan.offsets, plan.numels)]
-        own = wire_dtype != plan.dtype and plan.device.type == "cpu"
-        self.wire_buffer = torch.empty(plan.numel, dtype=wire_dtype) if own else None
+        own = wire_dtype != plan.dtype
+        self.wire_buffer = torch.empty(plan.numel, dtype=wire_dtype, device=plan.device) if own else None
         self.pending = len(plan.params)
         self.handle: object | None = None
 
