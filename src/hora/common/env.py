@@ -282,7 +282,7 @@ def launcher_environ() -> dict[str, str]:
 
 
 
-TORCH_GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"  # torch >= 2.8 reads it each time it makes a Gloo process group
+TORCH_GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"  # read each time torch makes a Gloo group (a torch without it: ignored)
 
 
 @contextlib.contextmanager
