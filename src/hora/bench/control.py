@@ -33,7 +33,7 @@ The store server runs in a process of its own; its CPU time over each phase, div
 phase sent it, is what one store operation costs the server (:mod:`hora.bench.projection` uses it).
 
 Times stand beside the counts, with the load average: on a small machine, times at 128 ranks mostly measure
-CPU contention; the counts do not depend on it (except the polling of elastic waits, reported apart).
+CPU contention; the counts do not depend on it (except the elastic driver's polling, reported apart).
 
 Example:
     >>> cfg = ControlConfig(ranks=(4,), ops=5, elastic=False)

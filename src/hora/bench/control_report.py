@@ -225,7 +225,8 @@ def markdown(record: dict[str, Any]) -> str:
                                                        for f in families)] for r in fixed])
     if elastic:
         text += ("\nElastic job: n workers and the driver's stand-in; world 1, then every worker resets into world 2 "
-                 "(same workers). Worker-side waits poll the store, so their counts depend on how long they wait.\n\n")
+                 "(same workers). Workers wait in the store without polling; the driver's stand-in reads the ready "
+                 "keys every tick, so its counts depend on how long it waits.\n\n")
         table = []
         for r in elastic:
             i, rs, d = r["init"], r["reset"], r["driver"]

@@ -17,10 +17,10 @@ where the data is.
 * an init = the larger of what the single store server must serve (every rank's operations, each costing the
   server what ``control`` timed for its kind) and what one rank waits for in series (its operations, one round
   trip each, plus its CPU for init);
-* an elastic reset = the shutdown round + the driver's tick and its pass over the ready keys + a new init; and the
-  load the waiting workers' polls put on the store server (a worker checks for the next world every 10 ms, and
-  while the world's groups are built, every 5 ms, whether all N members have arrived: one check naming N keys);
-  at a load of 1 the server does nothing but answer polls.
+* an elastic reset = the shutdown round + the driver's tick and its pass over the ready keys + a new init. The
+  workers wait for the next world and for each other in the store (a wait the server answers when the key
+  appears, no polling); what polls is the driver, reading every worker's ready key (a check and a get) each
+  tick: the load that puts on the store server (at a load of 1 it does nothing else).
 
 Example:
     >>> fit = Fit.fit([8, 16, 32], [14, 30, 62])
@@ -44,8 +44,6 @@ __all__ = ["Fit", "markdown", "project"]
 
 DEFAULT_FD_LIMIT = 1024  # the soft RLIMIT_NOFILE most Linux distributions give a process; hora does not raise it
 START_TIMEOUT_S = 60.0  # HORA_START_TIMEOUT's default: an init that takes longer fails
-JOIN_POLL_S = 0.01  # runtime/elastic_rendezvous.py: a waiting worker reads the newest world number (check, get)
-ARRIVAL_POLL_S = 0.005  # hora.diagnostics.board.wait_arrivals: a check of every member's key, and an add
 
 
 @dataclass(frozen=True)
@@ -205,14 +203,10 @@ def project(record: dict[str, Any], plan: Plan | None, targets: Sequence[int] = 
               for p in sorted({r["plane"] for r in rows if r["job"].startswith("fixed")})}
     elastic = [r for r in rows if r["job"] == "elastic"]
     kinds = costs["kinds"]
-    c_key = max(kinds["check_128"]["server_cpu_per_op_s"] - kinds["check"]["server_cpu_per_op_s"], 0.0) / 127
+    tick = record.get("tick_s", 0.05)
 
-    def join_load(n: float) -> float:  # server CPU seconds per second of polls while workers wait for a world
-        return n / JOIN_POLL_S * (kinds["check"]["server_cpu_per_op_s"] + kinds["get"]["server_cpu_per_op_s"])
-
-    def arrival_load(n: float) -> float:
-        per_poll = kinds["check"]["server_cpu_per_op_s"] + (n - 1) * c_key + kinds["add"]["server_cpu_per_op_s"]
-        return n / ARRIVAL_POLL_S * per_poll
+    def ready_load(n: float) -> float:  # server CPU seconds per second of the driver's passes over the ready keys
+        return n / tick * (kinds["check"]["server_cpu_per_op_s"] + kinds["get"]["server_cpu_per_op_s"])
 
     def auto(n: float) -> _Plane:
         return planes.get(AUTO_PLANE) or next(iter(planes.values()))
@@ -232,14 +226,14 @@ def project(record: dict[str, Any], plan: Plan | None, targets: Sequence[int] = 
                 "fds_per_host": per_host * pl.fds(n), "store_connections": n * pl.store_sockets(n),
                 "threads_per_rank": pl.threads(n), "memory_mb_per_rank": pl.memory_mb(n)}
         pl = auto(n)
-        out["elastic"] = {"join_poll_load": join_load(n), "arrival_poll_load": arrival_load(n),
-                          "reset_s": (pl.round_s(n, "cold", link, per_host) + record.get("tick_s", 0.05)
+        out["elastic"] = {"ready_pass_load": ready_load(n),
+                          "reset_s": (pl.round_s(n, "cold", link, per_host) + tick
                                       + 2 * n * kinds["check"]["server_cpu_per_op_s"] + max(pl.init_s(n, link)))}
         if elastic:
             out["elastic"]["store_ops_reset_per_worker"] = _series(elastic, at("reset", "store", "per_rank"))(n)
         return out
 
-    limits = _limits(planes, link, per_host, join_load, arrival_load)
+    limits = _limits(planes, link, per_host, ready_load)
     chosen = [x for x in limits if x["setup"] in ("auto", "elastic")] or limits
     first = min(chosen, key=lambda x: x["ranks"]) if chosen else None
     fits = {name: {"msgs_warm": pl.msgs["warm"], "msgs_cold": pl.msgs["cold"], "bytes_warm": pl.bytes["warm"],
@@ -255,8 +249,8 @@ def project(record: dict[str, Any], plan: Plan | None, targets: Sequence[int] = 
             "targets": [target(n) for n in targets], "limits": limits, "first_limit": first}
 
 
-def _limits(planes: dict[str, _Plane], link: LinkFit | None, per_host: int, join_load: Callable[[float], float],
-            arrival_load: Callable[[float], float]) -> list[dict[str, Any]]:
+def _limits(planes: dict[str, _Plane], link: LinkFit | None, per_host: int,
+            ready_load: Callable[[float], float]) -> list[dict[str, Any]]:
     """The smallest rank count at which each limit is crossed (searched up to 65,536), for each plane measured
     and, when both were, for hora's own choice (AUTO_PLANE at every size)."""
     setups: dict[str, Callable[[float], _Plane]] = {name: _always(pl) for name, pl in planes.items()}
@@ -265,8 +259,8 @@ def _limits(planes: dict[str, _Plane], link: LinkFit | None, per_host: int, join
     checks: list[tuple[str, str, Callable[[float], float], float]] = []
     for name, pick in setups.items():
         checks += [(name, what, value, limit) for what, value, limit in _plane_limits(pick, link, per_host)]
-    checks += [("elastic", "the workers' polls for the next world saturate the store server", join_load, 1.0),
-               ("elastic", "the members' arrival polls saturate the store server", arrival_load, 1.0)]
+    checks += [("elastic", "the driver's passes over the workers' ready keys saturate the store server", ready_load,
+                1.0)]
     found = []
     for setup, what, value, limit in checks:
         n = _crossing(value, limit)
@@ -337,11 +331,10 @@ def markdown(projection: dict[str, Any]) -> str:
                           _c(p["fds_per_rank"]), _c(p["threads_per_rank"]), _c(p["store_connections"])])
     text += markdown_table(headers, table)
     text += "\nElastic reset (the plane hora picks):\n\n"
-    text += markdown_table(["ranks", "reset", "store ops per worker (measured polls included)",
-                            "store load of join polls", "store load of arrival polls"],
+    text += markdown_table(["ranks", "reset", "store ops per worker", "store load of the driver's ready passes"],
                            [[t["ranks"], _t(t["elastic"]["reset_s"]),
                              _c(t["elastic"].get("store_ops_reset_per_worker", 0.0)),
-                             f"{t['elastic']['join_poll_load']:.2f}", f"{t['elastic']['arrival_poll_load']:.2f}"]
+                             f"{t['elastic']['ready_pass_load']:.2f}"]
                             for t in projection["targets"]])
     text += "\nFitted counts (per rank unless total; n = ranks; exponent: growth from the two largest n measured):\n\n"
     rows = [[name, what, f["formula"], f"{f['exponent']:.2f}"] for name, fits in projection["fits"].items()
