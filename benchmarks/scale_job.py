@@ -62,6 +62,7 @@ def one_run(job: ScaleJob) -> dict[str, Any]:
     result = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
     errors = [line for line in proc.stderr.splitlines() if ERROR_LINE.search(line)]
     row = {"exit": proc.returncode, "error_lines": errors, "stderr_lines": len(proc.stderr.splitlines()),
+           "stderr_head": proc.stderr.splitlines()[:40],
            "wall_s": wall, "load": [load, os.getloadavg()[0]], **result}
     row["passed"] = _passed(job, row)
     return row
