@@ -7,6 +7,7 @@ projection reads the record back (``--from``) with a sweep's link. The 8-128-ran
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +113,10 @@ def test_fit_recovers_the_polynomial_of_exact_counts() -> None:
     assert total.degree == 2 and total(4096) == pytest.approx(4096 * (7 * 4096 + 4))
     threads = projection.Fit.fit(ns, [11] * 5)
     assert threads.degree == 0 and threads(4096) == pytest.approx(11)
+
+
+def test_counts_between_a_constant_and_a_line_are_fitted_in_log2_n() -> None:
+    ns = [8, 16, 32, 64, 128]
+    per_rank = projection.Fit.fit(ns, [12 + math.log2(n) for n in ns])  # e.g. store operations at init
+    assert per_rank.log and per_rank(4096) == pytest.approx(24)
+    assert per_rank.formula() == "12 + 1 log2(n)"

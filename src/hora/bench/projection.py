@@ -48,18 +48,20 @@ START_TIMEOUT_S = 60.0  # HORA_START_TIMEOUT's default: an init that takes longe
 
 @dataclass(frozen=True)
 class Fit:
-    """``c(n) = coefs[0] + coefs[1] n + coefs[2] n^2`` (as many terms as ``degree`` + 1) and the growth
-    exponent measured between the two largest n."""
+    """``c(n) = coefs[0] + coefs[1] n + coefs[2] n^2`` (as many terms as ``degree`` + 1), or with ``log``
+    ``coefs[0] + coefs[1] log2(n)``, and the growth exponent measured between the two largest n."""
 
     coefs: tuple[float, ...]
     exponent: float
+    log: bool = False
 
     @property
     def degree(self) -> int:
         return len(self.coefs) - 1
 
     def __call__(self, n: float) -> float:
-        return sum(c * n**k for k, c in enumerate(self.coefs))
+        x = math.log2(n) if self.log else n
+        return sum(c * x**k for k, c in enumerate(self.coefs))
 
     @classmethod
     def fit(cls, ns: Sequence[float], ys: Sequence[float], max_degree: int = 2, tolerance: float = 0.1) -> Fit:
@@ -73,14 +75,21 @@ class Fit:
             (n1, y1), (n2, y2) = points[-2], points[-1]
             if y1 > 0 and y2 > 0 and n2 != n1:
                 exponent = math.log(y2 / y1) / math.log(n2 / n1)
+        def within(fit: Fit) -> bool:
+            return max((abs(fit(n) - y) / abs(y) for n, y in points if y), default=0.0) <= tolerance
+
         best: tuple[float, ...] = (0.0,)
         for degree in range(min(max_degree, len(points) - 1) + 1):
             coefs = _least_squares(points, degree)
             if degree >= 2 and coefs[-1] < 0:  # growth that slows down: an artefact of the smallest n, not a trend
                 break
             best = coefs
-            if max((abs(cls(best, 0.0)(n) - y) / abs(y) for n, y in points if y), default=0.0) <= tolerance:
+            if within(cls(best, 0.0)):
                 break
+            if degree == 0 and len(points) >= 3:  # between a constant and a line: a + b log2(n)
+                logs = cls(_least_squares([(math.log2(n), y) for n, y in points], 1), exponent, log=True)
+                if logs.coefs[-1] > 0 and within(logs):
+                    return logs
         return cls(best, exponent)
 
     def formula(self) -> str:
@@ -89,7 +98,8 @@ class Fit:
             if abs(c) < 1e-12:
                 continue
             mag = f"{c:.3g}" if abs(c) < 1e4 else f"{c:.3e}"
-            terms.append(mag + ("" if k == 0 else " n" if k == 1 else f" n^{k}"))
+            var = "log2(n)" if self.log else "n"
+            terms.append(mag + ("" if k == 0 else f" {var}" if k == 1 else f" {var}^{k}"))
         return " + ".join(terms).replace("+ -", "- ") or "0"
 
 
