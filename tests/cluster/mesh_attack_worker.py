@@ -57,7 +57,7 @@ def arrive_late(folder: Path, timings: dict[str, float]) -> None:
     """Rank 3: publish the listeners, wait for the attacker, then time the real connections."""
     real = control.connect_mesh
 
-    def connect(me: Any, size: int, store: Any, *args: Any) -> Any:
+    def connect(me: Any, size: int, store: Any, *args: Any, **kwargs: Any) -> Any:
         listeners = {}
         for peer in range(size - 1):
             store.wait([f"mesh/{peer}"])
@@ -67,7 +67,7 @@ def arrive_late(folder: Path, timings: dict[str, float]) -> None:
         (folder / "mesh.tmp").rename(out)
         _wait_for(folder / "attack-done", 90.0)
         start = time.monotonic()
-        mesh = real(me, size, store, *args)
+        mesh = real(me, size, store, *args, **kwargs)
         timings["mesh_s"] = time.monotonic() - start
         return mesh
 

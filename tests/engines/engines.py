@@ -156,17 +156,23 @@ print("PID", os.getpid(), flush=True)
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no reports to the network (there is none in CI)
 from ray.cluster_utils import Cluster
 tmp = tempfile.mkdtemp(prefix="hora-ray-")  # short: Ray's socket paths must fit in 107 bytes
+# Ray writes the cluster's address into its default temp folder (RAY_TMPDIR/ray) whatever temp_dir says, and
+# fails if that folder is missing (a fresh machine has no /tmp/ray): keep that file in this cluster's folder too
+os.environ["RAY_TMPDIR"] = tmp
+os.makedirs(os.path.join(tmp, "ray"))
 store = 256 * 1024 * 1024  # each node's object store (Ray's default is 30% of the machine's memory)
-cluster = Cluster(initialize_head=True, connect=False,
-                  head_node_args={"num_cpus": 2, "include_dashboard": False, "temp_dir": tmp,
-                                  "object_store_memory": store})
+cluster = None
 try:
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 2, "include_dashboard": False, "temp_dir": tmp,
+                                      "object_store_memory": store})
     cluster.add_node(num_cpus=2, object_store_memory=store)  # a second raylet: a second host
     cluster.wait_for_nodes()
     print("READY", cluster.address, flush=True)
     sys.stdin.read()  # until the session ends
 finally:
-    cluster.shutdown()
+    if cluster is not None:
+        cluster.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)
 '''
 
