@@ -57,16 +57,8 @@ def test_split_groups_like_horovod():
 
 def test_flat_bucket_views_are_slices_of_one_buffer():
     plan = plan_buckets(_specs([3, 2]), first_cap_bytes=10**6, cap_bytes=10**6)[0]
-    bucket = FlatBucket(plan, "b", torch.float32)
+    bucket = FlatBucket(plan, "b", torch.float16)
     bucket.views[0].fill_(1.0)
     bucket.views[1].fill_(2.0)
-    assert bucket.buffer.dtype == torch.float32 and bucket.wire_buffer is None
+    assert bucket.buffer.dtype == torch.float16
     assert bucket.buffer.tolist() == [1.0, 1.0, 2.0, 2.0, 2.0]  # param 1 first (reverse order), then 0
-
-
-def test_a_compressed_bucket_is_full_precision_and_owns_its_wire_buffer():
-    plan = plan_buckets(_specs([3, 2]), first_cap_bytes=10**6, cap_bytes=10**6)[0]
-    bucket = FlatBucket(plan, "b", torch.float16)
-    assert bucket.buffer.dtype == torch.float32  # .grad becomes its slice, as uncompressed
-    assert bucket.wire_buffer is not None
-    assert (bucket.wire_buffer.dtype, bucket.wire_buffer.numel()) == (torch.float16, 5)

@@ -67,18 +67,3 @@ def test_cast_back_widens_then_scales() -> None:
     strided = torch.empty(3, 2000).t()
     cast_scaled(half[:6000], strided, 2.0)
     assert torch.equal(strided, (half[:6000].float() * 2.0).view(2000, 3))
-
-
-def test_a_callers_own_wire_buffer_is_used_at_any_size_and_checked() -> None:
-    import pytest
-
-    fp16 = hvd.Compression.fp16
-    small = torch.ones(10)  # far below the pool's minimum: without a buffer of its own, no lease
-    own = torch.empty(10, dtype=torch.float16)
-    assert lease_wire(fp16, small) is None
-    assert lease_wire(fp16, small, own) is own
-    assert lease_wire(hvd.Compression.none, small, own) is None  # not a built-in cast: compress() as usual
-    assert lease_wire(fp16, torch.ones(10, dtype=torch.int32), own) is None  # integers are not cast
-    for wrong in (torch.empty(9, dtype=torch.float16), torch.empty(10, dtype=torch.bfloat16)):
-        with pytest.raises(ValueError, match="this call needs 10 torch.float16"):
-            lease_wire(fp16, small, wrong)

@@ -104,8 +104,7 @@ def wire_dtype(compression: Compressor, dtype: torch.dtype) -> torch.dtype:
 
 
 # --- reused wire buffers ---------------------------------------------------------------------------------------
-POOL_MIN_BYTES = 2 << 20  # smaller wires come from the allocator's reused heap (and may be fused): nothing to gain;
-# a wire this large is never fused (above fusion.MAX_FUSED_TENSOR_BYTES), so it may be cast as it starts
+POOL_MIN_BYTES = 2 << 20  # smaller wires come from the allocator's reused heap (and may be fused): nothing to gain
 PIPELINE_BYTES = 2 << 20  # a 16-bit CPU allreduce goes in pieces of at least this many bytes...
 PIPELINE_MAX = 8  # ...and at most this many pieces
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -165,21 +164,15 @@ class WireBuffers:
 WIRE_BUFFERS = WireBuffers()
 
 
-def lease_wire(compression: Compressor, tensor: torch.Tensor, own: torch.Tensor | None = None) -> torch.Tensor | None:
-    """For a built-in cast of a contiguous float tensor: a reused flat buffer of the wire dtype to cast it
-    into. ``own`` is the caller's (a gradient bucket's: any size, CPU or GPU), returned as it is; else, for a
-    large CPU tensor, one taken from :data:`WIRE_BUFFERS` (give it back when done). None for everything else,
-    which goes through ``compression.compress`` as usual."""
-    if (type(compression) is not CastCompressor or not tensor.is_floating_point()
+def lease_wire(compression: Compressor, tensor: torch.Tensor) -> torch.Tensor | None:
+    """For a built-in cast of a large contiguous CPU float tensor: a reused flat buffer of the wire dtype to
+    cast it into (give it back to :data:`WIRE_BUFFERS` when done). None for everything else, which goes
+    through ``compression.compress`` as usual."""
+    if (type(compression) is not CastCompressor or tensor.device.type != "cpu" or not tensor.is_floating_point()
             or tensor.dtype == compression.wire_dtype or not tensor.is_contiguous()):
         return None
     numel = tensor.numel()
-    if own is not None:
-        if own.dtype != compression.wire_dtype or own.numel() != numel or own.device != tensor.device:
-            raise ValueError(f"the caller's wire buffer is {own.numel()} {own.dtype} on {own.device}; "
-                             f"this call needs {numel} {compression.wire_dtype} on {tensor.device}")
-        return own
-    if tensor.device.type != "cpu" or numel * compression.wire_dtype.itemsize < POOL_MIN_BYTES:
+    if numel * compression.wire_dtype.itemsize < POOL_MIN_BYTES:
         return None
     return WIRE_BUFFERS.take(compression.wire_dtype, numel)
 

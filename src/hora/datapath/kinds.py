@@ -34,15 +34,7 @@ from hora.datapath import c10d as dataplane
 from hora.datapath import hierarchical, streams
 from hora.datapath.adasum import adasum_tree
 from hora.datapath.c10d import Work, to_dtype
-from hora.datapath.compression import (
-    POOL_MIN_BYTES,
-    WIRE_BUFFERS,
-    Compression,
-    Compressor,
-    cast_scaled,
-    lease_wire,
-    pipeline_ranges,
-)
+from hora.datapath.compression import WIRE_BUFFERS, Compression, Compressor, cast_scaled, lease_wire, pipeline_ranges
 from hora.datapath.reduce_ops import AVERAGE_WIRE, ReduceOp, finish_sum, float_factor, scale_integers
 from hora.diagnostics import callsite
 from hora.diagnostics.callsite import Site
@@ -94,7 +86,6 @@ class Call:
     splits: tuple[int, ...] | None = None
     compression: Compressor = Compression.none
     inplace: bool = False
-    wire_buffer: torch.Tensor | None = None  # the caller's reused flat buffer for a built-in cast (a gradient bucket's)
     site: Site = callsite.UNKNOWN  # where the user called it (unnamed ops, when the check is on)
     rejected: Exception | None = None  # found invalid while the call was built (raised at submit)
 
@@ -107,7 +98,7 @@ class Call:
         which the per-op path cannot afford; every field is passed on)."""
         return Call(self.kind, self.tensor, name, self.ps, op=self.op, root=self.root, prescale=self.prescale,
                     postscale=self.postscale, splits=self.splits, compression=self.compression,
-                    inplace=self.inplace, wire_buffer=self.wire_buffer, site=site, rejected=self.rejected)
+                    inplace=self.inplace, site=site, rejected=self.rejected)
 
 
 class Request(NamedTuple):
@@ -184,8 +175,7 @@ class Op:
     members: int = 0  # the process set's size when the call was submitted (Average divides by it)
     wire: torch.Tensor = _NO_WIRE  # set by prepare: the buffer the collective sends (and receives in place)
     ctx: Any = None  # compression context
-    lease: torch.Tensor | None = None  # a reused 16-bit wire buffer: the call's wire_buffer, or one from
-    # compression.WIRE_BUFFERS, given back at finish
+    lease: torch.Tensor | None = None  # a reused 16-bit wire buffer (compression.WIRE_BUFFERS), given back at finish
     out: torch.Tensor = _NO_WIRE  # set by launch when the output is not the wire: the c10d output buffer
     rows: list[int] | None = None  # set by launch: rows from each member (allgather's sent, alltoall's received)
     last_joined: int = -1  # set by Join's launch: the rank whose join arrived last
@@ -248,23 +238,14 @@ def _zeros_like_request(peers: Peers, rows: int | None = None) -> torch.Tensor:
 
 
 # --- reductions: allreduce, reducescatter -------------------------------------------------------------------
-def _casts_at_launch(op: Op) -> bool:
-    """A large CPU allreduce into a reused 16-bit buffer is cast piece by piece when it starts, each piece's
-    cast overlapping another's wire (never fused: larger than fusion takes, so nothing reads the buffer before).
-    Anything else is cast at submit, on the caller's stream for a GPU tensor."""
-    lease = op.lease
-    return (lease is not None and op.call.kind is Kind.ALLREDUCE and lease.nbytes >= POOL_MIN_BYTES
-            and lease.device.type == "cpu")
-
-
 def _prepare_reduction(op: Op) -> None:
     call = op.call
     tensor = call.tensor.detach()
-    op.lease = lease_wire(call.compression, tensor, call.wire_buffer)
+    op.lease = lease_wire(call.compression, tensor)
     if op.lease is not None:  # a built-in cast into a reused buffer: the same as compress(), no allocation
         op.wire, op.ctx = op.lease.view(tensor.shape), tensor.dtype
-        if _casts_at_launch(op):
-            return
+        if call.kind is Kind.ALLREDUCE:
+            return  # cast piece by piece when it starts, each piece's cast overlapping another's wire
         op.wire.copy_(tensor)
         if call.prescale != 1.0:
             op.wire.mul_(call.prescale)
@@ -289,23 +270,11 @@ def _finish_reduction(op: Op, result: torch.Tensor) -> torch.Tensor:
     call = op.call
     if op.lease is None:
         return _finish_wire(op, result)
-    try:
-        if _casts_at_launch(op):  # its pieces were cast back as they arrived (_launch_pieces): the result is ready
-            return op.out
-        return _cast_back(op, result) if call.kind is Kind.ALLREDUCE else _finish_wire(op, result)
+    try:  # an allreduce's pieces were cast back as they arrived (_launch_pieces): its result is ready
+        return op.out if call.kind is Kind.ALLREDUCE else _finish_wire(op, result)
     finally:
-        if op.lease is not call.wire_buffer:
-            WIRE_BUFFERS.give(op.lease)
+        WIRE_BUFFERS.give(op.lease)
         op.lease = None
-
-
-def _cast_back(op: Op, result: torch.Tensor) -> torch.Tensor:
-    """A 16-bit sum cast back into the caller's dtype, then scaled there (Average, postscale), as each piece
-    of a large one is (:func:`_launch_pieces`)."""
-    call = op.call
-    out = call.tensor if call.inplace else torch.empty_like(call.tensor)
-    cast_scaled(result, out.detach(), float_factor(call.op, call.postscale, op.members))
-    return out
 
 
 def _finish_wire(op: Op, result: torch.Tensor) -> torch.Tensor:
@@ -357,7 +326,7 @@ class Allreduce:
         call = op.call
         if op.wire.numel() == 0:  # the same shape everywhere: every rank skips it
             return None
-        return _launch_pieces(op.wire, call.op, peers.group, op if _casts_at_launch(op) else None)
+        return _launch_pieces(op.wire, call.op, peers.group, op if op.lease is not None else None)
 
     @staticmethod
     def launch_joined(peers: Peers) -> Work | None:
@@ -399,8 +368,7 @@ class Adasum:
     @staticmethod
     def prepare(op: Op) -> None:
         call = op.call
-        compressed, op.ctx = call.compression.compress(call.tensor.detach())
-        flat = compressed.reshape(-1)  # the allgather only reads it: no copy of the caller's tensor
+        flat = call.tensor.detach().reshape(-1)  # the allgather only reads it: no copy of the caller's tensor
         if call.prescale != 1.0:
             flat = flat * call.prescale
         op.wire = _to_wire(flat, copy=False)
@@ -419,7 +387,6 @@ class Adasum:
         call = op.call
         streams.consumed_here(op.out)
         result = adasum_tree(op.out.view(op.members, -1)).view(call.tensor.shape)  # (W, n) -> the tensor's shape
-        result = call.compression.decompress(result, op.ctx)
         if result.dtype != call.tensor.dtype:
             result = result.to(call.tensor.dtype)
         if call.postscale != 1.0:

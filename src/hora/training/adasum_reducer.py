@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from hora.calls import submit as collectives
 from hora.datapath.compression import Compressor
 from hora.datapath.kinds import Call, Kind
 from hora.datapath.reduce_ops import Adasum, ReduceOp
@@ -65,9 +66,8 @@ class AdasumReducer(GradientReducer):
         torch.sub(p.reshape(-1), start.reshape(-1), out=view)
         p.copy_(start)  # unchanged until synchronize() adds the combined update
 
-    def _call(self, bucket: FlatBucket) -> Call:
-        return Call(Kind.ADASUM, bucket.buffer, bucket.name, self.process_set, op=ReduceOp.ADASUM,
-                    compression=self.compression, inplace=True)
+    def _launch(self, name: str, wire: torch.Tensor) -> Any:
+        return collectives.submit(Call(Kind.ADASUM, wire, name, self.process_set, op=ReduceOp.ADASUM, inplace=True))
 
     @torch.no_grad()
     def _write_back(self, bucket: FlatBucket, out: torch.Tensor) -> None:

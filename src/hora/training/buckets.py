@@ -119,23 +119,24 @@ def split_groups(num_params: int, num_groups: int) -> list[int]:
 class FlatBucket:
     """A bucket's flat buffer, allocated once and reused every step, plus its per-step state.
 
-    ``views[k]`` is the slice of the buffer that holds parameter ``plan.params[k]``'s gradient. The buffer has
-    the parameters' dtype; with a ``wire_dtype`` of its own (a cast compressor's) a bucket also owns
-    ``wire_buffer``, the reused flat buffer its allreduce casts into (:attr:`hora.datapath.kinds.Call.wire_buffer`).
+    ``views[k]`` is the slice of the buffer that holds parameter ``plan.params[k]``'s gradient.
     """
 
-    __slots__ = ("buffer", "handle", "name", "pending", "plan", "views", "wire_buffer")
+    __slots__ = ("buffer", "ctx", "handle", "name", "pending", "plan", "views", "wire")
 
     def __init__(self, plan: BucketPlan, name: str, wire_dtype: torch.dtype) -> None:
         self.plan = plan
         self.name = name
-        self.buffer = torch.zeros(plan.numel, dtype=plan.dtype, device=plan.device)
+        # (numel,) in the dtype that crosses the wire: a cast compressor casts on the copy in.
+        self.buffer = torch.zeros(plan.numel, dtype=wire_dtype, device=plan.device)
         self.views = [self.buffer.narrow(0, o, n) for o, n in zip(plan.offsets, plan.numels)]
-        own = wire_dtype != plan.dtype
-        self.wire_buffer = torch.empty(plan.numel, dtype=wire_dtype, device=plan.device) if own else None
         self.pending = len(plan.params)
         self.handle: object | None = None
+        self.ctx: object | None = None
+        self.wire: torch.Tensor | None = None  # what was handed to allreduce (the buffer or a compressed copy)
 
     def reset(self) -> None:
         self.pending = len(self.plan.params)
         self.handle = None
+        self.ctx = None
+        self.wire = None

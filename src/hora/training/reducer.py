@@ -4,21 +4,19 @@
 Per step, in three visible phases:
 
 1. **fill** (during backward): a post-accumulate-grad hook copies each gradient into its slice of a
-   preallocated flat bucket in the parameters' dtype; the moment a bucket's last gradient arrives its async
-   allreduce is submitted under a fixed name (:mod:`hora.training.bucket_names`), which the negotiator matches
-   across ranks and caches after the first step. A compressed bucket goes through the same call with its
-   compressor: the allreduce kind compresses and decompresses it as it does a single op's tensor (a built-in
-   cast into the bucket's own reused 16-bit buffer), in place.
+   preallocated flat bucket (casting on the copy when compression is a cast); the moment a bucket's last
+   gradient arrives its async allreduce is submitted under a fixed name (:mod:`hora.training.bucket_names`), which the
+   negotiator matches across ranks and caches after the first step.
 2. **finish** (``synchronize()``): buckets that never filled (parameters without a gradient this step) are
    completed with zeros or whatever ``p.grad`` holds, as Horovod does, and submitted; then every handle is
    waited on.
-3. **write back**: each parameter's ``.grad`` becomes its slice of the reduced bucket (no copy; autograd's own
-   gradient tensors are kept until ``zero_grad()`` so the allocator reuses them).
+3. **write back**: uncompressed, each parameter's ``.grad`` becomes its slice of the reduced bucket (no copy;
+   autograd's own gradient tensors are kept until ``zero_grad()`` so the allocator reuses them); on a
+   compressed wire the slice is cast back into ``.grad`` with the rest of Average's scaling in the same copy.
 
-Average's division costs no pass of its own: uncompressed, ``1/size`` is applied on the copy in; compressed,
-Horovod's split is kept (``1/predivide`` as the call's prescale, ``predivide/size`` as its postscale, applied
-by the kind on its casts). The collective itself is a plain sum, submitted through the private entry
-:func:`hora.calls.submit.submit` (no public wrapper).
+Average's division costs no pass of its own: uncompressed, ``1/size`` is applied on the copy in; on a
+compressed wire Horovod's split is kept (``1/predivide`` in, ``predivide/size`` out). The collective itself
+is a plain sum, submitted through the private entry :func:`hora.calls.submit.submit` (no public wrapper).
 
 Where a step stands is one :class:`Step`. The plan (bucket sizes: the runtime's knobs) is rebuilt, under a
 new generation of names, only when the parameters requiring grad or the process set's size change.
@@ -39,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hora.api.sparse import sparse_allreduce_async
 from hora.calls import submit as collectives
-from hora.datapath.compression import Compressor, NoneCompressor, cast_scaled, wire_dtype
+from hora.datapath.compression import CastCompressor, Compressor, NoneCompressor, cast_scaled, wire_dtype
 from hora.datapath.kinds import Call, Kind
 from hora.datapath.reduce_ops import ReduceOp, Sum, bucket_scales
 from hora.diagnostics import timeline
@@ -95,11 +93,12 @@ class GradientReducer:
         self.process_set = process_set
         self.bpps = backward_passes_per_step
         self.predivide = gradient_predivide_factor
+        self._cast_only = isinstance(compression, (NoneCompressor, CastCompressor))
         self.naming = BucketNames(self.names, lambda: process_set.ranks, runtime.world_generation)
         self.state = Step.IDLE
         self._world: tuple[bool, int] | None = None  # (included, size) the plan and scales were made for
         self._group: Any = None  # the process set's group when we last looked: a new one means a new init()
-        self.fill_scale = self.prescale = self.postscale = 1.0  # on the copy in, and the bucket call's
+        self.scale_in = self.scale_out = 1.0
         self.passes = [0] * len(self.params)
         self.slots: list[tuple[FlatBucket, int] | None] = [None] * len(self.params)
         self.buckets: list[FlatBucket] = []
@@ -183,9 +182,7 @@ class GradientReducer:
         if world != self._world:
             self._world = world
             uncompressed = isinstance(self.compression, NoneCompressor)
-            scale_in, self.postscale = bucket_scales(self.op, world[1], self.predivide, uncompressed)
-            # uncompressed, 1/size goes on the copy in (DDP's rounding); compressed, on the kind's cast down
-            self.fill_scale, self.prescale = (scale_in, 1.0) if uncompressed else (1.0, scale_in)
+            self.scale_in, self.scale_out = bucket_scales(self.op, world[1], self.predivide, uncompressed)
             self._plan_key = None  # new buckets under new names
         if self._reduce:
             self.ensure_plan()
@@ -206,23 +203,29 @@ class GradientReducer:
         tl = timeline.active()  # diagnostics: the bucket's copy_in slices
         t0 = time.perf_counter() if tl is not None else 0.0
         if grad.data_ptr() == view.data_ptr():  # p.grad is last step's slice, accumulated in place
-            if self.fill_scale != 1.0:
-                view.mul_(self.fill_scale)
+            if self.scale_in != 1.0:
+                view.mul_(self.scale_in)
         else:
-            cast_scaled(grad, view, self.fill_scale)  # copy and scale in one pass
+            cast_scaled(grad, view, self.scale_in)  # scale and cast in the one copy
         if tl is not None:
             tl.span(bucket.name, "copy_in", t0, time.perf_counter(), kind="allreduce", param=self.names[index],
                     bytes=view.nbytes)
 
     def _submit(self, bucket: FlatBucket) -> None:
-        bucket.handle = collectives.submit(self._call(bucket))
+        wire = bucket.buffer
+        if not self._cast_only:
+            tl = timeline.active()
+            t0 = time.perf_counter() if tl is not None else 0.0
+            wire, bucket.ctx = self.compression.compress(bucket.buffer)
+            if tl is not None:
+                tl.span(bucket.name, "compress", t0, time.perf_counter(), kind="allreduce", bytes=wire.nbytes)
+        bucket.wire = wire
+        bucket.handle = self._launch(bucket.name, wire)
 
-    def _call(self, bucket: FlatBucket) -> Call:
-        """The bucket's collective: an in-place sum, compressed by the kind as a single op is; the rest of
-        Average is the copy in's scale (uncompressed) or the call's prescale and postscale."""
-        return Call(Kind.ALLREDUCE, bucket.buffer, bucket.name, self.process_set, op=ReduceOp.SUM,
-                    prescale=self.prescale, postscale=self.postscale, compression=self.compression, inplace=True,
-                    wire_buffer=bucket.wire_buffer)
+    def _launch(self, name: str, wire: torch.Tensor) -> Any:
+        """Start the bucket's collective. Average's division is folded into the copies in and out
+        (scale_in, scale_out): a plain in-place sum here."""
+        return collectives.submit(Call(Kind.ALLREDUCE, wire, name, self.process_set, op=ReduceOp.SUM, inplace=True))
 
     def _submit_sparse(self, index: int, grad: torch.Tensor) -> None:
         self.sparse[index] = sparse_allreduce_async(
@@ -283,9 +286,15 @@ class GradientReducer:
                 and runtime.state("DistributedOptimizer.step()").knobs.step_overlap)
 
     def _write_back(self, bucket: FlatBucket, out: torch.Tensor) -> None:
-        """Each parameter's ``.grad`` becomes its slice of the reduced bucket ``out`` (the bucket's buffer)."""
-        tl = timeline.active()  # diagnostics: the bucket's copy_out slice
+        scale = self.scale_out
+        tl = timeline.active()  # diagnostics: decompress and copy_out slices of the bucket
         t0 = time.perf_counter() if tl is not None else 0.0
+        if not self._cast_only:
+            out = self.compression.decompress(out, bucket.ctx)
+            if tl is not None:
+                tl.span(bucket.name, "decompress", t0, time.perf_counter(), kind="allreduce", bytes=out.nbytes)
+                t0 = time.perf_counter()
+        handout = out is bucket.buffer and scale == 1.0  # uncompressed: p.grad becomes its slice, no copy
         for k, index in enumerate(bucket.plan.params):
             if index in self._sparse_seen:
                 continue
@@ -294,11 +303,15 @@ class GradientReducer:
             if p.grad is not None and p.grad.is_sparse:  # sparse_as_dense: reduced dense, handed back sparse
                 # (as Horovod does), so optimizers that need sparse gradients (SparseAdam) keep working
                 self._retired.append(p.grad)
-                p.grad = src.to_sparse(p.grad.sparse_dim())
-                continue
-            if p.grad is not None and p.grad.data_ptr() != src.data_ptr():
-                self._retired.append(p.grad)
-            p.grad = src
+                p.grad = src.to(p.dtype).mul(scale).to_sparse(p.grad.sparse_dim())
+            elif handout and src.dtype == p.dtype:
+                if p.grad is not None and p.grad.data_ptr() != src.data_ptr():
+                    self._retired.append(p.grad)
+                p.grad = src
+            elif p.grad is None:
+                p.grad = src.to(p.dtype, copy=True).mul_(scale)
+            else:
+                cast_scaled(src, p.grad, scale)  # cast back and scale in the one copy
         if tl is not None:
             tl.span(bucket.name, "copy_out", t0, time.perf_counter(), kind="allreduce", bytes=out.nbytes)
         # Handing out slices saves a copy back, but freeing autograd's gradient tensors here, mid-step, lets
@@ -371,7 +384,7 @@ class GradientReducer:
         self.buckets = []
         for b, plan in enumerate(plan_buckets(specs, *self._caps())):
             name = self.naming.bucket(self._generation, b)
-            bucket = FlatBucket(plan, name, wire_dtype(self.compression, plan.dtype))
+            bucket = FlatBucket(plan, name, wire_dtype(self.compression, plan.dtype) if self._cast_only else plan.dtype)
             self.buckets.append(bucket)
             for k, index in enumerate(plan.params):
                 self.slots[index] = (bucket, k)
