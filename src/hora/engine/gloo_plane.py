@@ -30,6 +30,7 @@ from hora.engine import codec
 from hora.engine.context import EngineContext
 from hora.engine.handshake import Identity, IncompatiblePeer
 from hora.engine.mesh import BadFrame, connect_mesh
+from hora.engine.round_schedule import Schedule, full
 from hora.engine.seal import FrameSeal
 from hora.errors import CollectiveError, ConfigError
 from hora.protocol.code_fingerprint import code_fingerprint, installed_version, short
@@ -219,10 +220,13 @@ class StoreBell:
 class ControlPlane(Protocol):
     """What the negotiator needs: a bell for idle rounds and a per-round allgather. Planes whose rounds any
     thread may run (``inline_rounds``: the mesh, the local plane) also let it look at peers' frames before
-    answering (``receive_ready``, ``has_input``, ``peek``) and silence peers' wake-ups (``quiet``)."""
+    answering (``receive_ready``, ``has_input``, ``peek``) and silence peers' wake-ups (``quiet``). ``plan``
+    is a round's schedule: whom this rank exchanges frames with (every other rank, but for the mesh's
+    recursive doubling)."""
 
     watches_peers: bool
     inline_rounds: bool
+    plan: Schedule
 
     def ring(self, round_no: int) -> None: ...
     def wake(self) -> None: ...
@@ -261,6 +265,7 @@ class GlooPlane(_UnreadPlane):
 
     def __init__(self, ctx: EngineContext) -> None:
         me = identity(ctx, "gloo")
+        self.plan = full(ctx.rank, ctx.size)  # a Gloo allgather: every rank hears from every other
         self._exchange = Exchange(ctx.rank, ctx.size, ctx.ctrl_group, FrameSeal(ctx.secret, ctx.world, ctx.rank),
                                   ctx.hostname)
         greet(self._exchange, me)
@@ -296,6 +301,7 @@ class LocalPlane(_UnreadPlane):
     inline_rounds = True
 
     def __init__(self) -> None:
+        self.plan = full(0, 1)
         self._cond = threading.Condition()
         self._rung = False
 

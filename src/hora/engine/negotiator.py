@@ -118,9 +118,7 @@ class Negotiator:
     def round_peers(self) -> list[int]:
         """The ranks this rank's rounds exchange frames with directly: every other rank on the full exchange,
         its recursive-doubling partners above ``HORA_MESH_FULL_UPTO`` ranks; every rank on the Gloo plane."""
-        if isinstance(self._plane, Mesh):
-            return list(self._plane.plan.peers)
-        return [r for r in range(self.size) if r != self.rank]
+        return list(self._plane.plan.peers)
 
     @property
     def rounds_run(self) -> int:

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 FULL, DOUBLING = "full", "doubling"
@@ -68,19 +69,18 @@ class Schedule:
 
     def receiving(self) -> dict[int, list[Transfer]]:
         """The frames each peer sends this rank in a round, in order."""
-        out: dict[int, list[Transfer]] = {}
-        for step in self.steps:
-            for t in step.receives:
-                out.setdefault(t.peer, []).append(t)
-        return out
+        return _by_peer(t for step in self.steps for t in step.receives)
 
     def sending(self) -> dict[int, list[Transfer]]:
         """The frames this rank sends each peer in a round, in order."""
-        out: dict[int, list[Transfer]] = {}
-        for step in self.steps:
-            for t in step.sends:
-                out.setdefault(t.peer, []).append(t)
-        return out
+        return _by_peer(t for step in self.steps for t in step.sends)
+
+
+def _by_peer(transfers: Iterable[Transfer]) -> dict[int, list[Transfer]]:
+    out: dict[int, list[Transfer]] = {}
+    for t in transfers:
+        out.setdefault(t.peer, []).append(t)
+    return out
 
 
 def full(rank: int, size: int) -> Schedule:

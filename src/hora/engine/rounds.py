@@ -25,7 +25,7 @@ from hora.engine.context import EngineContext
 from hora.engine.dispatch import Dispatcher
 from hora.engine.frames import decode_round, encode_round
 from hora.engine.gloo_plane import ControlPlane
-from hora.engine.mesh import BadFrame, Mesh, PeerLost
+from hora.engine.mesh import BadFrame, PeerLost
 from hora.engine.notices import Notices
 from hora.engine.pending import Pending
 from hora.engine.response_cache import ResponseCache
@@ -56,7 +56,7 @@ class Rounds:
         self._reported = -1  # the round whose silent peers were reported
         # the full exchange waits only for ranks that sent nothing; recursive doubling may wait for a peer
         # that itself waits for another
-        self._full_exchange = not isinstance(plane, Mesh) or plane.plan.shape == FULL
+        self._full_exchange = plane.plan.shape == FULL
 
     # --- the round ----------------------------------------------------------------------------------
     def run(self) -> bool:
