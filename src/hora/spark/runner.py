@@ -218,7 +218,7 @@ class _Job:
         for rank in range(self.num_proc):
             key = PYRUN_RESULT_KEY.format(rank=rank)
             if self.store.check([key]):
-                record = shipping.loads(self.store.get(key))
+                record = shipping.load(self.store, key)
                 if record[0] == "error":
                     types[rank] = str(record[2])
         return types

@@ -33,6 +33,7 @@ from hora.protocol.messages import PYRUN_ELASTIC_ERROR_KEY as ELASTIC_ERROR_KEY
 from hora.protocol.messages import PYRUN_ELASTIC_RESULT_KEY as ELASTIC_RESULT_KEY
 from hora.protocol.messages import PYRUN_FN_KEY as FN_KEY
 from hora.protocol.messages import PYRUN_RESULT_KEY as RESULT_KEY
+from hora.protocol.signedstore import SignedStore
 
 
 class RemoteTraceback(Exception):
@@ -206,7 +207,7 @@ def _collect(driver: Driver, code: int) -> list[Any]:
     raise JobFailedError(f"hora.run: the job ended with status {code} before every rank returned", code)
 
 
-def collect_results(store: Any, np: int, where: Callable[[int], str], failed_rank: int | None,
+def collect_results(store: SignedStore, np: int, where: Callable[[int], str], failed_rank: int | None,
                     complete: bool) -> list[Any] | None:
     """What the ranks of a function job (``python -m hora.launcher.pyfunc.worker``) left in the store.
 
@@ -219,7 +220,7 @@ def collect_results(store: Any, np: int, where: Callable[[int], str], failed_ran
     for rank in range(np):
         key = RESULT_KEY.format(rank=rank)
         if store.check([key]):
-            records[rank] = shipping.loads(store.get(key))
+            records[rank] = shipping.load(store, key)
     if complete and len(records) == np and all(r[0] == "ok" for r in records.values()):
         return [records[rank][1] for rank in range(np)]
     order = ([failed_rank] if failed_rank is not None else []) + sorted(records)
@@ -235,7 +236,7 @@ def _collect_elastic(driver: ElasticDriver, code: int) -> list[Any]:
     store, world = driver.store, driver.world
     if code == 0 and world is not None:
         keys = [ELASTIC_RESULT_KEY.format(gen=world.gen, rank=r) for r in range(world.size)]
-        records = [shipping.loads(store.get(k)) for k in keys if store.check([k])]
+        records = [shipping.load(store, k) for k in keys if store.check([k])]
         if len(records) == world.size and all(r[0] == "ok" for r in records):
             return [r[1] for r in records]
     if driver.failure is None and driver.interrupted is not None:
@@ -244,7 +245,7 @@ def _collect_elastic(driver: ElasticDriver, code: int) -> list[Any]:
     if failed is not None:
         key = ELASTIC_ERROR_KEY.format(worker_id=failed.wid)
         if store.check([key]):
-            _reraise(f"worker {failed.wid} on host {failed.host}", shipping.loads(store.get(key)))
+            _reraise(f"worker {failed.wid} on host {failed.host}", shipping.load(store, key))
     why = driver.failure.summary if driver.failure is not None else "not every rank of the last world returned"
     raise JobFailedError(f"hora.run: the elastic job failed: {why}", code or 1)
 

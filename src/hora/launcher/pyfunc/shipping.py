@@ -20,6 +20,7 @@ from typing import Any
 import cloudpickle
 
 from hora.errors import ConfigError
+from hora.protocol.signedstore import SignedStore
 
 
 def dumps(obj: Any) -> bytes:
@@ -37,5 +38,11 @@ def dumps(obj: Any) -> bytes:
 
 
 def loads(data: bytes) -> Any:
-    """Inverse of :func:`dumps`."""
+    """Inverse of :func:`dumps`, for bytes this process made: what comes from another goes through :func:`load`."""
     return pickle.loads(data)
+
+
+def load(store: SignedStore, key: str) -> Any:
+    """The object another process put under ``key`` with :func:`dumps`, unpickled only once the store has
+    authenticated it (:class:`~hora.protocol.signedstore.SignedStore` raises ``StoreAuthError`` first)."""
+    return pickle.loads(store.get(key))

@@ -40,7 +40,8 @@ def _store(env: WorkerEnv) -> SignedStore:
     return SignedStore(raw, secret, env.job_id, f"{env.store_addr}:{env.store_port}")
 
 
-def _error_record(exc: BaseException) -> bytes:
+def _error_record(exc: BaseException) -> tuple[bytes, str]:
+    """What the caller of ``hora.run`` gets for ``exc`` (pickled), and its traceback's text."""
     tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # from the user's function on
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     exc_blob: bytes | None = None
@@ -49,7 +50,7 @@ def _error_record(exc: BaseException) -> bytes:
         pickle.loads(exc_blob)
     except Exception:  # noqa: BLE001 - any failure to round-trip means: send the text only
         exc_blob = None  # an exception that does not survive pickling: its text still travels
-    return pickle.dumps(("error", exc_blob, type(exc).__qualname__, str(exc), text))
+    return pickle.dumps(("error", exc_blob, type(exc).__qualname__, str(exc), text)), text
 
 
 def _keys(env: WorkerEnv, store: SignedStore) -> tuple[str, str]:
@@ -71,7 +72,7 @@ def main() -> int:
     env = WorkerEnv.from_environ()
     store = _store(env)
     try:
-        fn, args, kwargs = shipping.loads(store.get(FN_KEY))
+        fn, args, kwargs = shipping.load(store, FN_KEY)
     except StoreAuthError as exc:  # a stranger's function: never unpickled; the launcher is told why
         return _failed(store, _keys(env, store)[1], exc.with_traceback(None))
     try:
@@ -88,17 +89,17 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001
         store.set(error_key, _error_record(
             TypeError(f"rank {env.rank}: the return value of {getattr(fn, '__name__', fn)} cannot be "
-                      f"pickled: {exc}")))
+                      f"pickled: {exc}"))[0])
         return 1
     store.set(ok_key, record)
     return 0
 
 
 def _failed(store: SignedStore, key: str, exc: BaseException) -> int:
-    record = _error_record(exc)
+    record, text = _error_record(exc)
     store.set(key, record)
     store.add(ERRORS_KEY, 1)
-    sys.stderr.write(pickle.loads(record)[4])
+    sys.stderr.write(text)
     # As after an uncaught exception (the interpreter sets these): hora's exit hook leaves at once, so the peers
     # learn now that this rank is gone, not after waiting for them to reach shutdown.
     sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
