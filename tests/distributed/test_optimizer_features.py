@@ -137,6 +137,69 @@ def test_grad_scaler_unscale_and_clipping_between_synchronize_and_step() -> None
     _same_everywhere_and_close(run_tensors(_amp_ranks, 2), expected)
 
 
+# torch's own AMP recipes, without synchronize(): the scaler must unscale the reduced gradients, and every rank
+# must agree on skipping a step whose gradients overflowed, even when only one rank's shard overflowed
+_OVERFLOW_STEP = 1  # rank 1's rows blow up this step: every rank (and one process on the whole batch) skips it
+
+
+def _torch_amp(model: Net, opt: torch.optim.Optimizer, data, recipe: str) -> tuple[list[torch.Tensor], list[float]]:
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    scales = []
+    for step in range(STEPS + 1):
+        opt.zero_grad()
+        x, y = data(step)
+        scaler.scale(F.mse_loss(model(x), y)).backward()
+        if recipe == "clip":
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return _params(model), scales
+
+
+def _overflowing(data):
+    def shard_or_whole(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = data(step)
+        if step == _OVERFLOW_STEP:
+            y = y.clone()
+            y[-1] = torch.finfo(torch.float32).max  # the last row (rank 1's shard, or the end of the whole
+            # batch): its scaled gradients overflow
+        return x, y
+    return shard_or_whole
+
+
+def _torch_amp_ranks(rank: int, size: int, recipe: str, fused: bool) -> tuple[list[torch.Tensor], list[float], int]:
+    import warnings
+
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused),
+                                   named_parameters=model.named_parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        params, scales = _torch_amp(model, opt, _overflowing(lambda s: shard(s, 0, rank, size)), recipe)
+    horovods = sum("skip_synchronize" in str(w.message) for w in caught)
+    return params, scales, horovods
+
+
+@pytest.mark.parametrize(("recipe", "fused"), [("plain", False), ("clip", False), ("plain", True)])
+def test_grad_scaler_in_torchs_own_recipe_unscales_reduced_gradients_and_every_rank_skips_together(
+        recipe: str, fused: bool) -> None:
+    """``scaler.scale(loss).backward(); [scaler.unscale_(opt); clip;] scaler.step(opt); scaler.update()`` with
+    no synchronize(): the same parameters and loss scales as one process on the whole batch, on every rank,
+    with the step whose gradients overflowed on rank 1 only skipped everywhere, and no Horovod warning."""
+    model = Net()
+    expected, expected_scales = _torch_amp(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused),
+        _overflowing(lambda s: batch(s, 0, 2 * ROWS_PER_RANK)), recipe)
+    assert expected_scales[_OVERFLOW_STEP] == expected_scales[_OVERFLOW_STEP - 1] / 2  # the reference skipped
+    results = run_tensors(_torch_amp_ranks, 2, recipe, fused)
+    for rank, (_, scales, horovods) in enumerate(results):
+        assert scales == expected_scales, f"rank {rank}: loss scales {scales}, one process: {expected_scales}"
+        assert horovods == 0, f"rank {rank} warned {horovods} time(s) about skip_synchronize()"
+    _same_everywhere_and_close([params for params, _, _ in results], expected)
+
+
 # --- the seed article's script: DDP and DistributedOptimizer together -----------------------------------
 class _Collect(logging.Handler):
     def __init__(self) -> None:

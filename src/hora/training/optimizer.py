@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -64,6 +65,14 @@ def snapshot(optimizer: torch.optim.Optimizer) -> OptimizerSnapshot:
                              updates_by_bucket=optimizer._hora_updates_by_bucket)
 
 
+# torch.amp.GradScaler reads the gradients it unscales and checks for inf/NaN in one method, reached from
+# unscale_(), from step() (which calls unscale_() when the user did not) and from step()'s path for fused
+# optimizers (_check_inf_per_device): torch/amp/grad_scaler.py:246-300 (its loop over optimizer.param_groups
+# at 266), 358, 444-445, 472-473, 707-708 in torch 2.13. torch.distributed.fsdp's ShardedGradScaler
+# overrides it under the same name.
+_GRAD_SCALER_READER = "_unscale_grads_"
+
+
 class _DistributedOptimizer:
     """Methods mixed into the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
 
@@ -71,14 +80,38 @@ class _DistributedOptimizer:
     _hora_should_sync: bool
     _hora_base: type
     _hora_updates_by_bucket: int
+    _hora_synced_for_scaler: bool  # the last reduction was made for a GradScaler: step() need not warn
 
     def synchronize(self) -> None:
         """Finish reducing this step's gradients and write them into ``p.grad``.
 
-        Call it before touching gradients between ``backward()`` and ``step()`` (clipping,
-        ``GradScaler.unscale_``); ``step()`` then does not reduce again.
+        Call it before touching gradients between ``backward()`` and ``step()`` (clipping); ``step()`` then
+        does not reduce again. ``torch.amp.GradScaler`` needs no call: it gets reduced gradients by itself
+        (see :attr:`param_groups`).
         """
+        self._hora_synced_for_scaler = False
         self._hora_reducer.synchronize()
+
+    # --- AMP: a GradScaler reads reduced gradients --------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups. When ``torch.amp.GradScaler`` reads them to unscale the
+        gradients (``scaler.unscale_(opt)``, or ``scaler.step(opt)`` without it) before this step's
+        gradients were reduced, they are reduced first: every rank then unscales the same reduced
+        gradients, so the scaler's inf/NaN check (``found_inf``), and with it the decision to skip the
+        step and the next loss scale, is the same on every rank. torch's own recipe works unchanged;
+        Horovod's (``synchronize()``, ``unscale_``, ``skip_synchronize()``) too."""
+        groups: list[dict[str, Any]] = self.__dict__["param_groups"]
+        reducer = self.__dict__.get("_hora_reducer")
+        if (reducer is not None and not reducer.synced and not reducer.updates_params
+                and sys._getframe(1).f_code.co_name == _GRAD_SCALER_READER):
+            reducer.synchronize()
+            self._hora_synced_for_scaler = True
+        return groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.__dict__["param_groups"] = groups  # where torch's own __setstate__ (load_state_dict) puts them
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -95,8 +128,9 @@ class _DistributedOptimizer:
 
     def step(self, closure: Any = None) -> Any:
         reducer = self._hora_reducer
-        if self._hora_should_sync and reducer.synced:
+        if self._hora_should_sync and reducer.synced and not self._hora_synced_for_scaler:
             warnings.warn(STEP_AFTER_SYNCHRONIZE, UserWarning, stacklevel=2)
+        self._hora_synced_for_scaler = False
         if reducer.updates_params:  # Adasum: the local steps ran in the hooks; apply the combined update
             loss = closure() if closure is not None else None
             if self._hora_should_sync:
@@ -302,6 +336,7 @@ def DistributedOptimizer(
     # that our step() runs (a scheduler created after wrapping wraps ours).
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     wrapped._hora_should_sync = True
+    wrapped._hora_synced_for_scaler = False
     wrapped._hora_updates_by_bucket = 0
     wrapped._hora_base = base  # the wrapped class: decides whether step() may go bucket by bucket
     # Horovod's attribute: {parameter: name}; the names the reducer uses in errors and stall reports
