@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
-from hora.common.knobs import knobs_markdown
+from hora.common.knobs import horovod_only_markdown, knobs_markdown
 
 HEADER = """# Tuning knobs
 
@@ -16,6 +16,21 @@ date.
 
 """
 
+HOROVOD_ONLY_HEADER = """
+## Horovod variables hora has no mechanism for
+
+Horovod 0.28.1 reads these (`horovod/common/common.h` and its logging); hora accepts them and does nothing with
+them, for the reason given. Rank 0 says so once, at `hvd.init()`, for each one that is set. The matching
+`hora run` flags (`--hierarchical-allgather`, `--torus-allreduce`, `--num-nccl-streams`, ...) print the same kind
+of note when given.
+
+"""
+
+
+def document() -> str:
+    """The whole of docs/knobs.md."""
+    return HEADER + knobs_markdown() + HOROVOD_ONLY_HEADER + horovod_only_markdown()
+
 if __name__ == "__main__":
     out = pathlib.Path(__file__).resolve().parent.parent / "docs" / "knobs.md"
-    out.write_text(HEADER + knobs_markdown())
+    out.write_text(document())

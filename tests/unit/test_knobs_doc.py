@@ -4,7 +4,14 @@ import pathlib
 
 import pytest
 
-from hora.common.knobs import KNOBS, Knobs, knobs_markdown
+from hora.common.knobs import (
+    HOROVOD_ONLY,
+    KNOBS,
+    Knobs,
+    horovod_only_markdown,
+    ignored_horovod_variables,
+    knobs_markdown,
+)
 from hora.errors import ConfigError
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "knobs.md"
@@ -12,9 +19,27 @@ DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "knobs.md"
 
 def test_docs_list_every_knob_as_generated() -> None:
     text = DOC.read_text()
-    assert text.endswith(knobs_markdown()), "docs/knobs.md is stale: run python scripts/gen_knobs_doc.py"
+    assert knobs_markdown() in text and text.endswith(horovod_only_markdown()), \
+        "docs/knobs.md is stale: run python scripts/gen_knobs_doc.py"
     for knob in KNOBS:
         assert f"`{knob.name}`" in text
+
+
+def test_every_horovod_variable_of_common_h_is_read_or_listed() -> None:
+    """Each HOROVOD_* variable of Horovod 0.28.1's horovod/common/common.h (from its sdist) is a knob's alias
+    or listed as having no mechanism in hora; and a set one of the latter is reported."""
+    import re
+
+    from tests.horovod_sdist import horovod_sdist
+
+    header = (horovod_sdist() / "horovod" / "common" / "common.h").read_text()
+    variables = {name for name, value in re.findall(r'#define (HOROVOD_\w+) "(\w+)"', header) if name == value}
+    assert len(variables) > 25, variables
+    read = {k.horovod for k in KNOBS if k.horovod} | {"HOROVOD_ELASTIC_TIMEOUT"}
+    listed = {name for name, _ in HOROVOD_ONLY}
+    assert sorted(variables - read - listed) == []
+    assert ignored_horovod_variables({"HOROVOD_NUM_NCCL_STREAMS": "2", "HOROVOD_FUSION_THRESHOLD": "1"}) == [
+        "HOROVOD_NUM_NCCL_STREAMS=2: hora issues every GPU collective on one launch stream per rank"]
 
 
 def test_horovod_aliases_and_hora_names_are_read() -> None:

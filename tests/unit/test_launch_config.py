@@ -17,16 +17,21 @@ from hora.launcher.hosts import HostSpec, SlotInfo
 from hora.launcher.remote.transport import SshTransport
 
 FLAGS = [
-    "--blacklist-cooldown-range", "--check-build", "--config-file", "--cycle-time-ms", "--disable-cache",
-    "--elastic-timeout", "--fusion-threshold-mb", "--gloo", "--grace-period", "--heartbeat-timeout", "--help",
-    "--hierarchical-allreduce",
-    "--host-discovery-script", "--hostfile",
-    "--hosts", "--jsrun", "--log-level", "--max-np", "--max-num-proc", "--min-np", "--min-num-proc", "--mpi",
-    "--mpi-args", "--network-interface",
-    "--network-interfaces", "--no-stall-check", "--num-proc", "--output-filename", "--prefix-output-with-timestamp",
-    "--reset-limit", "--slots-per-host", "--ssh-config-file", "--ssh-identity-file", "--ssh-option", "--ssh-port",
-    "--stall-check-shutdown-time-seconds", "--stall-check-warning-time-seconds", "--start-timeout",
-    "--timeline-filename", "--timeline-mark-cycles", "--verbose", "-H", "-cb", "-h", "-i", "-np", "-p", "-x",
+    "--autotune", "--autotune-bayes-opt-max-samples", "--autotune-gaussian-process-noise", "--autotune-log-file",
+    "--autotune-steps-per-sample", "--autotune-warmup-samples", "--binding-args", "--blacklist-cooldown-range",
+    "--cache-capacity", "--check-build", "--config-file", "--cycle-time-ms", "--disable-cache", "--elastic-timeout",
+    "--fusion-threshold-mb", "--gloo", "--gloo-timeout-seconds", "--grace-period", "--heartbeat-timeout", "--help",
+    "--hierarchical-allgather", "--hierarchical-allreduce", "--host-discovery-script", "--hostfile", "--hosts",
+    "--jsrun", "--log-hide-timestamp", "--log-level", "--log-with-timestamp", "--log-without-timestamp", "--max-np",
+    "--max-num-proc", "--min-np", "--min-num-proc", "--mpi", "--mpi-args", "--mpi-threads-disable",
+    "--network-interface", "--network-interfaces", "--no-autotune", "--no-hierarchical-allgather",
+    "--no-hierarchical-allreduce", "--no-log-hide-timestamp", "--no-mpi-threads-disable", "--no-stall-check",
+    "--no-timeline-mark-cycles", "--no-torus-allreduce", "--num-nccl-streams", "--num-proc", "--output-filename",
+    "--prefix-output-with-timestamp", "--reset-limit", "--slots-per-host", "--ssh-config-file", "--ssh-identity-file",
+    "--ssh-option", "--ssh-port", "--stall-check", "--stall-check-shutdown-time-seconds",
+    "--stall-check-warning-time-seconds", "--start-timeout", "--tcp", "--thread-affinity", "--timeline-filename",
+    "--timeline-mark-cycles", "--torus-allreduce", "--verbose", "--version", "-H", "-cb", "-h", "-hostfile", "-i",
+    "-np", "-p", "-prefix-timestamp", "-v", "-x",
 ]
 
 
@@ -43,7 +48,8 @@ def test_horovodrun_tuning_flags_become_worker_knobs(tmp_path: Path, monkeypatch
     monkeypatch.chdir(tmp_path)
     cfg = _cfg(["-np", "2", "--timeline-filename", "t.json", "--timeline-mark-cycles", "--no-stall-check",
                 "--stall-check-warning-time-seconds", "5", "--stall-check-shutdown-time-seconds", "30",
-                "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5", "--disable-cache", "--log-level", "debug",
+                "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5", "--cache-capacity", "0",
+                "--log-level", "debug",
                 "--start-timeout", "45", "--gloo", "--hierarchical-allreduce", sys.executable, "-V"])
     knobs = Knobs.from_environ(cfg.env)
     assert (knobs.timeline, knobs.timeline_mark_cycles) == (str(tmp_path / "t.json"), True)
@@ -162,3 +168,93 @@ def test_elastic_flags_make_an_elastic_job(tmp_path: Path, monkeypatch: pytest.M
     assert cfg.elastic is not None and cfg.elastic.discovery_script == "./d.sh"
     assert (cfg.np, cfg.elastic.min_np, cfg.elastic.slots_per_host, cfg.elastic.elastic_timeout) == (1, 1, 4, 30.0)
     assert _cfg(["-np", "2", sys.executable, "t.py"]).elastic is None
+
+
+def test_horovodrun_autotune_and_library_flags_become_worker_knobs(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(["-np", "2", "--autotune", "--autotune-log-file", "at.csv", "--autotune-warmup-samples", "1",
+                "--autotune-steps-per-sample", "4", "--autotune-bayes-opt-max-samples", "6",
+                "--autotune-gaussian-process-noise", "0.5", "--no-hierarchical-allreduce", "--cache-capacity", "1024",
+                "--gloo-timeout-seconds", "40", "--tcp", "--thread-affinity", "0,1", "--log-with-timestamp",
+                "--stall-check", sys.executable, "-V"])
+    knobs = Knobs.from_environ(cfg.env)
+    assert (knobs.autotune, knobs.autotune_log) == (True, str(tmp_path / "at.csv"))
+    assert (knobs.autotune_warmup_samples, knobs.autotune_steps_per_sample, knobs.autotune_bayes_opt_max_samples,
+            knobs.autotune_gaussian_process_noise) == (1, 4, 6, 0.5)
+    # given explicitly, so autotune holds them: hierarchical allreduce off, the cache on
+    assert (knobs.hierarchical_allreduce, knobs.disable_cache) == (False, False)
+    assert {"hierarchical_allreduce", "disable_cache", "autotune"} <= knobs.explicit
+    assert "fusion_threshold" not in knobs.explicit
+    assert (knobs.start_timeout, knobs.thread_affinity, knobs.log_hide_time) == (40.0, "0,1", False)
+    assert not knobs.stall_check_disable
+    assert cfg.env["NCCL_IB_DISABLE"] == "1"  # horovodrun --tcp
+
+
+def test_start_timeout_wins_over_gloo_timeout() -> None:
+    cfg = _cfg(["--gloo-timeout-seconds", "40", "--start-timeout", "50", sys.executable, "-V"])
+    assert Knobs.from_environ(cfg.env).start_timeout == 50.0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--autotune-gaussian-process-noise", "1.5"], "must be in \\[0, 1\\]"),
+    (["--autotune-steps-per-sample", "0"], "at least 1"),
+    (["--cache-capacity", "-1"], "must not be negative"),
+    (["--thread-affinity", "a,b"], "give a core number"),
+])
+def test_bad_horovodrun_values_are_usage_errors(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _cfg([*argv, sys.executable, "-V"])
+
+
+def test_flags_without_a_mechanism_each_print_a_note(capsys: pytest.CaptureFixture[str]) -> None:
+    from hora.launcher.cli import NO_MECHANISM, no_mechanism_notes
+
+    ns = parse_run_args(["--num-nccl-streams", "2", "--no-hierarchical-allgather", "--torus-allreduce",
+                         "--disable-cache", "--binding-args=--bind-to none", "--mpi-threads-disable",
+                         sys.executable, "-V", "--num-nccl-streams"])
+    notes = no_mechanism_notes(ns)
+    assert [n.split(" ", 1)[0] for n in notes] == ["--disable-cache", "--no-hierarchical-allgather",
+                                                    "--torus-allreduce", "--mpi-threads-disable", "--binding-args",
+                                                    "--num-nccl-streams"]
+    assert all("has no effect:" in n for n in notes)
+    assert ns.command == [sys.executable, "-V", "--num-nccl-streams"]  # the script's own flags are its own
+    given = {names[0] for names, _, _ in NO_MECHANISM}
+    assert not no_mechanism_notes(parse_run_args([sys.executable, "-V"])) and len(given) == len(NO_MECHANISM)
+
+
+def test_config_file_reads_horovods_autotune_library_and_controller_sections(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("controller: gloo\nparams: {cache_capacity: 0, hierarchical_allreduce: false}\n"
+                    "autotune: {enabled: true, warmup_samples: 2, steps_per_sample: 5, log_file: a.csv}\n"
+                    "library_options: {num_nccl_streams: 2, thread_affinity: '3', gloo_timeout_seconds: 9}\n"
+                    "logging: {with_timestamp: true}\n")
+    ns = parse_run_args(["--config-file", str(path), "--autotune-warmup-samples", "1", sys.executable, "-V"])
+    assert (ns.gloo, ns.cache_capacity, ns.hierarchical_allreduce) == (True, 0, False)
+    assert (ns.autotune, ns.autotune_warmup_samples, ns.autotune_steps_per_sample) == (True, 1, 5)
+    assert (ns.num_nccl_streams, ns.thread_affinity, ns.gloo_timeout_seconds, ns.log_with_timestamp) == (
+        2, "3", 9.0, True)
+
+
+def test_every_horovodrun_flag_is_accepted() -> None:
+    """Every option string of horovodrun 0.28.1's parser (horovod/runner/launch.py in its sdist) parses."""
+    import ast
+
+    from tests.horovod_sdist import horovod_sdist
+
+    tree = ast.parse((horovod_sdist() / "horovod" / "runner" / "launch.py").read_text())
+    parse_args = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "parse_args")
+    flags = sorted({a.value for call in ast.walk(parse_args) if isinstance(call, ast.Call)
+                    and getattr(call.func, "attr", "") == "add_argument"
+                    for a in call.args if isinstance(a, ast.Constant) and str(a.value).startswith("-")})
+    assert len(flags) > 70, flags  # the parser was found and read
+    ours = {s for a in build_parser()._actions for s in a.option_strings}
+    assert [f for f in flags if f not in ours] == []
+    parser = build_parser()
+    takes_value = {s: a.nargs != 0 for a in parser._actions for s in a.option_strings}
+    for flag in flags:
+        if flag in ("-h", "--help", "-v", "--version", "-cb", "--check-build", "--config-file"):
+            continue  # they exit, or read a file (tested above)
+        values = {"--blacklist-cooldown-range": ["2", "3"], "--log-level": ["INFO"]}
+        argv = [flag] + values.get(flag, ["1"] if takes_value[flag] else [])
+        parse_run_args([*argv, sys.executable, "-V"])  # raises ConfigError for a flag it does not take

@@ -282,26 +282,32 @@ def launcher_environ() -> dict[str, str]:
 
 
 
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"  # torch's choice of network interface for a Gloo group
 TORCH_GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"  # read each time torch makes a Gloo group (a torch without it: ignored)
 
 
 @contextlib.contextmanager
-def torch_gloo_lazy_connect(lazy: bool) -> Iterator[None]:
+def torch_gloo_lazy_connect(lazy: bool, iface: str = "") -> Iterator[None]:
     """Within the block, the Gloo process groups torch makes connect a pair of ranks at the first collective
-    that pair needs (``lazy``), or every pair at once, as torch does by default. Outside it, the variable is
-    what it was, so the groups a script makes itself follow the script's own choice.
+    that pair needs (``lazy``), or every pair at once, as torch does by default; and, with ``iface``
+    (``HOROVOD_GLOO_IFACE``) and no ``GLOO_SOCKET_IFNAME`` of the user's, they use that network interface.
+    Outside it, the variables are what they were, so the groups a script makes itself follow its own choice.
 
     Example:
         >>> with torch_gloo_lazy_connect(True):
         ...     os.environ[TORCH_GLOO_LAZY_INIT]
         '1'
     """
-    before = os.environ.get(TORCH_GLOO_LAZY_INIT)
-    os.environ[TORCH_GLOO_LAZY_INIT] = "1" if lazy else "0"
+    values = {TORCH_GLOO_LAZY_INIT: "1" if lazy else "0"}
+    if iface and not os.environ.get(GLOO_SOCKET_IFNAME):
+        values[GLOO_SOCKET_IFNAME] = iface
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(TORCH_GLOO_LAZY_INIT, None)
-        else:
-            os.environ[TORCH_GLOO_LAZY_INIT] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

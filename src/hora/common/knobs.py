@@ -44,7 +44,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HORA_CYCLE_TIME", "HOROVOD_CYCLE_TIME", float, 0.0,
          "Accepted for Horovod compatibility; hora's negotiation is event-driven and has no cycle."),
     Knob("HORA_DISABLE_CACHE", "HOROVOD_CACHE_CAPACITY", bool, False,
-         "Turn the negotiation response cache off (Horovod's HOROVOD_CACHE_CAPACITY=0)."),
+         "Turn the negotiation response cache off (Horovod's HOROVOD_CACHE_CAPACITY=0; any other capacity "
+         "keeps it on: hora's cache holds every name seen, with no capacity)."),
     Knob("HORA_CONTROL_PLANE", None, str, "auto",
          "How negotiators talk: tcp (direct TCP connections: between every pair of ranks up to "
          "HORA_MESH_FULL_UPTO ranks, to about log2 n partners per rank above), gloo (an allgather on a Gloo group, "
@@ -67,6 +68,28 @@ KNOBS: tuple[Knob, ...] = (
          "Check that ranks reach each unnamed collective from the same line of code (a rank that skipped or "
          "added a collective is reported, not paired with the wrong op); 0 turns it off for code that calls "
          "one collective from different lines on purpose. Named collectives are never checked."),
+    Knob("HORA_AUTOTUNE", "HOROVOD_AUTOTUNE", bool, False,
+         "Tune the gradient bucket size, the fusion threshold and hierarchical allreduce by Bayesian optimisation "
+         "of the measured throughput of the first training steps, then keep the best (docs/performance.md, "
+         "Autotune). A knob set explicitly is held constant."),
+    Knob("HORA_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG", str, "",
+         "Autotune: rank 0 writes each sample's settings and score to this CSV file, in Horovod's columns; the "
+         "last row is the best."),
+    Knob("HORA_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", int, 3,
+         "Autotune: samples discarded before the search starts."),
+    Knob("HORA_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", int, 10,
+         "Autotune: training steps in one sample; a sample's score is the median of its steps'."),
+    Knob("HORA_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", int, 20,
+         "Autotune: samples the Bayesian search of the bucket size and fusion threshold takes."),
+    Knob("HORA_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", float, 0.8,
+         "Autotune: the noise (alpha, in [0, 1]) the Gaussian process assumes in the normalised scores."),
+    Knob("HORA_THREAD_AFFINITY", "HOROVOD_THREAD_AFFINITY", str, "",
+         "Comma-separated CPU cores, one per local rank: each rank pins its negotiator thread to its core."),
+    Knob("HORA_GLOO_IFACE", "HOROVOD_GLOO_IFACE", str, "",
+         "Network interface of hora's Gloo groups (torch's GLOO_SOCKET_IFNAME, which wins when set)."),
+    Knob("HORA_LOG_HIDE_TIME", "HOROVOD_LOG_HIDE_TIME", bool, True,
+         "hora's warning lines in workers carry no time; 0 (hora run --log-with-timestamp) starts each with "
+         "the date and time."),
     Knob("HORA_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT", float, 600.0,
          "Elastic jobs: seconds a worker waits at a reset for the launcher's next world before it fails."),
     Knob("HORA_BUCKET_CAP_MB", None, float, 25.0, "DistributedOptimizer bucket size in MB (DDP's default)."),
@@ -118,11 +141,22 @@ class Knobs:
     hierarchical_allreduce: bool = _DEFAULTS["hierarchical_allreduce"]
     full_tracebacks: bool = _DEFAULTS["full_tracebacks"]
     require_secret: bool = _DEFAULTS["require_secret"]
+    autotune: bool = _DEFAULTS["autotune"]
+    autotune_log: str = _DEFAULTS["autotune_log"]
+    autotune_warmup_samples: int = _DEFAULTS["autotune_warmup_samples"]
+    autotune_steps_per_sample: int = _DEFAULTS["autotune_steps_per_sample"]
+    autotune_bayes_opt_max_samples: int = _DEFAULTS["autotune_bayes_opt_max_samples"]
+    autotune_gaussian_process_noise: float = _DEFAULTS["autotune_gaussian_process_noise"]
+    thread_affinity: str = _DEFAULTS["thread_affinity"]
+    gloo_iface: str = _DEFAULTS["gloo_iface"]
+    log_hide_time: bool = _DEFAULTS["log_hide_time"]
+    explicit: frozenset[str] = frozenset()  # the knobs set in the environment (autotune holds them constant)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Knobs:
         env = hora_env.environ() if environ is None else environ
         values: dict[str, Any] = {}
+        explicit: set[str] = set()
         for knob in KNOBS:
             raw = env.get(knob.name)
             if raw is None and knob.horovod is not None:
@@ -131,8 +165,10 @@ class Knobs:
                     raw = "1" if raw.strip() == "0" else "0"
             if raw is None or raw == "":
                 continue
-            values[knob.name[len("HORA_"):].lower()] = _convert(knob, raw)
-        return cls(**values)
+            attr = knob.name[len("HORA_"):].lower()
+            values[attr] = _convert(knob, raw)
+            explicit.add(attr)
+        return cls(**values, explicit=frozenset(explicit))
 
 
 def _convert(knob: Knob, raw: str) -> Any:
@@ -158,4 +194,41 @@ def knobs_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-assert {f.name for f in dataclasses.fields(Knobs)} == {k.name[5:].lower() for k in KNOBS}
+# Horovod 0.28.1's variables (horovod/common/common.h, logging.h, the runner) that hora has no mechanism for:
+# accepted and listed (docs/knobs.md), and rank 0 says once at init() that a set one has no effect.
+HOROVOD_ONLY: tuple[tuple[str, str], ...] = (
+    ("HOROVOD_HIERARCHICAL_ALLGATHER", "hora has no hierarchical allgather: an allgather is one collective on "
+                                       "the process set's group"),
+    ("HOROVOD_TORUS_ALLREDUCE", "NCCL's 2D torus allreduce: hora has none (HOROVOD_HIERARCHICAL_ALLREDUCE is "
+                                "the nearest)"),
+    ("HOROVOD_NUM_NCCL_STREAMS", "hora issues every GPU collective on one launch stream per rank"),
+    ("HOROVOD_MPI_THREADS_DISABLE", "hora has no MPI controller"),
+    ("HOROVOD_BATCH_D2D_MEMCOPIES", "fusion copies each tensor into the fused buffer with its own copy"),
+    ("HOROVOD_CPU_OPERATIONS", "CPU tensors always go through Gloo"),
+    ("HOROVOD_CONTROLLER", "negotiation always runs on hora's own control plane (HORA_CONTROL_PLANE)"),
+    ("HOROVOD_CCL_CACHE", "hora has no oneCCL backend"),
+    ("HOROVOD_ADASUM_MPI_CHUNK_SIZE", "hora's Adasum is one allgather and a local tree, with no MPI chunks"),
+    ("HOROVOD_DISABLE_GROUP_FUSION", "hora fuses the allreduces ready in the same round, grouped or not"),
+    ("HOROVOD_DISABLE_NVTX_RANGES", "hora emits no NVTX ranges (its timeline shows each op instead)"),
+    ("HOROVOD_ENABLE_ASYNC_COMPLETION", "a GPU op's handle always completes without blocking the launch "
+                                        "thread (CUDA events)"),
+    ("HOROVOD_DYNAMIC_PROCESS_SETS", "process sets can always be added and removed after init()"),
+    ("HOROVOD_ENABLE_XLA_OPS", "TensorFlow's XLA only"),
+    ("HOROVOD_ELASTIC", "an elastic worker learns it is one from hora run (HORA_ELASTIC)"),
+)
+
+
+def ignored_horovod_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The :data:`HOROVOD_ONLY` variables set in ``environ``, each as "NAME=value: why it has no effect"."""
+    env = hora_env.environ() if environ is None else environ
+    return [f"{name}={env[name]}: {why}" for name, why in HOROVOD_ONLY if env.get(name)]
+
+
+def horovod_only_markdown() -> str:
+    """The :data:`HOROVOD_ONLY` table as Markdown (the second table of docs/knobs.md)."""
+    rows = ["| Horovod variable | why it has no effect in hora |", "|---|---|"]
+    rows += [f"| `{name}` | {why} |" for name, why in HOROVOD_ONLY]
+    return "\n".join(rows) + "\n"
+
+
+assert {f.name for f in dataclasses.fields(Knobs)} - {"explicit"} == {k.name[5:].lower() for k in KNOBS}

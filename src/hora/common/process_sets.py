@@ -81,10 +81,11 @@ class ProcessSetTable(dict[int, ProcessSet]):
     Registering is collective: every rank registers the same sets in the same order (``dist.new_group``).
     """
 
-    def __init__(self, size: int, rank: int, backend: str, lazy_connect: bool = False) -> None:
+    def __init__(self, size: int, rank: int, backend: str, lazy_connect: bool = False, gloo_iface: str = "") -> None:
         super().__init__()
         self.size, self.rank, self.backend = size, rank, backend
         self.lazy_connect = lazy_connect  # HORA_GLOO_LAZY_CONNECT: a set's Gloo group connects pairs at first use
+        self.gloo_iface = gloo_iface  # HOROVOD_GLOO_IFACE: the network interface of the sets' Gloo groups
         self._next_id = 1
 
     @staticmethod
@@ -119,7 +120,7 @@ class ProcessSetTable(dict[int, ProcessSet]):
         for other in self.values():
             if other.ranks == ps.ranks:
                 raise ValueError(f"a process set with ranks {ps.ranks} already exists: {other!r}")
-        with hora_env.torch_gloo_lazy_connect(self.lazy_connect):
+        with hora_env.torch_gloo_lazy_connect(self.lazy_connect, self.gloo_iface):
             group = dist.new_group(ranks=ps.ranks, backend=self.backend)  # collective: every rank calls it
         ps._bind(self._next_id, group, self.rank)
         self[self._next_id] = ps

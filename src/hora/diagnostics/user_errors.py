@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import traceback
 from types import TracebackType
 from typing import IO
@@ -41,16 +42,20 @@ _HINT = "(hora's own frames are not shown: HORA_FULL_TRACEBACKS=1, or hora run -
 _previous_hook = sys.excepthook
 
 
-def install(full_tracebacks: bool, under_launcher: bool) -> None:
-    """Set the excepthook and hora's warning handler for this process (idempotent)."""
+def install(full_tracebacks: bool, under_launcher: bool, with_time: bool = False) -> None:
+    """Set the excepthook and hora's warning handler for this process (idempotent); ``with_time``
+    (``HOROVOD_LOG_HIDE_TIME=0``, ``hora run --log-with-timestamp``) starts each warning line with the time."""
     global _full
     _full = full_tracebacks
     if sys.excepthook is not _hook:
         _remember(sys.excepthook)
         sys.excepthook = _hook
     logger = logging.getLogger("hora")
+    for handler in logger.handlers:
+        if isinstance(handler, WarningHandler):
+            handler.with_time = with_time
     if not any(isinstance(h, WarningHandler) for h in logger.handlers) and not logging.getLogger().handlers:
-        logger.addHandler(WarningHandler(sys.stderr, under_launcher))
+        logger.addHandler(WarningHandler(sys.stderr, under_launcher, with_time))
         logger.propagate = False  # no second copy through Python's last-resort handler
 
 
@@ -100,10 +105,11 @@ def user_message(exc: BaseException, call: traceback.FrameSummary | None) -> str
 class WarningHandler(logging.Handler):
     """``hora: warning: <message>`` lines on a stream, never on a progress bar's line."""
 
-    def __init__(self, stream: IO[str], under_launcher: bool) -> None:
+    def __init__(self, stream: IO[str], under_launcher: bool, with_time: bool = False) -> None:
         super().__init__(logging.WARNING)
         self.stream = stream
         self._under_launcher = under_launcher
+        self.with_time = with_time  # "[2024-05-01 12:00:00.123]" before each line, as Horovod's log lines
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -112,6 +118,9 @@ class WarningHandler(logging.Handler):
             message = text if text.startswith(("hora ", "hora:")) else f"hora: {record.levelname.lower()}: {text}"
             if record.exc_info:
                 message += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
+            if self.with_time:
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.created))
+                message = f"[{stamp}.{int(record.msecs):03d}] {message}"
             start = "\r\x1b[K" if _isatty(self.stream) else "\r" if self._under_launcher else ""
             self.stream.write(start + message + "\n")
             self.stream.flush()

@@ -26,6 +26,7 @@ caller's thread (``_listen_after_round``). Each is kept because ``benchmarks/op_
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -305,6 +306,7 @@ class Negotiator:
     # --- the negotiator thread -----------------------------------------------------------------------
     def _run(self) -> None:
         torch.set_grad_enabled(False)  # thread-local: collectives never record autograd history
+        pin_to_core(self.ctx.knobs.thread_affinity, self.ctx)
         if self.ctx.device is not None:
             torch.cuda.set_device(self.ctx.device)
         woken = False
@@ -433,3 +435,20 @@ class Negotiator:
         self._notices.fail(error)
         for op in self._pending.take_all():
             op.handle.fail(error)
+
+
+def pin_to_core(affinity: str, ctx: EngineContext) -> None:
+    """``HOROVOD_THREAD_AFFINITY``: pin the calling thread to the core listed for this rank's local rank (the
+    list has one core per local rank, as Horovod's). A bad list is reported once and ignored, as Horovod does."""
+    if not affinity.strip():
+        return
+    local_rank = sum(1 for r in range(ctx.rank) if ctx.hostname(r) == ctx.hostname(ctx.rank))
+    try:
+        cores = [int(c) for c in affinity.split(",")]
+        core = cores[local_rank]
+        os.sched_setaffinity(threading.get_native_id(), {core})
+    except (ValueError, IndexError, OSError) as e:
+        log.warning("HOROVOD_THREAD_AFFINITY=%s: cannot pin local rank %d's negotiator thread (%s); left unpinned",
+                    affinity, local_rank, e)
+        return
+    log.info("negotiator thread of rank %d pinned to core %d", ctx.rank, core)

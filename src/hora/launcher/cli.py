@@ -57,7 +57,7 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-np", "--num-proc", dest="np", type=int,
                    help="number of worker processes (default: every slot of -H/--hostfile, else 1)")
     p.add_argument("-H", "--hosts", help="hosts and slots: host1:2,host2:2 (default localhost:np)")
-    p.add_argument("--hostfile", help="file of 'host slots=N' (or 'host:N') lines")
+    p.add_argument("-hostfile", "--hostfile", dest="hostfile", help="file of 'host slots=N' (or 'host:N') lines")
     p.add_argument("-p", "--ssh-port", type=int, help="ssh port on every host")
     p.add_argument("-i", "--ssh-identity-file", help="ssh private key")
     p.add_argument("--ssh-option", action="append", metavar="OPTION",
@@ -73,7 +73,8 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds a stopped rank gets between SIGTERM and SIGKILL (default 25, or HORA_GRACE_PERIOD; "
                         "keep it below your scheduler's: Kubernetes' terminationGracePeriodSeconds, Slurm's KillWait)")
     p.add_argument("--output-filename", help="write DIR/rank.N/stdout and stderr")
-    p.add_argument("--prefix-output-with-timestamp", action="store_true", default=None,
+    p.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp", dest="prefix_output_with_timestamp",
+                   action="store_true", default=None,
                    help="prefix each output line with the time")
     p.add_argument("-x", action="append", metavar="NAME[=VALUE]", help="set/forward a worker env variable")
     p.add_argument("--verbose", action="store_true", default=None, help="say what the launcher does")
@@ -84,21 +85,82 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
                    help="show what this hora build supports and exit")
 
 
+# horovodrun 0.28.1 flags hora has no mechanism for: (option strings, argparse keywords, the one-line note
+# `hora run` prints when one is given). Accepted so a horovodrun command line runs; never silently.
+NO_MECHANISM: tuple[tuple[tuple[str, ...], dict[str, Any], str], ...] = (
+    (("--disable-cache",), {"action": "store_true"},
+     "hora run checks every host at every launch; it keeps no cache of earlier checks to disable "
+     "(the response cache is --cache-capacity 0)"),
+    (("--hierarchical-allgather",), {"dest": "hierarchical_allgather", "action": "store_true"},
+     "hora has no hierarchical allgather: an allgather is one collective on its process set's group"),
+    (("--no-hierarchical-allgather",), {"dest": "hierarchical_allgather", "action": "store_false"},
+     "hora has no hierarchical allgather to turn off"),
+    (("--torus-allreduce",), {"dest": "torus_allreduce", "action": "store_true"},
+     "hora has no NCCL torus allreduce; --hierarchical-allreduce is the nearest"),
+    (("--no-torus-allreduce",), {"dest": "torus_allreduce", "action": "store_false"},
+     "hora has no torus allreduce to turn off"),
+    (("--mpi-threads-disable",), {"dest": "mpi_threads_disable", "action": "store_true"},
+     "hora has no MPI controller"),
+    (("--no-mpi-threads-disable",), {"dest": "mpi_threads_disable", "action": "store_false"},
+     "hora has no MPI controller"),
+    (("--binding-args",), {"metavar": "ARGS"},
+     "process binding is mpirun's (Spectrum MPI); hora starts ranks itself and binds none"),
+    (("--num-nccl-streams",), {"type": int, "metavar": "N"},
+     "hora issues every GPU collective of a rank on one launch stream"),
+)
+
+
 def _add_horovod_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--version", action="version", version=f"hora {hora_version()} (horovodrun 0.28.1's flags)",
+                   help="print hora's version and exit")
     p.add_argument("--gloo", action="store_true", default=None, help="accepted: Gloo is hora's only controller")
     p.add_argument("--mpi", action="store_true", default=None, help="not supported (fails with a reason)")
     p.add_argument("--mpi-args", help="not supported (fails with a reason)")
     p.add_argument("--jsrun", action="store_true", default=None, help="not supported (fails with a reason)")
-    p.add_argument("--disable-cache", action="store_true", default=None, help="turn off the response cache")
-    p.add_argument("--hierarchical-allreduce", action="store_true", default=None,
+    p.add_argument("--cache-capacity", type=int, metavar="N",
+                   help="0 turns the negotiation response cache off; any other value keeps it on (unbounded)")
+    p.add_argument("--hierarchical-allreduce", dest="hierarchical_allreduce", action="store_true", default=None,
                    help="reduce within each host, allreduce across hosts, broadcast within the host")
+    p.add_argument("--no-hierarchical-allreduce", dest="hierarchical_allreduce", action="store_false", default=None,
+                   help="flat allreduce, held constant by --autotune")
     p.add_argument("--fusion-threshold-mb", type=float, help="fusion buffer size in MB")
     p.add_argument("--cycle-time-ms", type=float, help="accepted; hora negotiates on demand")
     p.add_argument("--timeline-filename", help="write a Chrome-trace timeline of every rank")
-    p.add_argument("--timeline-mark-cycles", action="store_true", default=None, help="mark negotiation rounds")
-    p.add_argument("--no-stall-check", action="store_true", default=None, help="turn the stall inspector off")
+    p.add_argument("--timeline-mark-cycles", dest="timeline_mark_cycles", action="store_true", default=None,
+                   help="mark negotiation rounds")
+    p.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_false", default=None,
+                   help="do not mark negotiation rounds (the default)")
+    p.add_argument("--no-stall-check", dest="no_stall_check", action="store_true", default=None,
+                   help="turn the stall inspector off")
+    p.add_argument("--stall-check", dest="no_stall_check", action="store_false", default=None,
+                   help="keep the stall inspector on (the default)")
     p.add_argument("--stall-check-warning-time-seconds", type=float, help="stall report after (default 60)")
     p.add_argument("--stall-check-shutdown-time-seconds", type=float, help="stop a stalled job after (0=never)")
+    p.add_argument("--gloo-timeout-seconds", type=float, metavar="SECONDS",
+                   help="seconds init() waits for every rank and hora's Gloo groups connect (--start-timeout wins)")
+    p.add_argument("--tcp", action="store_true", default=None,
+                   help="TCP only: NCCL_IB_DISABLE=1 in every worker, as horovodrun")
+    p.add_argument("--thread-affinity", metavar="CORES",
+                   help="core (or comma-separated cores, one per local rank) to pin each rank's negotiator thread to")
+    p.add_argument("--log-with-timestamp", "--no-log-hide-timestamp", dest="log_with_timestamp",
+                   action="store_true", default=None, help="start hora's warning lines in workers with the time")
+    p.add_argument("--log-without-timestamp", "--log-hide-timestamp", dest="log_with_timestamp",
+                   action="store_false", default=None, help="hora's warning lines carry no time (the default)")
+    a = p.add_argument_group("autotune (docs/performance.md)")
+    a.add_argument("--autotune", dest="autotune", action="store_true", default=None,
+                   help="tune bucket size, fusion threshold and hierarchical allreduce on the first steps, keep the "
+                        "best; flags given explicitly are held constant")
+    a.add_argument("--no-autotune", dest="autotune", action="store_false", default=None, help="no autotune (default)")
+    a.add_argument("--autotune-log-file", metavar="FILE", help="CSV of each sample (Horovod's columns); last row: best")
+    a.add_argument("--autotune-warmup-samples", type=int, metavar="N", help="samples discarded first (default 3)")
+    a.add_argument("--autotune-steps-per-sample", type=int, metavar="N", help="steps in one sample (default 10)")
+    a.add_argument("--autotune-bayes-opt-max-samples", type=int, metavar="N",
+                   help="samples of the Bayesian search (default 20)")
+    a.add_argument("--autotune-gaussian-process-noise", type=float, metavar="ALPHA",
+                   help="noise the Gaussian process assumes, in [0, 1] (default 0.8)")
+    n = p.add_argument_group("horovodrun flags with no effect in hora (each prints why)")
+    for names, kwargs, _ in NO_MECHANISM:
+        n.add_argument(*names, **{"default": None, **kwargs, "help": "no effect in hora: see the note it prints"})
     e = p.add_argument_group("elastic (docs/elastic.md)")
     e.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int,
                    help="elastic: fewest workers to run with (below it, wait up to --elastic-timeout)")
@@ -113,6 +175,21 @@ def _add_horovod_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument("--blacklist-cooldown-range", nargs=2, type=float, metavar=("MIN", "MAX"),
                    help="elastic: a failed host comes back after MIN..MAX seconds (doubling per failure); "
                         "default: blacklisted for good")
+
+
+def no_mechanism_notes(ns: argparse.Namespace) -> list[str]:
+    """One line per :data:`NO_MECHANISM` flag given (on the command line or in --config-file): what it would do
+    in Horovod has no counterpart in hora, and why."""
+    notes = []
+    for names, kwargs, note in NO_MECHANISM:
+        dest = kwargs.get("dest", names[0].lstrip("-").replace("-", "_"))
+        value = getattr(ns, dest, None)
+        action = kwargs.get("action")
+        given = value is True if action == "store_true" else value is False if action == "store_false" \
+            else value is not None
+        if given:
+            notes.append(f"{names[0]} has no effect: {note}")
+    return notes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,6 +238,8 @@ def run_main(argv: Sequence[str]) -> int:
     try:
         ns = parse_run_args(argv)
         _setup_logging(ns)
+        for note in no_mechanism_notes(ns):
+            output.note(note)
         if ns.check_build:
             return _check_build()
         cfg = run_config.from_args(ns)

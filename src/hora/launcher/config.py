@@ -19,19 +19,34 @@ from hora.common.knobs import KNOBS
 from hora.errors import ConfigError
 from hora.launcher.hosts import HostSpec, hosts_from
 
-# horovodrun flags that become worker knobs: (argparse dest, knob variable, value -> text).
+
+def _bool01(value: object) -> str:
+    return "1" if value else "0"
+
+
+# horovodrun flags that become worker knobs: (argparse dest, knob variable, value -> text, or None for nothing).
+# A flag given explicitly sets its knob even to the default, so --autotune holds it constant (as Horovod does).
 FLAG_KNOBS: tuple[tuple[str, str, object], ...] = (
     ("timeline_filename", "HORA_TIMELINE", lambda v: str(Path(v).resolve())),
-    ("timeline_mark_cycles", "HORA_TIMELINE_MARK_CYCLES", lambda v: "1" if v else None),
-    ("no_stall_check", "HORA_STALL_CHECK_DISABLE", lambda v: "1" if v else None),
+    ("timeline_mark_cycles", "HORA_TIMELINE_MARK_CYCLES", _bool01),
+    ("no_stall_check", "HORA_STALL_CHECK_DISABLE", _bool01),
     ("stall_check_warning_time_seconds", "HORA_STALL_CHECK_TIME_SECONDS", str),
     ("stall_check_shutdown_time_seconds", "HORA_STALL_SHUTDOWN_TIME_SECONDS", str),
     ("fusion_threshold_mb", "HORA_FUSION_THRESHOLD", lambda v: str(int(float(v) * 1024 * 1024))),
     ("cycle_time_ms", "HORA_CYCLE_TIME", str),
-    ("disable_cache", "HORA_DISABLE_CACHE", lambda v: "1" if v else None),
-    ("hierarchical_allreduce", "HORA_HIERARCHICAL_ALLREDUCE", lambda v: "1" if v else None),
+    ("cache_capacity", "HORA_DISABLE_CACHE", lambda v: "1" if int(v) == 0 else "0"),
+    ("hierarchical_allreduce", "HORA_HIERARCHICAL_ALLREDUCE", _bool01),
+    ("autotune", "HORA_AUTOTUNE", _bool01),
+    ("autotune_log_file", "HORA_AUTOTUNE_LOG", lambda v: str(Path(v).resolve())),
+    ("autotune_warmup_samples", "HORA_AUTOTUNE_WARMUP_SAMPLES", str),
+    ("autotune_steps_per_sample", "HORA_AUTOTUNE_STEPS_PER_SAMPLE", str),
+    ("autotune_bayes_opt_max_samples", "HORA_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", str),
+    ("autotune_gaussian_process_noise", "HORA_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", str),
+    ("thread_affinity", "HORA_THREAD_AFFINITY", str),
+    ("log_with_timestamp", "HORA_LOG_HIDE_TIME", lambda v: "0" if v else "1"),
     ("log_level", "HORA_LOG_LEVEL", str),
-    ("start_timeout", "HORA_START_TIMEOUT", str),
+    ("gloo_timeout_seconds", "HORA_START_TIMEOUT", str),
+    ("start_timeout", "HORA_START_TIMEOUT", str),  # after --gloo-timeout-seconds: it wins
     ("verbose", "HORA_FULL_TRACEBACKS", lambda v: "1" if v else None),
 )
 _KNOWN_KNOBS = {k.name for k in KNOBS}
@@ -194,7 +209,7 @@ def _knob_env(ns: argparse.Namespace) -> dict[str, str]:
     env: dict[str, str] = {}
     for dest, var, convert in FLAG_KNOBS:
         value = getattr(ns, dest, None)
-        if value is None or value is False:
+        if value is None:
             continue
         text = convert(value)  # type: ignore[operator]
         if text is not None:
@@ -204,10 +219,19 @@ def _knob_env(ns: argparse.Namespace) -> dict[str, str]:
 
 def _check_numbers(ns: argparse.Namespace) -> None:
     for dest in ("stall_check_warning_time_seconds", "stall_check_shutdown_time_seconds",
-                 "fusion_threshold_mb", "cycle_time_ms"):
+                 "fusion_threshold_mb", "cycle_time_ms", "cache_capacity", "gloo_timeout_seconds",
+                 "autotune_warmup_samples", "autotune_steps_per_sample", "autotune_bayes_opt_max_samples"):
         value = getattr(ns, dest)
         if value is not None and value < 0:
             raise ConfigError(f"--{dest.replace('_', '-')} {value:g}: must not be negative")
+    if ns.autotune_steps_per_sample is not None and ns.autotune_steps_per_sample < 1:
+        raise ConfigError(f"--autotune-steps-per-sample {ns.autotune_steps_per_sample}: must be at least 1")
+    noise = ns.autotune_gaussian_process_noise
+    if noise is not None and not 0 <= noise <= 1:
+        raise ConfigError(f"--autotune-gaussian-process-noise {noise:g}: must be in [0, 1]")
+    if ns.thread_affinity is not None and not re.fullmatch(r"\d+(,\d+)*", ns.thread_affinity.replace(" ", "")):
+        raise ConfigError(f"--thread-affinity {ns.thread_affinity}: give a core number, or one per local rank "
+                          "separated by commas (e.g. 0,2,4,6)")
     if ns.ssh_port is not None and not 0 < ns.ssh_port < 65536:
         raise ConfigError(f"-p {ns.ssh_port}: an ssh port is between 1 and 65535")
 
@@ -299,6 +323,8 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     if all(h.is_local for h in hosts) and (elastic is None or elastic.discovery_script is None):
         command = _check_command(command, environ.get("PATH", os.defpath), cwd)
     env = _knob_env(ns)
+    if ns.tcp:
+        env["NCCL_IB_DISABLE"] = "1"  # horovodrun --tcp: NCCL keeps off InfiniBand
     env.update(_extra_env(ns.x or [], environ))
     ifaces = tuple(i for spec in (ns.network_interfaces or []) for i in spec.split(",") if i)
     np = ns.np if ns.np is not None else sum(h.slots for h in hosts)

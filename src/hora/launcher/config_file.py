@@ -1,8 +1,8 @@
 """``--config-file``: a YAML file of ``hora run`` flag values.
 
 Keys are flag names (``np``, ``hosts``, ``fusion-threshold-mb`` or ``fusion_threshold_mb``...); Horovod's
-sections are read too (``params``, ``timeline``, ``stall_check``, ``logging``). Flags on the command line
-win over the file.
+sections are read too (``controller``, ``params``, ``autotune``, ``timeline``, ``stall_check``,
+``library_options``, ``logging``, as horovodrun's config_parser). Flags on the command line win over the file.
 
 Example (``job.yaml``):
     np: 4
@@ -22,19 +22,34 @@ from hora.errors import ConfigError
 
 # Horovod's sectioned keys -> argparse dests.
 _SECTIONS: dict[str, dict[str, str]] = {
-    "params": {"fusion_threshold_mb": "fusion_threshold_mb", "cycle_time_ms": "cycle_time_ms"},
+    "params": {"fusion_threshold_mb": "fusion_threshold_mb", "cycle_time_ms": "cycle_time_ms",
+               "cache_capacity": "cache_capacity", "hierarchical_allreduce": "hierarchical_allreduce",
+               "hierarchical_allgather": "hierarchical_allgather", "torus_allreduce": "torus_allreduce"},
+    "autotune": {"enabled": "autotune", "log_file": "autotune_log_file",
+                 "warmup_samples": "autotune_warmup_samples", "steps_per_sample": "autotune_steps_per_sample",
+                 "bayes_opt_max_samples": "autotune_bayes_opt_max_samples",
+                 "gaussian_process_noise": "autotune_gaussian_process_noise"},
     "timeline": {"filename": "timeline_filename", "mark_cycles": "timeline_mark_cycles"},
     "stall_check": {"warning_time_seconds": "stall_check_warning_time_seconds",
                     "shutdown_time_seconds": "stall_check_shutdown_time_seconds", "enabled": "!no_stall_check"},
-    "logging": {"level": "log_level"},
+    "library_options": {"mpi_threads_disable": "mpi_threads_disable", "num_nccl_streams": "num_nccl_streams",
+                        "thread_affinity": "thread_affinity", "gloo_timeout_seconds": "gloo_timeout_seconds"},
+    "logging": {"level": "log_level", "with_timestamp": "log_with_timestamp"},
 }
+# Horovod's `controller: gloo|mpi` -> the flag it stands for.
+_CONTROLLERS = {"gloo": "gloo", "mpi": "mpi"}
 
 
 def _flatten(data: dict[str, Any], path: str) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in data.items():
         key = str(key).replace("-", "_")
-        if key in _SECTIONS and isinstance(value, dict):
+        if key == "controller" and isinstance(value, str):
+            if value.lower() not in _CONTROLLERS:
+                raise ConfigError(f"--config-file {path}: controller {value!r}: use gloo (or mpi, which hora refuses "
+                                  "with the reason)")
+            flat[_CONTROLLERS[value.lower()]] = True
+        elif key in _SECTIONS and isinstance(value, dict):
             for sub, sub_value in value.items():
                 dest = _SECTIONS[key].get(str(sub))
                 if dest is None:

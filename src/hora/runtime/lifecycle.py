@@ -33,7 +33,7 @@ import torch.distributed as dist
 from hora.common import env as hora_env
 from hora.common import rendezvous
 from hora.common.env import WorkerEnv
-from hora.common.knobs import Knobs
+from hora.common.knobs import Knobs, ignored_horovod_variables
 from hora.common.process_sets import ProcessSet, ProcessSetTable, global_process_set
 from hora.datapath import hierarchical
 from hora.diagnostics import timeline, user_errors
@@ -111,7 +111,7 @@ def _init(process_sets: Sequence[ProcessSet] | str | None, join: bool) -> None:
         knobs = Knobs.from_environ()
         logging.getLogger("hora").setLevel(knobs.log_level.upper())
         # an error init() raises shows the user's frames, not hora's, like any later hora error
-        user_errors.install(knobs.full_tracebacks, under_launcher=bool(env.job_id))
+        user_errors.install(knobs.full_tracebacks, under_launcher=bool(env.job_id), with_time=not knobs.log_hide_time)
         secret = job_secret(env, knobs)  # a malformed one (or none, HORA_REQUIRE_SECRET=1) fails here
         alone, planned = False, None
         if env.elastic:  # the launcher's newest world decides rank and size; its number names the store prefix
@@ -152,7 +152,20 @@ def _init(process_sets: Sequence[ProcessSet] | str | None, join: bool) -> None:
             raise
         _state = rt
         warn_unauthenticated(env, secret)
+        _note_ignored_horovod_variables(rt.topo.rank)
         log.info("hora initialised: rank %d of %d on %s (%s)", env.rank, env.size, env.hostname, rt.backend)
+
+
+_noted_ignored = False
+
+
+def _note_ignored_horovod_variables(rank: int) -> None:
+    """Rank 0 says once per process which Horovod variables it was given that hora has no mechanism for."""
+    global _noted_ignored
+    if rank == 0 and not _noted_ignored:
+        _noted_ignored = True
+        for line in ignored_horovod_variables():
+            log.warning("%s; it has no effect", line)
 
 
 def _build_elastic(env: WorkerEnv, knobs: Knobs, sets: list[Any], secret: JobSecret | None) -> Runtime:
@@ -214,7 +227,7 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, secret: JobSecret | No
             if late:
                 raise late_error(board, env, knobs, late)
         try:
-            with hora_env.torch_gloo_lazy_connect(knobs.gloo_lazy_connect):
+            with hora_env.torch_gloo_lazy_connect(knobs.gloo_lazy_connect, knobs.gloo_iface):
                 dist.init_process_group(backend, store=dist.PrefixStore("default", base), rank=env.rank,
                                         world_size=env.size, timeout=timeout)
         except Exception as e:
@@ -235,10 +248,11 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, secret: JobSecret | No
         connect = rendezvous.connector(job_store.raw, prefix, timeout)
         backend = dist.get_backend()
     try:
-        with hora_env.torch_gloo_lazy_connect(knobs.gloo_lazy_connect):
+        with hora_env.torch_gloo_lazy_connect(knobs.gloo_lazy_connect, knobs.gloo_iface):
             ctrl = dist.new_group(backend="gloo", timeout=control_timeout(knobs))
             topo = topology(env, ctrl)
-            sets = ProcessSetTable(env.size, env.rank, backend, lazy_connect=knobs.gloo_lazy_connect)
+            sets = ProcessSetTable(env.size, env.rank, backend, lazy_connect=knobs.gloo_lazy_connect,
+                                   gloo_iface=knobs.gloo_iface)
             sets.add_global(dist.new_group(backend=backend))
             if knobs.hierarchical_allreduce and env.size > 1:
                 hierarchical.build(topo.hosts, env.rank, global_process_set.group, backend)
