@@ -33,8 +33,10 @@ from hora.errors import (  # noqa: F401
     LaunchError,
     ModelMismatchError,
     NotInitializedError,
+    ObjectAuthError,
     SetupError,
     StoreAuthError,
+    UnsafeObjectError,
     UnsupportedCallError,
     UnsupportedDtypeError,
 )

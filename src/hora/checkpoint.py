@@ -14,6 +14,13 @@ gone; from another host, when the file has not changed for :data:`STALE_AFTER_S`
 checkpoint that cannot be read (cut short by a full disk, damaged) with a warning naming it, and resumes from
 the newest one every rank can read.
 
+Other users of the storage are kept out (docs/security.md, "Checkpoints"): ``save`` creates the directory for the
+job's user alone (mode 0700), and ``restore`` refuses a checkpoint another user owns and loads with
+``torch.load(weights_only=True)``: tensors, numbers, strings and plain containers (every ``state_dict``), never
+code. A checkpoint holding your own classes needs ``restore(..., weights_only=False)`` (only for checkpoints
+your own jobs wrote) or ``torch.serialization.add_safe_globals([...])``. The rules are
+:mod:`hora.common.trusted_load`'s, for every checkpoint format.
+
 Example:
     >>> from hora import checkpoint
     >>> state = checkpoint.restore("/checkpoints/run1")  # doctest: +SKIP
@@ -35,7 +42,8 @@ from typing import IO, Any
 import torch
 
 from hora.api.functions import allgather_object, broadcast_object
-from hora.errors import HoraError
+from hora.common.trusted_load import UnsafeToLoad, load_owned, private_directory
+from hora.errors import CheckpointError
 from hora.runtime import lifecycle as runtime
 
 __all__ = ["CheckpointError", "checkpoints", "clear_stale", "latest", "restore", "save"]
@@ -47,10 +55,6 @@ _TEMP = re.compile(r"^\.ckpt-\d{9}\.pt\.tmp\.(?:(?P<host>.+)\.)?(?P<pid>\d+)$")
 STALE_AFTER_S = 3600.0  # a temporary file from another host untouched this long belongs to a dead writer
 # what torch.load raises on a file cut short or damaged
 _UNREADABLE = (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError)
-
-
-class CheckpointError(HoraError, OSError):
-    """A checkpoint could not be written or read (a missing shared directory, a full disk, a bad file)."""
 
 
 def _path(directory: Path, step: int) -> Path:
@@ -100,7 +104,8 @@ def save(directory: str | os.PathLike[str], step: int, state: Any, *, keep: int 
     """On rank 0, write ``state`` (anything ``torch.save`` takes) as checkpoint ``step``; other ranks do nothing.
 
     The write is atomic (temporary file, fsync, rename, fsync of the directory). Afterwards only the newest
-    ``keep`` checkpoints are kept (``keep=0`` keeps all). Returns the path on rank 0, None elsewhere.
+    ``keep`` checkpoints are kept (``keep=0`` keeps all). A directory ``save`` creates is the job's user's alone
+    (mode 0700, :func:`hora.common.trusted_load.private_directory`). Returns the path on rank 0, None elsewhere.
 
     Raises:
         CheckpointError: the file could not be written (a full disk, no permission); no temporary file is left.
@@ -113,7 +118,7 @@ def save(directory: str | os.PathLike[str], step: int, state: Any, *, keep: int 
     final = _path(where, step)
     tmp = where / f".{final.name}.tmp.{_writer()}"
     try:
-        where.mkdir(parents=True, exist_ok=True)
+        private_directory(where)
         clear_stale(where)
         with open(tmp, "wb") as f:
             _write(state, f)
@@ -222,7 +227,7 @@ def _alive_since(pid: int, changed: float) -> bool:
     return started <= changed + 1.0  # start times are in clock ticks, boot time in seconds
 
 
-def restore(directory: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any | None:
+def restore(directory: str | os.PathLike[str], *, map_location: Any = "cpu", weights_only: bool = True) -> Any | None:
     """Load the newest checkpoint of ``directory`` that every rank can read, on every rank; None when there is
     none yet.
 
@@ -230,9 +235,16 @@ def restore(directory: str | os.PathLike[str], *, map_location: Any = "cpu") -> 
     every rank loads the same file from the shared directory. A newer one that cannot be read (cut short by a
     full disk, damaged) is skipped with a warning naming it, and the previous one is loaded.
 
+    Args:
+        directory: the checkpoints' directory, shared by every host.
+        map_location: where tensors load (``torch.load``'s argument); the CPU by default.
+        weights_only: load with ``torch.load(weights_only=True)`` (the default): tensors and plain values, never
+            code. False loads any pickled object, which can run code: only for checkpoints your own jobs wrote.
+
     Raises:
-        CheckpointError: a rank does not see the file rank 0 chose (the directory is not shared), or no
-            checkpoint in ``directory`` can be read.
+        CheckpointError: a rank does not see the file rank 0 chose (the directory is not shared); the file is
+            owned by another user, or holds objects ``weights_only=True`` does not load (the message names them
+            and the fix); or no checkpoint in ``directory`` can be read.
     """
     rank, size = _rank_and_size()
     names: list[str] | None = None
@@ -244,8 +256,12 @@ def restore(directory: str | os.PathLike[str], *, map_location: Any = "cpu") -> 
     assert names is not None
     unreadable: list[str] = []
     for attempt, chosen in enumerate(names):
-        state, problem = _load(chosen, map_location)
+        state, problem = _load(chosen, map_location, weights_only)
         problems = [problem] if size == 1 else allgather_object(problem, name=f"hora.checkpoint.load.{attempt}")
+        refused = [(r, p[1]) for r, p in enumerate(problems) if p is not None and p[0] == "refused"]
+        if refused:  # every rank raises the same error: a file nobody should load is not skipped silently
+            who, why = refused[0]
+            raise CheckpointError(f"rank {who}: checkpoint {chosen} was not loaded: {why}")
         missing = [r for r, p in enumerate(problems) if p is not None and p[0] == "missing"]
         if missing and len(missing) < size:
             ranks = ", ".join(map(str, missing))
@@ -269,12 +285,18 @@ def restore(directory: str | os.PathLike[str], *, map_location: Any = "cpu") -> 
     return None
 
 
-def _load(path: str, map_location: Any) -> tuple[Any, tuple[str, str] | None]:
-    """``(state, None)``, or ``(None, ("missing" | "unreadable", why))``."""
+def _load(path: str, map_location: Any, weights_only: bool) -> tuple[Any, tuple[str, str] | None]:
+    """``(state, None)``, or ``(None, ("missing" | "unreadable" | "refused", why))``."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=False), None
+        return load_owned(path, map_location, weights_only=weights_only), None
     except FileNotFoundError as e:
         return None, ("missing", str(e))
+    except CheckpointError as e:  # owned by another user
+        return None, ("refused", str(e))
+    except UnsafeToLoad as e:
+        return None, ("refused", f"{e}; restore(..., weights_only=False) loads it, and can run code: only for "
+                                 "checkpoints your own jobs wrote (or allow the classes on every rank with "
+                                 "torch.serialization.add_safe_globals([...]))")
     except _UNREADABLE as e:
         first = (str(e).splitlines() or [""])[0].split(". ")[0]  # torch adds paragraphs of advice
         return None, ("unreadable", f"{type(e).__name__}: {first}"[:300])

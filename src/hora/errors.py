@@ -127,6 +127,25 @@ class StoreAuthError(HoraError):
         self.key = key  # the store key whose value was refused
 
 
+class ObjectAuthError(HoraError):
+    """The bytes of an object ``broadcast_object`` or ``allgather_object`` received (over the data plane, which
+    torch does not authenticate) failed the check with the job's secret: changed on the way or sent by a process
+    without the secret. Raised before anything is unpickled; the message names the collective and the sender.
+    See docs/security.md."""
+
+
+class UnsafeObjectError(HoraError, ValueError):
+    """An object cannot be sent or loaded safely: in a job without a secret, ``broadcast_object`` /
+    ``allgather_object`` carry only what ``torch.load(weights_only=True)`` loads (tensors, numbers, strings,
+    plain containers, and classes allowed with ``torch.serialization.add_safe_globals``). Raised on every member
+    of the collective, naming the classes and the fix (give the job a secret)."""
+
+
+class CheckpointError(HoraError, OSError):
+    """A checkpoint could not be written, read or trusted (a missing shared directory, a full disk, a bad file,
+    a file another user wrote). See docs/checkpoints in docs/elastic.md and docs/security.md."""
+
+
 class HostsUpdatedInterrupt(HoraError):
     """The set of hosts changed; elastic training resets to pick up the new world, keeping its current state.
 
@@ -170,6 +189,7 @@ class JobFailedError(LaunchError):
 HorovodInternalError = CollectiveError
 
 __all__ = [
+    "CheckpointError",
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
@@ -183,10 +203,12 @@ __all__ = [
     "LaunchError",
     "ModelMismatchError",
     "NotInitializedError",
+    "ObjectAuthError",
     "PeerLostError",
     "PeerRejectedCallError",
     "SetupError",
     "StoreAuthError",
+    "UnsafeObjectError",
     "UnsupportedCallError",
     "UnsupportedDtypeError",
     "WorldMemberLostError",

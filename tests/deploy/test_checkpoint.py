@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -136,3 +137,62 @@ def test_temporary_files_of_dead_writers_are_cleared_and_live_ones_kept(tmp_path
     assert sorted(p.name for p in folder.iterdir()) == sorted([live.name, elsewhere.name])
     checkpoint.save(folder, 7, {"step": 7})
     assert sorted(p.name for p in folder.iterdir()) == sorted([live.name, elsewhere.name, "ckpt-000000007.pt"])
+
+
+def test_a_directory_save_creates_is_the_job_users_alone(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # a scratch directory every user writes to
+    checkpoint.save(shared / "team" / "run1", 1, {"step": 1})
+    for made in (shared / "team", shared / "team" / "run1"):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o700, (made, oct(made.stat().st_mode))
+
+
+def test_an_existing_directory_other_users_can_write_to_is_named_in_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with caplog.at_level("WARNING", logger="hora.common.trusted_load"):
+        checkpoint.save(open_dir, 1, {"step": 1})
+    assert f"{open_dir} is writable by other users (mode 777)" in caplog.text
+    assert f"chmod 700 {open_dir}" in caplog.text
+    assert checkpoint.restore(open_dir)["step"] == 1  # the job's own files still load
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_checkpoint_another_user_wrote_is_refused_on_every_rank(tmp_path: Path) -> None:
+    checkpoint.save(tmp_path, 1, {"step": 1})
+    planted = checkpoint.save(tmp_path, 2, {"step": 2})
+    assert planted is not None
+    os.chown(planted, 65534, 65534)  # as if user nobody had written the newest checkpoint
+    results = run_ranks(_restore_or_error, 2, str(tmp_path))
+    for text in results:
+        assert text.startswith(f"CheckpointError: rank 0: checkpoint {planted} was not loaded: {planted} is owned "
+                               "by "), text
+        assert "not by this job's user root (uid 0): hora does not load files another user wrote" in text, text
+        assert f"`chown root {planted}`" in text
+
+
+class RunsCode:
+    """A checkpoint entry whose unpickling creates ``path`` (what a planted or a stranger's file would do)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.path, "w"))
+
+
+def test_a_checkpoint_that_would_run_code_loads_only_with_the_explicit_opt_out(tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    folder = tmp_path / "ckpt"
+    checkpoint.save(folder, 3, {"step": 3, "extra": RunsCode(str(canary))})
+    results = run_ranks(_restore_or_error, 2, str(folder))
+    assert not canary.exists(), "restore() ran the checkpoint's code by default"
+    for text in results:
+        assert text.startswith(f"CheckpointError: rank 0: checkpoint {folder / 'ckpt-000000003.pt'} was not loaded: "
+                               "it holds io.open, which only an unrestricted unpickler can load (it could run code); "
+                               "restore(..., weights_only=False) loads it"), text
+    state = checkpoint.restore(folder, weights_only=False)  # the user's own checkpoint, knowingly
+    assert state["step"] == 3 and canary.exists()

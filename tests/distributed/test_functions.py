@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
 import torch
 from torch import nn
 
 import hora as hvd
+from tests.distributed.harness import run_ranks
 from tests.distributed.test_optimizer import run_tensors
 
 
@@ -119,3 +125,127 @@ def test_a_model_built_differently_on_one_rank_is_named_by_its_parameters() -> N
         assert "The model is built differently on the ranks" in message
         assert "shape=[" not in message and "different names" not in message  # not the packed buffers' terms
         assert torch.equal(r["after"], results[0]["after"])
+
+
+class Canary:
+    """Unpickling it creates the file ``path``: what a stranger's pickle would do."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.path, "w"))
+
+
+def _forged_on_the_wire(rank: int, size: int, canary: str, kind: str) -> str:
+    """Rank 0's object bytes are replaced on the way, as a stranger on the data plane's network would: every
+    byte after the root's length is a pickle that creates ``canary`` (the length is the root's own)."""
+    from hora.api import ops
+
+    forged = pickle.dumps(Canary(canary))
+    real_broadcast, real_allgather = ops.broadcast_, ops.allgather
+
+    def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, **kw: Any) -> torch.Tensor:
+        out = real_broadcast(tensor, root_rank, name=name, **kw)
+        if rank != root_rank and name is not None and name.endswith(".data"):
+            fill = forged + bytes(max(0, out.numel() - len(forged)))
+            out.copy_(torch.frombuffer(bytearray(fill[:out.numel()]), dtype=torch.uint8))
+        return out
+
+    def allgather(tensor: torch.Tensor, name: str | None = None, **kw: Any) -> torch.Tensor:
+        out = real_allgather(tensor, name=name, **kw)
+        if name is not None and name.endswith(".data") and rank == 1:  # rank 0's slot leads the buffer
+            out[:len(forged)] = torch.frombuffer(bytearray(forged), dtype=torch.uint8)
+        return out
+
+    ops.broadcast_, ops.allgather = broadcast_, allgather  # type: ignore[assignment]
+    state = {"w": torch.ones(3)}
+    try:
+        if kind == "broadcast":
+            got = hvd.broadcast_object(state if rank == 0 else None, root_rank=0, name="forged")
+        else:
+            got = hvd.allgather_object(state, name="forged")
+    except Exception as e:  # noqa: BLE001 - what the rank raised is the result
+        return f"{type(e).__name__}: {e}"
+    finally:
+        ops.broadcast_, ops.allgather = real_broadcast, real_allgather  # type: ignore[assignment]
+    return f"loaded {got!r}"
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "allgather"])
+def test_forged_object_bytes_are_refused_before_anything_is_unpickled(tmp_path: Path, kind: str) -> None:
+    canary = tmp_path / "canary"
+    results = run_ranks(_forged_on_the_wire, 2, str(canary), kind)
+    assert not canary.exists(), "the forged pickle ran in a rank"
+    assert results[1].startswith(f"ObjectAuthError: {kind}_object 'forged': the bytes of rank 0's object failed "
+                                 "authentication and were not unpickled"), results
+    assert "docs/security.md" in results[1]
+
+
+class Custom:
+    """A class of the user's own, as Horovod scripts broadcast."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def _custom_objects(rank: int, size: int) -> dict:
+    tensors_on = {"t": torch.arange(3.0)}
+    got = hvd.broadcast_object(Custom(7) if rank == 0 else None, root_rank=0)
+    everyone = hvd.allgather_object(Custom(rank))
+    plain = hvd.broadcast_object(tensors_on if rank == 0 else None, root_rank=0)
+    return {"got": got.value, "everyone": [c.value for c in everyone], "device": str(plain["t"].device)}
+
+
+def test_a_job_with_a_secret_sends_its_own_classes() -> None:
+    assert run_ranks(_custom_objects, 2) == [{"got": 7, "everyone": [0, 1], "device": "cpu"}] * 2
+
+
+def _custom_without_secret(rank: int, size: int) -> dict:
+    out = {}
+    for kind in ("broadcast", "allgather"):
+        try:
+            if kind == "broadcast":
+                hvd.broadcast_object(Custom(7) if rank == 0 else None, root_rank=0)
+            else:
+                hvd.allgather_object(Custom(rank) if rank == 1 else rank)
+            out[kind] = "sent"
+        except hvd.UnsafeObjectError as e:
+            out[kind] = str(e)
+    out["plain"] = hvd.broadcast_object({"lr": 0.1, "t": torch.ones(2)} if rank == 0 else None)["lr"]
+    return out
+
+
+def test_without_a_secret_only_safe_objects_travel_and_every_member_says_why() -> None:
+    results = run_ranks(_custom_without_secret, 2, env={"HORA_SECRET": None})
+    here = f"{__name__}.Custom"
+    for r in results:
+        assert r["broadcast"].startswith("broadcast_object 'hora.broadcast_object': rank 0's object cannot be sent "
+                                         f"in a job without a secret: it holds {here}"), r
+        assert r["allgather"].startswith("allgather_object 'hora.allgather_object': rank 1's object cannot be sent "
+                                         f"in a job without a secret: it holds {here}"), r
+        for kind in ("broadcast", "allgather"):
+            assert "HORA_SECRET_FILE" in r[kind] and "torch.serialization.add_safe_globals" in r[kind], r
+        assert r["plain"] == 0.1  # tensors and plain values travel as before
+
+
+def _from_the_second_gpu(rank: int, size: int) -> list[str]:
+    """Rank 0 sends tensors whose storages say ``cuda:1`` (as a rank on the second GPU does); the others have
+    no such device here."""
+    registry = torch.serialization._package_registry
+    entry = (-1, lambda storage: "cuda:1", lambda storage, location: None)
+    if rank == 0:
+        registry.insert(0, entry)  # type: ignore[arg-type]
+    try:
+        state = {"exp_avg": torch.arange(3.0), "step": torch.tensor(4)}
+        got = hvd.broadcast_object(state if rank == 0 else None, root_rank=0)
+        gathered = hvd.allgather_object(state if rank == 0 else {"exp_avg": torch.zeros(1)})
+    finally:
+        if rank == 0:
+            registry.remove(entry)  # type: ignore[arg-type]
+    return [str(t.device) for t in (got["exp_avg"], gathered[0]["exp_avg"], gathered[0]["step"])]
+
+
+def test_tensors_arrive_on_the_cpu_whatever_device_the_root_had() -> None:
+    results = run_ranks(_from_the_second_gpu, 2)
+    assert results[1] == ["cpu", "cpu", "cpu"], results  # horovod's docstring, hora's too: tensors arrive on the CPU

@@ -179,3 +179,21 @@ def _another_current_device(rank: int, size: int) -> int:
 @pytest.mark.gpu(2)
 def test_a_thread_with_another_current_device() -> None:
     assert nccl_world(_another_current_device, 2) == [1, 1]
+
+
+def _objects_from_each_gpu(rank: int, size: int) -> list[str]:
+    state = {"exp_avg": torch.full((3,), float(rank), device=device())}
+    got = hvd.broadcast_object(state if rank == 0 else None, root_rank=0, name="gpu-object")
+    gathered = hvd.allgather_object(state, name="gpu-objects")
+    where = [str(got["exp_avg"].device)] if rank != 0 else []
+    return where + [str(g["exp_avg"].device) for g in gathered]
+
+
+@pytest.mark.gpu(2)
+def test_objects_from_cuda_tensors_arrive_on_the_cpu_of_every_rank() -> None:
+    """broadcast_object's docstring (Horovod's too): tensors arrive on the CPU. Without map_location="cpu" every
+    rank loaded rank 0's tensors onto cuda:0, the sender's index, whatever GPU it was bound to."""
+    results = nccl_world(_objects_from_each_gpu, _ranks())
+    assert results[0] == ["cpu"] * len(results), results
+    for where in results[1:]:
+        assert where == ["cpu"] * (len(results) + 1), results

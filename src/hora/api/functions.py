@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import io
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -21,9 +20,10 @@ from typing import Any
 import torch
 
 from hora.api import ops, param_layout
+from hora.api.object_wire import ObjectWire, encode
 from hora.common.process_sets import ProcessSet, global_process_set
 from hora.engine.handles import synchronize
-from hora.errors import ModelMismatchError
+from hora.errors import ModelMismatchError, ObjectAuthError
 from hora.runtime import lifecycle as runtime
 
 log = logging.getLogger(__name__)
@@ -132,14 +132,21 @@ def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
                     p.grad = zeros.to_sparse() if sparse else zeros
 
 
-def _dumps(obj: Any) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+_wire: tuple[runtime.Runtime, ObjectWire] | None = None  # the object path's seal in the live world
 
 
-def _loads(data: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+def _object_wire() -> ObjectWire:
+    """The live world's :class:`ObjectWire` (a new world numbers its calls afresh)."""
+    global _wire
+    rt = runtime.state("broadcast_object / allgather_object")
+    if _wire is None or _wire[0] is not rt:
+        _wire = (rt, ObjectWire(rt.store.secret, rt.world))
+    return _wire[1]
+
+
+def _members(process_set: ProcessSet) -> list[int]:
+    """The global ranks of ``process_set``, in its order."""
+    return list(process_set.ranks) if process_set.ranks else list(range(runtime.size()))
 
 
 def broadcast_object(
@@ -147,29 +154,49 @@ def broadcast_object(
 ) -> Any:
     """Return the root rank's ``obj`` on every rank (any picklable object; tensors arrive on the CPU).
 
+    The bytes are authenticated with the job's secret before anything is unpickled (docs/security.md); in a
+    job without a secret only tensors and plain values may be sent (:class:`~hora.errors.UnsafeObjectError`
+    names the fix).
+
     Example:
         >>> epoch = hvd.broadcast_object(epoch if hvd.rank() == 0 else None, root_rank=0)  # doctest: +SKIP
     """
     base = name or "hora.broadcast_object"
+    wire = _object_wire()
+    call = wire.call("broadcast", process_set.process_set_id or 0, base)
     is_root = runtime.rank() == root_rank
-    payload = _dumps(obj) if is_root else torch.empty(0, dtype=torch.uint8)
-    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    sealed = wire.seal(call, root_rank, encode(obj)) if is_root else b""
+    length = torch.tensor([len(sealed)], dtype=torch.int64)
     ops.broadcast_(length, root_rank, name=f"{base}.len", process_set=process_set)
-    if not is_root:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    n = int(length.item())
+    if n < 1:
+        raise ObjectAuthError(f"{call.label}: rank {root_rank} announced {n} bytes: not what hora sends (a stranger "
+                              "on the data plane's network?); nothing was unpickled")
+    payload = (torch.frombuffer(bytearray(sealed), dtype=torch.uint8) if is_root
+               else torch.empty(n, dtype=torch.uint8))
     ops.broadcast_(payload, root_rank, name=f"{base}.data", process_set=process_set)
-    return obj if is_root else _loads(payload)
+    if is_root:
+        wire.raise_if_refused(call, root_rank, sealed)  # as every member does, with the same message
+        return obj
+    return wire.open(call, root_rank, payload.numpy().data, mine=False)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
-    """Return the list of every rank's ``obj``, in rank order (of the process set)."""
+    """Return the list of every rank's ``obj``, in rank order (of the process set); tensors arrive on the CPU.
+
+    Checked as :func:`broadcast_object`'s object is, per sender.
+    """
     base = name or "hora.allgather_object"
-    payload = _dumps(obj)
-    lengths = ops.allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{base}.len",
+    wire = _object_wire()
+    call = wire.call("allgather", process_set.process_set_id or 0, base)
+    me = runtime.rank()
+    sealed = wire.seal(call, me, encode(obj))
+    lengths = ops.allgather(torch.tensor([len(sealed)], dtype=torch.int64), name=f"{base}.len",
                             process_set=process_set)
-    data = ops.allgather(payload, name=f"{base}.data", process_set=process_set)
+    data = ops.allgather(torch.frombuffer(bytearray(sealed), dtype=torch.uint8), name=f"{base}.data",
+                         process_set=process_set).numpy().data
     out, offset = [], 0
-    for n in lengths.tolist():
-        out.append(_loads(data[offset:offset + n]))
+    for sender, n in zip(_members(process_set), lengths.tolist(), strict=True):
+        out.append(wire.open(call, sender, data[offset:offset + n], mine=sender == me))
         offset += n
     return out

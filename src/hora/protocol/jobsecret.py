@@ -110,7 +110,7 @@ class JobSecret:
         """A subkey for one use (``"store"``, ``"mesh"``), so a MAC made for one can never pass for another."""
         return JobSecret(hmac.new(self.key, b"hora-subkey:" + purpose.encode(), hashlib.sha256).digest())
 
-    def mac(self, *parts: bytes) -> bytes:
+    def mac(self, *parts: bytes | memoryview) -> bytes:
         """HMAC-SHA256 over ``parts``, each length-prefixed so that (``b"ab"``, ``b"c"``) != (``b"a"``, ``b"bc"``)."""
         h = self._keyed.copy()  # the key's two hash blocks are not hashed again for every MAC
         for part in parts:
@@ -118,7 +118,7 @@ class JobSecret:
             h.update(part)
         return h.digest()
 
-    def verify(self, tag: bytes, *parts: bytes) -> bool:
+    def verify(self, tag: bytes, *parts: bytes | memoryview) -> bool:
         """Whether ``tag`` is this secret's MAC over ``parts`` (constant-time comparison)."""
         return hmac.compare_digest(tag, self.mac(*parts))
 
