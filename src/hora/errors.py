@@ -165,6 +165,11 @@ class ElasticTimeoutError(HoraError):
     """An elastic worker waited longer than the elastic timeout for the launcher's next world."""
 
 
+class PlacementTimeoutError(ConfigError, TimeoutError):
+    """A cluster engine could not place or start every rank within its start timeout (``hora.ray``'s placement
+    group, ``hora.spark.run``'s barrier tasks); also a ``TimeoutError``, as Horovod raises one there."""
+
+
 class LaunchError(HoraError):
     """The launcher could not start or finish the job (exit code 1)."""
 
@@ -206,6 +211,7 @@ __all__ = [
     "ObjectAuthError",
     "PeerLostError",
     "PeerRejectedCallError",
+    "PlacementTimeoutError",
     "SetupError",
     "StoreAuthError",
     "UnsafeObjectError",

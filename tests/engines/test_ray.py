@@ -187,3 +187,25 @@ print("REPORT " + json.dumps({{"type": type(error).__name__, "message": str(erro
     assert "rank 0: rank 1 on host " in report["message"] and "is gone" in report["message"], report["message"]
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
     assert gone(pids, within=20) == [], "Ray Train's worker processes are still running"
+
+
+def test_a_placement_the_cluster_cannot_satisfy_is_a_timeout_error(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """As Horovod's test_infeasible_placement: start() raises TimeoutError (hora's message, a ConfigError too)."""
+    done = run_driver(f"""
+import sys, os, ray, hora
+sys.path.append(os.path.join(os.path.dirname(hora.__file__), "_compat"))
+from horovod.ray import RayExecutor
+from hora.errors import ConfigError
+ray.init(address="{ray_cluster.address}")
+executor = RayExecutor(RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=5), num_hosts=3,
+                       num_workers_per_host=1)
+try:
+    executor.start()
+except TimeoutError as e:
+    assert isinstance(e, ConfigError), type(e)
+    print("RAISED " + str(e))
+executor.shutdown()
+""", tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RAISED hora.ray: the cluster could not place 3 ranks" in done.stdout
+    assert "on 3 different nodes within 5 s" in done.stdout

@@ -135,3 +135,65 @@ def test_a_killed_torch_distributor_process_ends_the_job(spark_driver: SparkDriv
     assert "barrier" in report["message"] and "TorchDistributor failed during training" in report["message"]
     assert report["active_stages"] == [], "Spark tasks of the job are still running"
     assert gone(_pids(tmp_path), within=20) == [], "a rank process or its torchrun is still running"
+
+
+def test_horovod_spark_run_times_out_when_the_cluster_has_too_few_slots(spark_driver: SparkDriver,
+                                                                        tmp_path: Path) -> None:
+    """4 ranks on a cluster of 2 task slots: Horovod's 'Timed out waiting for Spark tasks to start.' after
+    start_timeout, nothing left running, and the cluster takes the next job."""
+    _ran(spark_driver, f"""
+import json, time
+import hora.spark
+from hora.errors import PlacementTimeoutError
+began = time.monotonic()
+try:
+    hora.spark.run(lambda: 0, num_proc=4, start_timeout=5)
+    outcome = "returned"
+except TimeoutError as e:
+    outcome = [type(e).__name__, isinstance(e, PlacementTimeoutError), str(e)]
+took = time.monotonic() - began
+after = hora.spark.run(lambda: 7, num_proc=2)
+with open({str(tmp_path / "report.json")!r}, "w") as f:
+    json.dump({{"outcome": outcome, "took": took, "after": after}}, f)
+""")
+    report = json.loads((tmp_path / "report.json").read_text())
+    name, is_placement, message = report["outcome"]
+    assert (name, is_placement) == ("PlacementTimeoutError", True)
+    # a barrier stage starts all its tasks at once or none
+    assert message.startswith("Timed out waiting for Spark tasks to start: 0 of 4 ranks' tasks started within "
+                              "start_timeout=5 s")
+    assert report["took"] < 120  # not Spark's own retries of the barrier stage
+    assert report["after"] == [7, 7]
+
+
+def test_horovod_spark_run_writes_the_ranks_output_to_the_given_streams(spark_driver: SparkDriver,
+                                                                        tmp_path: Path) -> None:
+    """As Horovod's do_test_happy_run: each rank's lines in the streams given, as [rank]<stdout>:line."""
+    _ran(spark_driver, f"""
+import io, json, sys
+import hora.spark
+
+def fn():
+    import sys
+    import hora as hvd
+    hvd.init()
+    print(f"running fn {{hvd.size()}}")
+    print("error line", file=sys.stderr)
+    return hvd.rank()
+
+out, err = io.StringIO(), io.StringIO()
+values = hora.spark.run(fn, num_proc=2, stdout=out, stderr=err)
+stamped = io.StringIO()
+hora.spark.run(lambda: print("hello"), num_proc=1, stdout=stamped, prefix_output_with_timestamp=True)
+with open({str(tmp_path / "report.json")!r}, "w") as f:
+    json.dump({{"values": values, "out": out.getvalue(), "err": err.getvalue(), "stamped": stamped.getvalue()}}, f)
+""")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["values"] == [0, 1]
+    assert sorted(line for line in report["out"].splitlines() if "running fn" in line) == [
+        "[0]<stdout>:running fn 2", "[1]<stdout>:running fn 2"]
+    assert sorted(line for line in report["err"].splitlines() if "error line" in line) == [
+        "[0]<stderr>:error line", "[1]<stderr>:error line"]
+    assert "<stderr>" not in report["out"] and "<stdout>" not in report["err"]
+    line = next(x for x in report["stamped"].splitlines() if x.endswith("[0]<stdout>:hello"))
+    assert len(line) > len("[0]<stdout>:hello") + 20  # time.asctime() before it

@@ -60,6 +60,7 @@ class Hierarchy:
     mode: str = "leader"  # "shm" or "leader"; a benchmark may switch an "shm" hierarchy to "leader" (every
     # rank at the same point of its sequence of collectives), not the other way
     calls: int = 0  # allreduces that took the three steps (diagnostics, tests)
+    enabled: bool = True  # False: built but off (autotune switches it, every rank at the same round)
 
 
 class _ChainWork:
@@ -184,7 +185,7 @@ def allreduce(tensor: torch.Tensor, op: int, group: Any) -> Any:
     k's broadcast once its cross-host allreduce is done, on the calling thread.
     """
     h = _active
-    if h is None or group is not h.flat_group:
+    if h is None or not h.enabled or group is not h.flat_group:
         return dataplane.allreduce(tensor, op, group)
     h.calls += 1
     if h.mode == "shm" and h.shared is not None and tensor.device.type == "cpu":

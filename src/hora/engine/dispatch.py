@@ -53,6 +53,11 @@ class Dispatcher:
         self._fused = fusion.FusionBuffers(fusion_threshold)
         self._joined_works: list[Any] = []  # zeros a joined rank contributes: kept alive until sent
 
+    def set_fusion_threshold(self, threshold: int) -> None:
+        """Fuse up to ``threshold`` bytes from the next round on (autotune; the round thread, every rank at the
+        same round)."""
+        self._fused.threshold = threshold
+
     def run(self, ready: Sequence[Entry], joined: frozenset[int]) -> None:
         """Issue ``ready`` in order: inline reductions first, then fused batches and single ops."""
         if self._launch_stream is None or not ready:

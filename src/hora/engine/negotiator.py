@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,9 +196,10 @@ class Negotiator:
                 self._ring_if_parked()
         return [op.handle for op in ops]
 
-    def announce(self, value: Any) -> None:
-        """Give ``value`` to every rank at the same notice point (:meth:`notice_point`, :mod:`hora.engine.notices`):
-        it goes out in this rank's next round. Any thread; does nothing once negotiation is over.
+    def announce(self, value: Any, channel: str = "elastic") -> None:
+        """Give ``value`` to every rank at the same notice point of ``channel`` (:meth:`notice_point`,
+        :mod:`hora.engine.notices`): it goes out in this rank's next round. Any thread; does nothing once
+        negotiation is over.
 
         Raises:
             FrameError: ``value`` is not made of plain values (:mod:`hora.engine.codec`), so no frame can carry it.
@@ -206,13 +208,24 @@ class Negotiator:
         with self._lock:
             if self._phase in (Phase.BROKEN, Phase.STOPPED):
                 return
-            self._pending.flags.setdefault(NOTICE, []).append(value)
+            self._pending.flags.setdefault(NOTICE, []).append([channel, value])
             self._ring_if_parked()
 
-    def notice_point(self) -> list[Any]:
-        """Pass one notice point: every rank calls this the same number of times; an announced value comes out
-        at the same call on every rank (usually []: no message, no wait). See :mod:`hora.engine.notices`."""
-        return self._notices.notice_point()
+    def notice_point(self, channel: str = "elastic") -> list[Any]:
+        """Pass one notice point of ``channel``: every rank makes the same notice points; an announced value
+        comes out at the same call on every rank (usually []: no message, no wait). See
+        :mod:`hora.engine.notices`."""
+        return self._notices.notice_point(channel)
+
+    def listen(self, channel: str, listener: Callable[[Any], None] | None) -> None:
+        """``listener(value)`` for each value announced on ``channel``, in the round that carries it (the same
+        round on every rank, on the thread running it)."""
+        self._notices.listen(channel, listener)
+
+    def set_fusion_threshold(self, threshold: int) -> None:
+        """Bytes up to which ready allreduces are fused from the next round on; call it from the round thread
+        (a :meth:`listen` listener), so every rank changes it at the same round."""
+        self._rounds.dispatch.set_fusion_threshold(threshold)
 
     def done(self, handle: Handle) -> None:
         """Called when a handle is synchronized: its name may be used again."""

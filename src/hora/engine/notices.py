@@ -14,6 +14,13 @@ The agreement takes two rounds. Round numbers and every round's gathered frames 
    round, which is A+1 everywhere; flags make it start at once). Every rank computes the same target
    ``T = max(p_0, ..., p_n-1, last target) + 1`` and disarms.
 
+Notices travel on *channels* (``"elastic"``: host updates at ``commit()``; ``"autotune"``: settings at the
+optimizer's step boundary): a notice point of one channel returns that channel's values only, and a value that
+came due at a notice point of another channel waits for its channel's next notice point. Every rank makes the
+same sequence of notice points, so that is the same call on every rank too. A listener of a channel (``listen``)
+also gets each value on the thread running the round that carried the announcement (round A, the same round on
+every rank), for what must change at the same round everywhere rather than at a notice point.
+
 Proof that every rank returns the value at its notice point number ``T`` and at no other: a notice point passes
 (adds one to the count) only under the lock and only while the rank is not armed, and arming reads ``p_r``
 under the same lock, so no rank passes a notice point between arming and the decision: when ``T`` is decided
@@ -29,7 +36,7 @@ Example:
     >>> from hora.engine.pending import Pending
     >>> pending = Pending(0)
     >>> notices = Notices(pending, wake=lambda: None)
-    >>> notices.on_round([{"notice": ["hello"]}])   # round A: rank 0's announcement; this rank arms
+    >>> notices.on_round([{"notice": [["elastic", "hello"]]}])   # round A: rank 0's announcement; this rank arms
     >>> pending.flags["passed"]
     0
     >>> notices.on_round([pending.flags])            # round A+1: every rank's count; target 1
@@ -48,7 +55,7 @@ from typing import Any
 from hora.engine.pending import Pending
 from hora.errors import CollectiveError
 
-NOTICE = "notice"  # round flag: values this rank announces
+NOTICE = "notice"  # round flag: [channel, value] pairs this rank announces
 PASSED = "passed"  # round flag: how many notice points this rank had passed when it armed
 _WAIT_S = 1.0  # a waiting notice point looks at the negotiator's state this often
 
@@ -67,12 +74,24 @@ class Notices:
         self._wake = wake
         self._passed = 0  # notice points this rank has passed
         self._armed: list[Any] | None = None  # values announced in round A, while round A+1 is due
-        self._due: list[tuple[int, list[Any]]] = []  # (notice point number, values), targets increasing
+        self._due: list[tuple[int, list[Any]]] = []  # (notice point number, [channel, value] pairs), increasing
+        self._mailbox: dict[str, list[Any]] = {}  # channel -> values due, waiting for that channel's notice point
+        self._listeners: dict[str, Callable[[Any], None]] = {}
         self._last_target = 0
         self._error: BaseException | None = None
 
-    def notice_point(self) -> list[Any]:
-        """Pass one notice point (a caller's thread): the values whose agreed notice point this is ([] mostly).
+    def listen(self, channel: str, listener: Callable[[Any], None] | None) -> None:
+        """Call ``listener(value)`` for each value announced on ``channel``, on the thread running the round that
+        carries it (the same round on every rank); None stops it. It must not block."""
+        with self._cond:
+            if listener is None:
+                self._listeners.pop(channel, None)
+            else:
+                self._listeners[channel] = listener
+
+    def notice_point(self, channel: str = "elastic") -> list[Any]:
+        """Pass one notice point of ``channel`` (a caller's thread): that channel's values whose agreed notice
+        point this is or was ([] mostly).
 
         Raises:
             CollectiveError: negotiation broke while this notice point waited for an agreement.
@@ -84,9 +103,10 @@ class Notices:
                 self._wake()
                 self._cond.wait(_WAIT_S)
             self._passed += 1
-            if self._due and self._due[0][0] == self._passed:
-                return self._due.pop(0)[1]
-            return []
+            while self._due and self._due[0][0] <= self._passed:
+                for name, value in self._due.pop(0)[1]:
+                    self._mailbox.setdefault(str(name), []).append(value)
+            return self._mailbox.pop(channel, [])
 
     def on_round(self, flags: Sequence[Mapping[str, Any]]) -> None:
         """A round's flags, every rank's in rank order (the thread running the round): decide round A+1's
@@ -103,6 +123,10 @@ class Notices:
             if announced:
                 self._armed = announced
                 self._pending.flags[PASSED] = self._passed
+                for name, value in announced:
+                    listener = self._listeners.get(str(name))
+                    if listener is not None:
+                        listener(value)
 
     def fail(self, error: BaseException) -> None:
         """Negotiation is over: a notice point waiting for an agreement raises ``error``."""

@@ -147,7 +147,8 @@ class RayExecutor:
         """Reserve the ranks, start one actor each, tell each its place and build ``executable_cls`` in each.
 
         Raises:
-            ConfigError: the cluster cannot place the ranks within ``placement_group_timeout_s``.
+            PlacementTimeoutError: (a ConfigError and a TimeoutError) the cluster cannot place the ranks within
+                ``placement_group_timeout_s``.
             JobFailedError: an actor did not start within ``timeout_s``.
         """
         if self._elastic is not None:

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
 
-from hora.errors import ConfigError
+from hora.errors import PlacementTimeoutError
 from hora.protocol.topology import derive_topology
 
 
@@ -53,7 +53,7 @@ def reserve(*, num_workers: int | None, num_hosts: int | None, num_workers_per_h
     if not ready:
         ray.util.remove_placement_group(group)
         hosts = f" on {num_hosts} different nodes" if num_hosts is not None else ""
-        raise ConfigError(
+        raise PlacementTimeoutError(
             f"hora.ray: the cluster could not place {len(ranks)} ranks of {per_worker}{hosts} within "
             f"{timeout_s:.0f} s (available now: {ray.available_resources()}); add nodes, ask for fewer "
             "workers or resources per worker, or raise placement_group_timeout_s in create_settings()")

@@ -254,8 +254,11 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, secret: JobSecret | No
             sets = ProcessSetTable(env.size, env.rank, backend, lazy_connect=knobs.gloo_lazy_connect,
                                    gloo_iface=knobs.gloo_iface)
             sets.add_global(dist.new_group(backend=backend))
-            if knobs.hierarchical_allreduce and env.size > 1:
-                hierarchical.build(topo.hosts, env.rank, global_process_set.group, backend)
+            tunes_it = knobs.autotune and "hierarchical_allreduce" not in knobs.explicit
+            if (knobs.hierarchical_allreduce or tunes_it) and env.size > 1:
+                built = hierarchical.build(topo.hosts, env.rank, global_process_set.group, backend)
+                if built is not None:  # autotune starts it off, as Horovod's parameter manager does
+                    built.enabled = knobs.hierarchical_allreduce
     except BaseException as e:  # leave nothing half-built behind (init() may be retried)
         hierarchical.clear()
         ProcessSetTable(env.size, env.rank, backend).unbind_all()

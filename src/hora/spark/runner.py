@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hora.common import env as hora_env
-from hora.errors import ConfigError, JobFailedError
+from hora.errors import ConfigError, JobFailedError, PlacementTimeoutError
 from hora.launcher import envvars
 from hora.launcher.engines import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed, require
 from hora.launcher.procs import describe_exit
@@ -66,14 +66,17 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
         nics: network interfaces for Gloo/NCCL (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``).
         executable: the Python the ranks run (default: this one; it must exist on every executor).
         use_mpi, extra_mpi_args, ``use_gloo=False``: refused (hora has no MPI controller).
-        stdout, stderr, prefix_output_with_timestamp: accepted for Horovod's sake; the ranks' output goes to
-            the executors' logs, as any Spark task's does (a failed rank's traceback comes back in the error).
+        stdout, stderr: streams the ranks' output lines are written to, each as ``[rank]<stdout>:line``
+            (``[rank]<stderr>:line``), as Horovod does; without them the ranks' output goes to the executors'
+            logs, as any Spark task's does (a failed rank's traceback comes back in the error either way).
+        prefix_output_with_timestamp: each forwarded line starts with the time it reached the driver.
         verbose: accepted; hora logs through :mod:`logging`.
 
     Raises:
         The exception a rank raised (the first to fail), chained to its traceback; JobFailedError if a rank's
-        process died without raising (a signal), or its task ended some other way. Every task and rank process
-        is stopped first.
+        process died without raising (a signal), or its task ended some other way; PlacementTimeoutError
+        (a TimeoutError) if not every rank's task started within ``start_timeout`` (the cluster has fewer free
+        task slots than ``num_proc``). Every task and rank process is stopped first.
     """
     pyspark = require("pyspark", "spark", "hora.spark")
     if use_mpi or extra_mpi_args is not None:
@@ -89,8 +92,10 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
     if num_proc < 1:
         raise ConfigError(f"hora.spark.run(num_proc={num_proc}): give at least 1")
     timeout = float(start_timeout) if start_timeout is not None else _start_timeout()
+    output = _Output(stdout, stderr, prefix_output_with_timestamp) if stdout is not None or stderr is not None \
+        else None
     return _Job(sc, fn, tuple(args), dict(kwargs or {}), num_proc, timeout, env or {}, nics or (),
-                executable or sys.executable).run()
+                executable or sys.executable, output).run()
 
 
 def run_elastic(*args: Any, **kwargs: Any) -> list[Any]:
@@ -113,10 +118,12 @@ class _Job:
     """One ``hora.spark.run`` call: the store, the barrier stage in a thread, the watch for a rank's end."""
 
     def __init__(self, sc: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], num_proc: int,
-                 start_timeout: float, env: Mapping[str, str], nics: Sequence[str], executable: str) -> None:
+                 start_timeout: float, env: Mapping[str, str], nics: Sequence[str], executable: str,
+                 output: _Output | None = None) -> None:
         from hora.common import rendezvous
 
         self.sc, self.num_proc = sc, num_proc
+        self.start_timeout, self.output = start_timeout, output
         self.job_id = f"spark-{uuid.uuid4().hex[:12]}"
         self.group = f"hora.spark.run.{self.job_id}"
         host = sc.getConf().get("spark.driver.host") or "127.0.0.1"
@@ -130,7 +137,8 @@ class _Job:
             extra.setdefault("NCCL_SOCKET_IFNAME", ",".join(sorted(nics)))
         self.spec = task.TaskSpec(store_addr=host, store_port=int(raw.port), job_id=self.job_id,
                                   executable=executable, env=envvars.forwarded(hora_env.launcher_environ(), extra),
-                                  secret_hex=secret.hex(), start_timeout=start_timeout)
+                                  secret_hex=secret.hex(), start_timeout=start_timeout,
+                                  forward_output=output is not None)
         self.outcome: list[Any] = []  # the stage's records, or [exception] if the stage failed
         self.finished = threading.Event()
 
@@ -139,13 +147,15 @@ class _Job:
         stage.start()
         try:
             failed = self._watch()
-        except BaseException:  # Ctrl-C in the driver: stop every task first
+        except BaseException:  # Ctrl-C in the driver, or the start timeout: stop every task first
             self._stop()
+            stage.join(timeout=60.0)
             raise
         if failed:
             self._stop()
         stage.join()
         self.store.set(task.STOP_KEY, "1")
+        self._forward()
         return self._result(failed)
 
     def _stage(self) -> None:
@@ -162,7 +172,20 @@ class _Job:
         """Wait for the stage to end or a rank to fail (its process ended badly, or it raised and is still on
         its way out); True if one failed."""
         seen = 0
+        deadline: float | None = time.monotonic() + self.start_timeout
         while not self.finished.wait(_POLL_S):
+            self._forward()
+            if deadline is not None and time.monotonic() > deadline:
+                started = self._started()
+                if started < self.num_proc:
+                    self._stop()
+                    raise PlacementTimeoutError(
+                        f"Timed out waiting for Spark tasks to start: {started} of {self.num_proc} ranks' tasks "
+                        f"started within start_timeout={self.start_timeout:g} s. Every rank is a task of one "
+                        f"barrier stage, so the cluster needs {self.num_proc} free task slots at once: ask for "
+                        "fewer ranks (num_proc), add executors or cores, or raise start_timeout if executors "
+                        "are added on demand")
+                deadline = None
             news = self.store.add(task.EXITS_KEY, 0) + self.store.add(PYRUN_ERRORS_KEY, 0)
             if news != seen:
                 seen = news
@@ -170,6 +193,15 @@ class _Job:
                     self._await_root_cause()
                     return True
         return self._root() is not None
+
+    def _started(self) -> int:
+        """How many ranks' tasks have started."""
+        return sum(1 for r in range(self.num_proc) if self.store.check([task.HOST_KEY.format(rank=r)]))
+
+    def _forward(self) -> None:
+        """The ranks' new output lines, to the streams given to run()."""
+        if self.output is not None:
+            self.output.forward(self.store, self.num_proc)
 
     def _root(self) -> int | None:
         return root_cause({e["rank"]: e for e in self._exits()}, self._error_types())
@@ -225,6 +257,31 @@ class _Job:
 
     def _stage_error(self) -> BaseException | None:
         return self.outcome[0] if len(self.outcome) == 1 and isinstance(self.outcome[0], BaseException) else None
+
+
+class _Output:
+    """Where ``run(stdout=, stderr=)`` wants the ranks' output: each line as ``[rank]<stdout>:line``, in the
+    order each rank's task sent them (chunks of a few lines, every fraction of a second)."""
+
+    def __init__(self, stdout: Any, stderr: Any, with_time: bool) -> None:
+        self.streams = {"stdout": stdout, "stderr": stderr}
+        self.with_time = with_time
+        self.read: dict[int, int] = {}  # rank -> chunks written out so far
+
+    def forward(self, store: SignedStore, num_proc: int) -> None:
+        for rank in range(num_proc):
+            sent = store.add(task.OUTS_KEY.format(rank=rank), 0)
+            while self.read.get(rank, 0) < sent:
+                n = self.read.get(rank, 0) + 1
+                chunk = json.loads(store.get(task.OUT_KEY.format(rank=rank, n=n)))
+                for name, lines in chunk.items():
+                    stream = self.streams.get(name)
+                    if stream is None:
+                        continue
+                    stamp = time.asctime() if self.with_time else ""
+                    stream.write("".join(f"{stamp}[{rank}]<{name}>:{line}\n" for line in lines))
+                    stream.flush()
+                self.read[rank] = n
 
 
 def root_cause(exits: Mapping[int, Mapping[str, Any]], raised: Mapping[int, str]) -> int | None:

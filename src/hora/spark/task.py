@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ EXITS_KEY = "hora.spark/exits"  # a counter of the exit records written
 STOP_KEY = "hora.spark/stop"  # set by the driver when the job is over: late or retried tasks start nothing
 STARTS_KEY = "hora.spark/starts/{rank}"  # how many tasks took rank's place: a second one is a retry
 HOST_KEY = "hora.spark/host/{rank}"  # the host rank's task runs on (for reports)
+OUT_KEY = "hora.spark/out/{rank}/{n}"  # a chunk of rank's output lines: {"stdout": [...], "stderr": [...]}
+OUTS_KEY = "hora.spark/outs/{rank}"  # a counter of rank's output chunks (chunk n is OUT_KEY with n = 1, 2, ...)
+_FORWARD_S = 0.2  # how often a task sends its rank's new output lines to the driver
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +50,7 @@ class TaskSpec:
     env: Mapping[str, str]  # the driver's forwarded environment and the user's env=
     secret_hex: str = field(repr=False)
     start_timeout: float
+    forward_output: bool = False  # run(stdout=/stderr=): the rank's lines go to the driver, not the executor's log
 
 
 def rank_task(spec: TaskSpec) -> Any:
@@ -99,16 +104,62 @@ def rank_environment(spec: TaskSpec, rank: int, hosts: list[str], gpus: list[str
 
 def _run_rank(spec: TaskSpec, store: SignedStore, rank: int, hosts: list[str], gpus: list[str]) -> dict[str, Any]:
     env = rank_environment(spec, rank, hosts, gpus)
-    proc = subprocess.Popen([spec.executable, "-m", "hora.launcher.pyfunc.worker"], env=env,
-                            preexec_fn=procs.child_setup(os.getpid()))
+    pipe = subprocess.PIPE if spec.forward_output else None
+    proc = subprocess.Popen([spec.executable, "-m", "hora.launcher.pyfunc.worker"], env=env, stdout=pipe,
+                            stderr=pipe, preexec_fn=procs.child_setup(os.getpid()))
+    forwarder = _Forwarder(store, rank, proc) if spec.forward_output else None
     try:
         status = proc.wait()
     finally:
         if proc.poll() is None:  # this task was interrupted (the job was cancelled): the rank goes with it
             proc.kill()
             proc.wait()
+        if forwarder is not None:
+            forwarder.close()  # every line is in the store before the exit record
     record = {"rank": rank, "host": hosts[rank], "code": status if status >= 0 else None,
               "signal": -status if status < 0 else None, "time": time.time()}
     store.set(EXIT_KEY.format(rank=rank), json.dumps(record))
     store.add(EXITS_KEY, 1)
     return record
+
+
+class _Forwarder:
+    """Sends a rank process's stdout and stderr lines to the driver's store in chunks (``run(stdout=,
+    stderr=)``): a reader thread per stream, and a sender that writes what arrived every ``_FORWARD_S``."""
+
+    def __init__(self, store: SignedStore, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        self._store, self._rank = store, rank
+        self._lock = threading.Lock()
+        self._lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self._readers = [threading.Thread(target=self._read, args=(name, stream), daemon=True)
+                         for name, stream in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+        self._done = threading.Event()
+        self._sender = threading.Thread(target=self._send_loop, name="hora-spark-output", daemon=True)
+        for thread in (*self._readers, self._sender):
+            thread.start()
+
+    def _read(self, name: str, stream: Any) -> None:
+        for raw in iter(stream.readline, b""):
+            with self._lock:
+                self._lines[name].append(raw.decode(errors="replace").rstrip("\n"))
+        stream.close()
+
+    def _send_loop(self) -> None:
+        while not self._done.wait(_FORWARD_S):
+            self._send()
+
+    def _send(self) -> None:
+        with self._lock:
+            chunk, self._lines = self._lines, {"stdout": [], "stderr": []}
+        if chunk["stdout"] or chunk["stderr"]:
+            n = self._store.add(OUTS_KEY.format(rank=self._rank), 0) + 1
+            self._store.set(OUT_KEY.format(rank=self._rank, n=n), json.dumps(chunk))
+            self._store.add(OUTS_KEY.format(rank=self._rank), 1)
+
+    def close(self) -> None:
+        """After the process ended: read to the end of both streams, send the rest."""
+        for reader in self._readers:
+            reader.join(timeout=10.0)
+        self._done.set()
+        self._sender.join()
+        self._send()

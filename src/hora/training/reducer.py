@@ -43,6 +43,7 @@ from hora.datapath.reduce_ops import ReduceOp, Sum, bucket_scales
 from hora.diagnostics import timeline
 from hora.engine import handles
 from hora.runtime import lifecycle as runtime
+from hora.training import autotune
 from hora.training.bucket_names import BucketNames
 from hora.training.buckets import FlatBucket, ParamSpec, plan_buckets
 
@@ -107,6 +108,7 @@ class GradientReducer:
         self._hooks: dict[int, Any] = {}
         self._plan_key: tuple[tuple[bool, ...], int] | None = None
         self._generation = -1
+        self._caps_override: tuple[int, int] | None = None  # autotune's (first, later) bucket bytes
         self._ddp_watch: DdpWatch | None = DdpWatch()  # until the first step: DDP modules that ran forward
         self._ddp: dict[int, int] = {}  # param index -> world size of the DDP module that reduces it
         self._retired: list[torch.Tensor] = []  # gradients replaced by bucket slices, freed at zero_grad()
@@ -133,9 +135,24 @@ class GradientReducer:
         return self._world is not None and self._world[0] and self._world[1] > 1
 
     def _caps(self) -> tuple[int, int]:
-        """(first bucket, later buckets) in bytes, from the runtime's knobs."""
+        """(first bucket, later buckets) in bytes: autotune's, else the runtime's knobs."""
+        if self._caps_override is not None:
+            return self._caps_override
         knobs = runtime.state("DistributedOptimizer's first backward").knobs
         return int(knobs.first_bucket_mb * _MB), int(knobs.bucket_cap_mb * _MB)
+
+    def replan(self, caps: tuple[int, int] | None) -> None:
+        """Autotune's entry point: plan the buckets anew with ``caps`` (first bucket, later buckets, in bytes; None:
+        the knobs') at the next step's first gradient, under a new generation of names. Called at a step
+        boundary that every rank agreed on (:mod:`hora.training.autotune`), so every rank replans at the same
+        step."""
+        if caps != self._caps_override:
+            self._caps_override = caps
+            self._plan_key = None
+
+    def step_bytes(self) -> int:
+        """Bytes of gradient this reducer puts on the wire in a step (autotune's score)."""
+        return sum(b.buffer.nbytes for b in self.buckets) if self._reduce else 0
 
     # -- phase 1: fill, from the hooks ------------------------------------------------------------------
     def _on_grad(self, index: int) -> None:
@@ -348,9 +365,14 @@ class GradientReducer:
         self._generation = -1
 
     def stepped(self) -> None:
-        """The optimizer applied the gradients; the next synchronize() reduces afresh."""
+        """The optimizer applied the gradients; the next synchronize() reduces afresh. With autotune on, this is
+        its step boundary."""
         if self.state is Step.SYNCED:
             self.state = Step.IDLE
+        if runtime.state("optimizer.step()").knobs.autotune:
+            tuner = autotune.tuner_for(self)  # this world's (an elastic job makes a new world at each reset)
+            if tuner is not None and tuner.active:
+                tuner.step_boundary()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         if passes < 1:
