@@ -35,6 +35,7 @@ from hora.errors import (  # noqa: F401
     NotInitializedError,
     ObjectAuthError,
     SetupError,
+    ShardStateLostError,
     StoreAuthError,
     UnsafeObjectError,
     UnsupportedCallError,

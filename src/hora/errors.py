@@ -161,6 +161,11 @@ class HostsUpdatedInterrupt(HoraError):
         self.skip_sync = skip_sync
 
 
+class ShardStateLostError(HoraError):
+    """Elastic: part of a sharded optimizer's state left with the ranks that held it (a rank and the neighbour
+    that kept the copy of its shard both left the job between two commits); resume from a checkpoint."""
+
+
 class ElasticTimeoutError(HoraError):
     """An elastic worker waited longer than the elastic timeout for the launcher's next world."""
 
@@ -213,6 +218,7 @@ __all__ = [
     "PeerRejectedCallError",
     "PlacementTimeoutError",
     "SetupError",
+    "ShardStateLostError",
     "StoreAuthError",
     "UnsafeObjectError",
     "UnsupportedCallError",

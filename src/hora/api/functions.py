@@ -111,12 +111,31 @@ def broadcast_optimizer_state(
     Works before the first step (an empty state stays empty everywhere; parameters that require grad and
     have none get a zero gradient, as Horovod leaves them), and with parameters that have no state or
     ``None`` entries in it. ``model`` is accepted for Horovod compatibility and not needed.
+
+    A sharded ``DistributedOptimizer`` (``sharding=...``) gets only the root's options: each rank's state
+    belongs to the parameters it owns, and stays (docs/large-models.md).
     """
+    if getattr(optimizer, "sharding", None) is not None:
+        _broadcast_options(optimizer, root_rank, process_set)
+        return
     if not optimizer.state:
         _zero_missing_grads(optimizer)
     state = _cpu(optimizer.state_dict()) if runtime.rank() == root_rank else None
     state = broadcast_object(state, root_rank, name="hora.broadcast_optimizer_state", process_set=process_set)
     optimizer.load_state_dict(state)
+
+
+def _broadcast_options(optimizer: torch.optim.Optimizer, root_rank: int, process_set: ProcessSet) -> None:
+    """Every group's options (``lr``, ``betas``...) from the root, in place."""
+    groups = optimizer.param_groups
+    options = [{k: v for k, v in g.items() if k != "params"} for g in groups] if runtime.rank() == root_rank else None
+    options = broadcast_object(_cpu(options), root_rank, name="hora.broadcast_optimizer_state.options",
+                               process_set=process_set)
+    if len(options) != len(groups):
+        raise ValueError(f"broadcast_optimizer_state: rank {root_rank}'s optimizer has {len(options)} parameter "
+                         f"groups, this rank's has {len(groups)}: build the optimizer the same way on every rank")
+    for group, values in zip(groups, options):
+        group.update(values)
 
 
 def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:

@@ -95,6 +95,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HORA_BUCKET_CAP_MB", None, float, 25.0, "DistributedOptimizer bucket size in MB (DDP's default)."),
     Knob("HORA_FIRST_BUCKET_MB", None, float, 1.0,
          "Size of the first gradient bucket in MB, small so communication starts early in backward."),
+    Knob("HORA_SHARDED_REDUCE", None, str, "auto",
+         "DistributedOptimizer(sharding='gradients'): the collective of each gradient bucket: allreduce (every "
+         "rank receives the whole reduced bucket and keeps its owned part), reducescatter (each rank receives "
+         "only its owned part; the bucket is laid out in equal owner segments), or auto (reducescatter for CUDA "
+         "buckets, allreduce for CPU ones, where Gloo's reduce-scatter measured slower than its allreduce)."),
     Knob("HORA_STEP_OVERLAP", None, bool, True,
          "DistributedOptimizer.step() with a built-in per-parameter optimizer (SGD, Adam, AdamW, ...): update "
          "each bucket's parameters as soon as its gradients are reduced, while later buckets are still on the "
@@ -137,6 +142,7 @@ class Knobs:
     elastic_timeout: float = _DEFAULTS["elastic_timeout"]
     bucket_cap_mb: float = _DEFAULTS["bucket_cap_mb"]
     first_bucket_mb: float = _DEFAULTS["first_bucket_mb"]
+    sharded_reduce: str = _DEFAULTS["sharded_reduce"]
     step_overlap: bool = _DEFAULTS["step_overlap"]
     hierarchical_allreduce: bool = _DEFAULTS["hierarchical_allreduce"]
     full_tracebacks: bool = _DEFAULTS["full_tracebacks"]

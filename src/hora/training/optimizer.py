@@ -33,6 +33,8 @@ from hora.datapath.reduce_ops import Adasum, Average, Sum
 from hora.training.adasum_reducer import AdasumReducer
 from hora.training.buckets import split_groups
 from hora.training.reducer import GradientReducer
+from hora.training.sharded_reducer import ShardedGradientReducer
+from hora.training.sharding import MODES, Sharding
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,10 @@ class _DistributedOptimizer:
     _hora_base: type
     _hora_updates_by_bucket: int
     _hora_synced_for_scaler: bool  # the last reduction was made for a GradScaler: step() need not warn
+    _hora_sharding: Sharding | None
+    _hora_names: list[str]
+    _hora_params: list[torch.Tensor]
+    sharding: str | None  # the sharding mode (None: every rank keeps the whole state)
 
     def synchronize(self) -> None:
         """Finish reducing this step's gradients and write them into ``p.grad``.
@@ -103,10 +109,17 @@ class _DistributedOptimizer:
         Horovod's (``synchronize()``, ``unscale_``, ``skip_synchronize()``) too."""
         groups: list[dict[str, Any]] = self.__dict__["param_groups"]
         reducer = self.__dict__.get("_hora_reducer")
-        if (reducer is not None and not reducer.synced and not reducer.updates_params
-                and sys._getframe(1).f_code.co_name == _GRAD_SCALER_READER):
+        if (reducer is None or reducer.updates_params
+                or sys._getframe(1).f_code.co_name != _GRAD_SCALER_READER):
+            return groups
+        if not reducer.synced:
             reducer.synchronize()
             self._hora_synced_for_scaler = True
+        sharding = self.__dict__.get("_hora_sharding")
+        if sharding is not None and sharding.mode == "gradients" and sharding.overflow_anywhere():
+            # each rank holds only its own reduced gradients: one rank's inf/NaN is shown to every rank's
+            # scaler as one more gradient that is not finite, so all of them skip the step together
+            return [*groups, {"params": [sharding.overflow_marker()]}]
         return groups
 
     @param_groups.setter
@@ -131,6 +144,8 @@ class _DistributedOptimizer:
         if self._hora_should_sync and reducer.synced and not self._hora_synced_for_scaler:
             warnings.warn(STEP_AFTER_SYNCHRONIZE, UserWarning, stacklevel=2)
         self._hora_synced_for_scaler = False
+        if self._hora_sharding is not None:
+            return self._hora_sharded_step(self._hora_sharding, closure)
         if reducer.updates_params:  # Adasum: the local steps ran in the hooks; apply the combined update
             loss = closure() if closure is not None else None
             if self._hora_should_sync:
@@ -166,6 +181,145 @@ class _DistributedOptimizer:
         if rest:
             self._hora_updates_by_bucket += 1
             _step_on(self, rest)
+
+    def _hora_sharded_step(self, sharding: Sharding, closure: Any) -> Any:
+        """Reduce, update the parameters this rank owns (bucket by bucket as their gradients land, when the
+        optimizer allows it), then send every owner's updates to the others (:mod:`hora.training.sharding`)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        reducer = self._hora_reducer
+        sent = sharding.begin_step()
+        owned = set(sharding.owned())
+        index_of = {id(p): i for i, p in enumerate(sharding.params)}
+        done: set[int] = set()
+
+        def apply(params: list[torch.Tensor]) -> None:
+            mine = [p for p in params if index_of[id(p)] in owned]
+            if mine:
+                self._hora_updates_by_bucket += 1
+                _step_on(self, mine)
+            indices = [index_of[id(p)] for p in params]
+            done.update(indices)
+            sent.updated([i for i in indices if i in owned])
+
+        if self._hora_should_sync and not reducer.synced and _overlappable(self):
+            reducer.synchronize(on_reduced=apply)
+        elif self._hora_should_sync:
+            reducer.synchronize()
+        reducer.stepped()
+        rest = [sharding.params[i] for i in sorted(owned) if i not in done]
+        if rest:
+            _step_on(self, rest)
+            sent.updated([index_of[id(p)] for p in rest])
+        sent.finish()
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over this optimizer's parameters, with the norm of the *reduced*
+        gradients of the whole model on every rank, whatever the sharding (with ``sharding="gradients"`` a rank
+        holds only its own parameters' gradients: the norm is combined over the ranks). Synchronizes first if
+        this step's gradients are not reduced yet. Returns the total norm (before clipping).
+
+        Example:
+            >>> loss.backward()                        # doctest: +SKIP
+            >>> opt.clip_grad_norm_(1.0)               # doctest: +SKIP
+            >>> with opt.skip_synchronize():           # doctest: +SKIP
+            ...     opt.step()
+        """
+        self.synchronize()
+        params = self._hora_params
+        sharding = self._hora_sharding
+        if sharding is None or sharding.mode != "gradients":
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        total = sharding.grad_norm(float(norm_type))
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot "
+                               "be clipped; set error_if_nonfinite=False to clip anyway")
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+        return total
+
+    # -- the state: whole or sharded (docs/large-models.md) ---------------------------------------------------
+    def owned_parameter_names(self) -> list[str]:
+        """Names of the parameters whose optimizer state this rank keeps (all of them when not sharded)."""
+        sharding = self._hora_sharding
+        if sharding is None:
+            return list(self._hora_names)
+        return [self._hora_names[i] for i in sharding.owned()]
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the state: ``{"state": {name: {key: value}}, "param_groups": [...]}``.
+
+        ``state`` holds the entries of the parameters :meth:`owned_parameter_names` lists (the optimizer's own
+        tensors, not copies, as torch's ``state_dict()`` gives them); ``param_groups`` holds every group's
+        hyperparameters as torch's ``state_dict()`` does, with the group's parameter *names* under
+        ``"params"`` (every parameter of the group, owned or not: the same on every rank).
+        """
+        sharding = self._hora_sharding
+        state: dict[Any, Any] = self.state  # type: ignore[attr-defined]
+        if sharding is None:
+            entries = {self._hora_names[i]: state[p] for i, p in enumerate(self._hora_params)
+                       if p in state and state[p]}
+        else:
+            entries = sharding.owned_entries()
+        name_of = {id(p): n for p, n in zip(self._hora_params, self._hora_names)}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(p)] for p in g["params"]]}
+                  for g in self.param_groups]  # type: ignore[attr-defined]
+        return {"state": dict(entries), "param_groups": groups}
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`sharded_state_dict` (this rank's entries at least; entries of parameters this rank
+        does not own are ignored, so a state saved at N ranks loads at M). Every group's hyperparameters are
+        set from it; a parameter without an entry gets no state. Not a collective."""
+        groups = state_dict.get("param_groups")
+        entries = state_dict.get("state")
+        if not isinstance(groups, list) or not isinstance(entries, dict):
+            raise ValueError("load_sharded_state_dict takes a dict with 'state' (name -> entry) and "
+                             "'param_groups' (a list), as sharded_state_dict() returns")
+        live = self.param_groups  # type: ignore[attr-defined]
+        if len(groups) != len(live):
+            raise ValueError(f"the state has {len(groups)} parameter groups, this optimizer has {len(live)}")
+        name_of = {id(p): n for p, n in zip(self._hora_params, self._hora_names)}
+        for g, (saved, group) in enumerate(zip(groups, live)):
+            names = {name_of[id(p)] for p in group["params"]}
+            if set(saved.get("params", ())) != names:
+                missing = sorted(names - set(saved.get("params", ())))[:5]
+                extra = sorted(set(saved.get("params", ())) - names)[:5]
+                raise ValueError(f"parameter group {g} of the state holds other parameters than this optimizer's "
+                                 f"group {g} (missing: {missing}, unknown: {extra}): load a state saved from the "
+                                 "same model and the same parameter groups")
+        hyper = [{k: v for k, v in saved.items() if k != "params"} for saved in groups]
+        sharding = self._hora_sharding
+        owned = range(len(self._hora_params)) if sharding is None else sharding.owned()
+        wanted = {i: entries[self._hora_names[i]] for i in owned if self._hora_names[i] in entries}
+        _load_entries(self, wanted, hyper)
+        if sharding is not None:
+            sharding.loaded()
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's full ``state_dict()``. Sharded, it is a collective (every rank must call it) and every
+        rank gets the whole state; prefer :meth:`sharded_state_dict` for large models."""
+        sharding = self._hora_sharding
+        if sharding is None:
+            return super().state_dict()  # type: ignore[misc, no-any-return]
+        full = super().state_dict()  # type: ignore[misc]
+        everything = sharding.gather_all()
+        full["state"] = {i: everything[name] for i, name in enumerate(self._hora_names) if name in everything}
+        return full  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict()``; sharded, each rank keeps the entries of the parameters it owns (not
+        a collective)."""
+        sharding = self._hora_sharding
+        if sharding is None:
+            super().load_state_dict(state_dict)  # type: ignore[misc]
+            return
+        owned = set(sharding.owned())
+        kept = {**state_dict, "state": {k: v for k, v in state_dict["state"].items() if k in owned}}
+        super().load_state_dict(kept)  # type: ignore[misc]
+        sharding.loaded()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._hora_reducer.in_flight():
@@ -214,6 +368,18 @@ def _step_on(optimizer: Any, params: list[torch.Tensor]) -> None:
     finally:
         for group, kept in zip(optimizer.param_groups, stashed):
             group["params"] = kept
+
+
+def _load_entries(optimizer: Any, entries: dict[int, Any], hyper: list[dict[str, Any]] | None = None) -> None:
+    """Make ``entries`` ({parameter index: state entry}) the optimizer's whole state, through torch's own
+    ``load_state_dict`` (its casting and moves to each parameter's device); the groups' hyperparameters are
+    ``hyper`` (default: unchanged)."""
+    groups, start = [], 0
+    for g, group in enumerate(optimizer.param_groups):
+        values = hyper[g] if hyper is not None else {k: v for k, v in group.items() if k != "params"}
+        groups.append({**values, "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    super(_DistributedOptimizer, optimizer).load_state_dict({"state": entries, "param_groups": groups})
 
 
 def _local_step(optimizer: Any, p: torch.Tensor) -> None:
@@ -294,6 +460,19 @@ def _validate(optimizer: Any, compression: Any, passes: int, op: Any, predivide:
         raise ValueError(f"compression must have compress() and decompress(), got {compression!r}")
 
 
+def _validate_sharding(optimizer: Any, sharding: str | None, op: Any) -> None:
+    if sharding is None:
+        return
+    if sharding not in MODES:
+        raise ValueError(f"sharding must be None, 'optimizer' or 'gradients', got {sharding!r}")
+    if op is Adasum:
+        raise ValueError("sharding does not combine with op=hvd.Adasum (Adasum combines every rank's own update of "
+                         "every parameter); use op=hvd.Average")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("sharding does not work with LBFGS: its step reads every parameter at once (one flat "
+                         "view), so it cannot update a share of them")
+
+
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -305,6 +484,7 @@ def DistributedOptimizer(
     groups: Any = None,
     sparse_as_dense: bool = False,
     process_set: Any = global_process_set,
+    sharding: str | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients reduced across ``process_set``.
 
@@ -320,11 +500,16 @@ def DistributedOptimizer(
         groups: explicit list of lists of parameters, each reduced as one bucket.
         sparse_as_dense: reduce sparse gradients as dense tensors instead of by allgather.
         process_set: the ranks to reduce across.
+        sharding: ``None`` (every rank keeps the whole optimizer state), ``"optimizer"`` (each rank keeps and
+            updates the state of its own share of the parameters; gradients are reduced in full as without
+            sharding) or ``"gradients"`` (also each rank keeps only its share's reduced gradients).
+            docs/large-models.md says which to choose.
 
     Returns:
         The distributed optimizer.
     """
     _validate(optimizer, compression, backward_passes_per_step, op, gradient_predivide_factor)
+    _validate_sharding(optimizer, sharding, op)
     params, names, parameter_names = _named(optimizer, named_parameters)
     base = type(optimizer)
     cls = _classes.get(base)
@@ -350,7 +535,16 @@ def DistributedOptimizer(
         wrapped._hora_reducer = AdasumReducer(*params_names_groups, **reducer_args,
                                               local_step=functools.partial(_local_step, wrapped))
     else:
-        wrapped._hora_reducer = GradientReducer(*params_names_groups, **reducer_args, op=op,
-                                                gradient_predivide_factor=gradient_predivide_factor)
+        kind = ShardedGradientReducer if sharding == "gradients" else GradientReducer
+        wrapped._hora_reducer = kind(*params_names_groups, **reducer_args, op=op,
+                                     gradient_predivide_factor=gradient_predivide_factor)
+    wrapped._hora_params, wrapped._hora_names = params, names
+    wrapped.sharding = sharding
+    wrapped._hora_sharding = None
+    if sharding is not None:
+        wrapped._hora_sharding = Sharding(sharding, wrapped, params, names, params_names_groups[2], process_set,
+                                          wrapped._hora_reducer.naming, functools.partial(_load_entries, wrapped))
+        if isinstance(wrapped._hora_reducer, ShardedGradientReducer):
+            wrapped._hora_reducer.sharding = wrapped._hora_sharding
     wrapped._hora_reducer.register_hooks()  # buckets are planned at the first backward
     return wrapped
