@@ -306,3 +306,61 @@ def test_broadcast_optimizer_state_gives_a_sharded_optimizer_the_roots_options_a
     assert [r["lr"] for r in results] == [0.02, 0.02]
     for r in results:
         assert r["before"] == r["after"] and r["after"]
+
+
+# --- AMP: torch's GradScaler recipe on a sharded optimizer --------------------------------------------------
+_OVERFLOW_STEP = 1  # this step fc3.bias's gradient overflows: only its owner sees it, every rank must skip
+
+
+def _amp(model: Net, opt: Any, data: Callable[[int], Any], clip: Callable[[], Any] | None) -> dict[str, Any]:
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    scales = []
+    for step in range(STEPS + 1):
+        opt.zero_grad()
+        x, y = data(step)
+        loss = F.mse_loss(model(x), y)
+        if step == _OVERFLOW_STEP:
+            loss = loss + model.fc3.bias.sum() * torch.finfo(torch.float32).max
+        scaler.scale(loss).backward()
+        if clip is not None:
+            scaler.unscale_(opt)
+            clip()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return {"params": [p.detach().clone() for p in model.parameters()], "scales": scales}
+
+
+def _amp_ranks(rank: int, size: int, mode: str, clip: bool, fused: bool) -> dict[str, Any]:
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused),
+                                   named_parameters=model.named_parameters(), sharding=mode)
+
+    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch(step, 0, ROWS * size)
+        return x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]
+
+    out = _amp(model, opt, data, (lambda: opt.clip_grad_norm_(0.05)) if clip else None)
+    out["owns_bias"] = "fc3.bias" in opt.owned_parameter_names()
+    return out
+
+
+@pytest.mark.parametrize(("mode", "clip", "fused"), [
+    ("optimizer", False, False), ("gradients", False, False), ("gradients", True, False), ("gradients", False, True),
+])
+def test_grad_scaler_recipe_skips_an_overflowing_step_on_every_rank(mode: str, clip: bool, fused: bool) -> None:
+    """``scaler.scale(loss).backward(); [scaler.unscale_(opt); opt.clip_grad_norm_(); ] scaler.step(opt);
+    scaler.update()``: with sharding="gradients" only the owner of fc3.bias holds its overflowing gradient,
+    and every rank must skip that step and back the scale off, as one process on the whole batch does."""
+    model = Net()
+    ref_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+    want = _amp(model, ref_opt, lambda s: batch(s, 0, ROWS * 2),
+                (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)) if clip else None)
+    assert want["scales"][_OVERFLOW_STEP] == want["scales"][_OVERFLOW_STEP - 1] / 2  # the reference skipped
+    results = run_tensors(_amp_ranks, 2, mode, clip, fused, timeout=120)
+    assert sorted(r["owns_bias"] for r in results) == [False, True]
+    for rank, got in enumerate(results):
+        assert got["scales"] == want["scales"], f"rank {rank}: scales {got['scales']}, one process {want['scales']}"
+        for i, (p, q) in enumerate(zip(got["params"], want["params"])):
+            assert torch.equal(p, results[0]["params"][i]), f"rank {rank} param {i} != rank 0's"
+            torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5, msg=lambda m, j=i: f"param {j}: {m}")
