@@ -192,7 +192,10 @@ def test_horovods_elastic_modules_import_under_the_stand_in(horovod_stand_in: No
 
     assert ElasticSampler is hvd.elastic.ElasticSampler and TorchState is hvd.elastic.TorchState
     assert State is hvd.elastic.State and ObjectState is hvd.elastic.ObjectState
-    assert [h for _, h in get_handler_registry()] == [ModelStateHandler, OptimizerStateHandler, SamplerStateHandler]
+    from hora.elastic.state import SchedulerStateHandler  # hora's: LR schedulers roll back with the state
+
+    assert [h for _, h in get_handler_registry()] == [ModelStateHandler, OptimizerStateHandler, SchedulerStateHandler,
+                                                      SamplerStateHandler]
     assert all(issubclass(h, StateHandler) for _, h in get_handler_registry()) and callable(set_handler_registry)
     assert isinstance(notification_manager, WorkerNotificationManager)
     assert [int(HostUpdateResult[n]) for n in ("no_update", "removed", "added", "mixed")] == [0, 1, 2, 3]

@@ -201,22 +201,76 @@ class ModelStateHandler(StateHandler):
 
 
 class OptimizerStateHandler(StateHandler):
-    """A ``torch.optim.Optimizer``: its ``state_dict()`` saved in memory, broadcast by sync."""
+    """A ``torch.optim.Optimizer``: its ``state_dict()`` saved in memory, broadcast by sync.
+
+    A sharded ``DistributedOptimizer`` (``sharding=...``) keeps no second full copy: a commit keeps this rank's
+    shard and a copy of the previous rank's (sent here at the commit), so the state survives any one rank
+    leaving; ``restore()`` puts this rank's shard back; ``sync()`` moves every entry to its owner in the new
+    world (:meth:`hora.training.sharding.Sharding.settle`) and gives every rank rank 0's options (``lr`` ...).
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
+        self._options: Any = None
+        sharding = _sharding_of(optimizer)
+        if sharding is not None:  # no collective here: a new worker builds its state before it joins the job
+            sharding.snapshot(_copy_into)
+            self._options = _copy_into(None, _options_of(optimizer))
+        else:
+            self.save()
+
+    def save(self) -> None:
+        sharding = _sharding_of(self.value)
+        if sharding is not None:
+            sharding.commit(_copy_into)
+            self._options = _copy_into(self._options, _options_of(self.value))
+            return
+        self._saved = _copy_into(getattr(self, "_saved", None), self.value.state_dict())
+
+    def restore(self) -> None:
+        sharding = _sharding_of(self.value)
+        if sharding is not None:
+            sharding.restore()
+            for group, options in zip(self.value.param_groups, copy.deepcopy(self._options)):
+                group.update(options)
+            return
+        # torch may keep the given tensors as the optimizer's state (no copy): hand it a copy, so training
+        # after a restore never changes the saved commit (restores are rare; commits are not)
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
+    def sync(self) -> None:
+        sharding = _sharding_of(self.value)
+        if sharding is not None:
+            sharding.settle()
+        functions.broadcast_optimizer_state(self.value, root_rank=0)  # sharded: rank 0's options only
+
+
+def _sharding_of(optimizer: Any) -> Any:
+    """The sharding of a ``DistributedOptimizer(sharding=...)`` (hora.training.sharding.Sharding), else None."""
+    return getattr(optimizer, "_hora_sharding", None)
+
+
+def _options_of(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+class SchedulerStateHandler(StateHandler):
+    """A learning-rate scheduler (``torch.optim.lr_scheduler``): its ``state_dict()`` saved, put back by
+    restore (so a rollback also rolls the schedule back), rank 0's given to every rank by sync."""
+
+    def __init__(self, scheduler: Any) -> None:
+        super().__init__(scheduler)
         self.save()
 
     def save(self) -> None:
         self._saved = _copy_into(getattr(self, "_saved", None), self.value.state_dict())
 
     def restore(self) -> None:
-        # torch may keep the given tensors as the optimizer's state (no copy): hand it a copy, so training
-        # after a restore never changes the saved commit (restores are rare; commits are not)
         self.value.load_state_dict(copy.deepcopy(self._saved))
 
     def sync(self) -> None:
-        functions.broadcast_optimizer_state(self.value, root_rank=0)
+        self.value.load_state_dict(functions.broadcast_object(self.value.state_dict(), 0,
+                                                              name="hora.elastic.scheduler_state"))
 
 
 class SamplerStateHandler(StateHandler):
@@ -247,6 +301,7 @@ class SamplerStateHandler(StateHandler):
 _handler_registry: list[tuple[type, type[StateHandler]]] = [
     (torch.nn.Module, ModelStateHandler),
     (torch.optim.Optimizer, OptimizerStateHandler),
+    (torch.optim.lr_scheduler.LRScheduler, SchedulerStateHandler),
     (ElasticSampler, SamplerStateHandler),
 ]
 
@@ -268,20 +323,22 @@ def _handler_for(value: Any) -> StateHandler | None:
 
 
 class TorchState(ObjectState):
-    """A model, an optimizer, ``ElasticSampler`` objects and any other values, kept across resets.
+    """A model, an optimizer, LR schedulers, ``ElasticSampler`` objects and any other values, kept across resets.
 
-    ``save()`` copies the model's and optimizer's ``state_dict()`` in memory (into the last commit's tensors
-    when their shapes still match: no allocation per commit); ``sync()`` broadcasts the
-    model's parameters and buffers and the optimizer's state from rank 0 and the samplers' epoch and count of
-    processed samples; ``reset()`` deals the samplers' remaining samples over the new world. Other keyword values
-    behave as in :class:`ObjectState`. Assigning a new model or optimizer to the attribute (``state.model =
-    new_model``) makes the state track the new object.
+    ``save()`` copies the model's, optimizer's and schedulers' ``state_dict()`` in memory (into the last
+    commit's tensors when their shapes still match: no allocation per commit; a sharded optimizer keeps its
+    own shard and a copy of one neighbour's); ``sync()`` broadcasts the model's parameters and buffers, the
+    optimizer's state (a sharded one's moves to its new owners) and the schedulers' state from rank 0 and the
+    samplers' epoch and count of processed samples; ``reset()`` deals the samplers' remaining samples over the
+    new world. Other keyword values behave as in :class:`ObjectState`. Assigning a new model or optimizer to
+    the attribute (``state.model = new_model``) makes the state track the new object.
 
     Args:
         model: a ``torch.nn.Module`` (or None).
         optimizer: a ``torch.optim.Optimizer``, e.g. a ``hvd.DistributedOptimizer`` (or None).
-        **kwargs: more values; ``torch.nn.Module``, optimizer and ``ElasticSampler`` values are handled like
-            ``model`` and ``optimizer``.
+        **kwargs: more values; ``torch.nn.Module``, optimizer, LR scheduler
+            (``torch.optim.lr_scheduler.LRScheduler``, e.g. ``scheduler=sched``) and ``ElasticSampler`` values
+            are handled like ``model`` and ``optimizer``.
     """
 
     _handlers: dict[str, StateHandler]

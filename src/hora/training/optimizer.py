@@ -374,12 +374,20 @@ def _load_entries(optimizer: Any, entries: dict[int, Any], hyper: list[dict[str,
     """Make ``entries`` ({parameter index: state entry}) the optimizer's whole state, through torch's own
     ``load_state_dict`` (its casting and moves to each parameter's device); the groups' hyperparameters are
     ``hyper`` (default: unchanged)."""
+    live = optimizer.param_groups
+    kept = list(live)
     groups, start = [], 0
-    for g, group in enumerate(optimizer.param_groups):
+    for g, group in enumerate(live):
         values = hyper[g] if hyper is not None else {k: v for k, v in group.items() if k != "params"}
         groups.append({**values, "params": list(range(start, start + len(group["params"])))})
         start += len(group["params"])
     super(_DistributedOptimizer, optimizer).load_state_dict({"state": entries, "param_groups": groups})
+    # torch's load_state_dict makes new group dicts; keep the old ones (an LR scheduler, or the optimizer
+    # this one wraps, holds them), with the loaded values
+    for old, loaded in zip(kept, optimizer.param_groups):
+        old.update(loaded)
+    live[:] = kept
+    optimizer.param_groups = live
 
 
 def _local_step(optimizer: Any, p: torch.Tensor) -> None:

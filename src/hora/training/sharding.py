@@ -324,6 +324,13 @@ class Sharding:
         return marker
 
     # -- elastic commits ------------------------------------------------------------------------------
+    def snapshot(self, copy_into: Callable[[Any, Any], Any]) -> None:
+        """Keep a copy of the state this rank holds now, without a collective (an elastic state being built:
+        a new worker builds it before it joins the job's world)."""
+        held = self.held()
+        self._commit = copy_into(self._commit, held)
+        self._commit_world = self._state_world if held else None
+
     def commit(self, copy_into: Callable[[Any, Any], Any]) -> None:
         """Collective (an elastic ``commit()``): keep a copy of this rank's shard, and of the previous member's
         (sent here), so the state survives any one rank leaving before the next commit."""
@@ -335,12 +342,11 @@ class Sharding:
         self._spare = state_exchange.shift(own, name=f"{self.naming.prefix}.commit", process_set=self.process_set)
 
     def restore(self) -> None:
-        """Put back this rank's shard as of the last commit (no collective; the next settle moves it)."""
-        if self._commit is None:
-            return
-        entries = copy.deepcopy(self._commit)  # training on from here must not change the commit
+        """Put back the state this rank held at the last commit (no collective; the next settle moves it).
+        A rank that held nothing then (it joined since) drops what it holds now."""
+        entries = copy.deepcopy(self._commit) if self._commit else {}  # training on must not change the commit
         self.load_entries({self.index_of[name]: entry for name, entry in entries.items()})
-        self._state_world = self._commit_world
+        self._state_world = self._commit_world if entries else None
         self._settled = None
 
 
