@@ -450,6 +450,7 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
             model = (f"; the bandwidth bound is {(10 / 6) / (4 / 3):.2f}x: per host cable the flat ring on 6 "
                      "ranks carries 2(6-1)/6 S = 1.67 S each way, the hierarchy 2(3-1)/3 S = 1.33 S")
         names = {"flat": "flat ring", "hierarchical": f"hierarchical ({rec.get('way', 'leader')} way)",
+                 "shard": "hierarchical, shard way (reduce-scatter, each local rank's ring, allgather)",
                  "leader": "hierarchical, leader way (reduce, leaders' ring, broadcast)",
                  "raw_ring": "reference: torch.distributed's ring on the 6 ranks (no hora)",
                  "raw_leaders": "reference: the 3 leaders' ring alone (no hora, no intra-host step)"}

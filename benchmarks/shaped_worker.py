@@ -216,9 +216,10 @@ def mode_gradsync(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def mode_hierarchical(ns: argparse.Namespace) -> dict[str, Any]:
-    """hvd.allreduce_ flat, the hierarchy's chosen way and, where that is the shared-memory way, the leader way
-    too; and two references without hora: torch.distributed's own ring on the 6 ranks, and the hosts' leaders
-    alone allreducing across hosts (no intra-host step: the wire's bound on this machine)."""
+    """hvd.allreduce_ flat, the hierarchy's chosen way and the ways its groups also allow (shared memory: the
+    shard and leader ways; shard: the leader way); and two references without hora: torch.distributed's own
+    ring on the 6 ranks, and the hosts' leaders alone allreducing across hosts (no intra-host step: the
+    wire's bound on this machine)."""
     h = hierarchical.active()
     if h is None:
         raise SystemExit("start with HOROVOD_HIERARCHICAL_ALLREDUCE=1 on several ranks per host")
@@ -241,8 +242,8 @@ def mode_hierarchical(ns: argparse.Namespace) -> dict[str, Any]:
         return run
 
     ways: dict[str, Callable[[], Any]] = {"flat": flat, "hierarchical": way(chosen)}
-    if chosen != "leader":
-        ways["leader"] = way("leader")
+    for other in {"shm": ("shard", "leader"), "shard": ("leader",)}.get(chosen, ()):  # what its groups allow
+        ways[other] = way(other)
     big = torch.arange(ns.bytes // 4, dtype=torch.float32) % 1000 + hvd.rank()  # exact in float32
     expect = (torch.arange(ns.bytes // 4, dtype=torch.float32) % 1000) * hvd.size() + sum(range(hvd.size()))
     for name, fn in ways.items():  # every way gives the flat ring's result, exactly (and warms up)

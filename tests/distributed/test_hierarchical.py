@@ -1,8 +1,10 @@
 """Hierarchical allreduce gives the flat ring's results: plain and fused allreduces, every reduce op, a joined
 rank's zeros, and the DistributedOptimizer's buckets, on fork-started ranks that claim to live on several
-hosts (``HORA_HOST_KEY``), so the runtime builds the per-host and cross-host groups for real. Both ways: the
-shared-memory one (equal hosts) with small slots, so a tensor runs through many chunks and reuses every slot,
-and the leader one (unequal hosts, or switched to on equal hosts)."""
+hosts (``HORA_HOST_KEY``), so the runtime builds the per-host and cross-host groups for real. Every way: the
+shared-memory one (equal hosts) with small slots, so a tensor runs through many chunks and reuses every slot;
+the shard one (Horovod's NCCL way: reduce-scatter within the host, each local rank's shard across hosts,
+allgather; equal hosts without shared memory, or switched to), bit for bit the flat allreduce; and the leader
+one (unequal hosts, or switched to on equal hosts)."""
 
 from __future__ import annotations
 
@@ -71,6 +73,30 @@ def _more_callers(rank: int, size: int) -> int:
     return 7
 
 
+def _ways_below(mode: str) -> list[str]:
+    """The ways an hierarchy chosen as ``mode`` may be switched to: shared memory's groups serve the shard and
+    leader ways, the shard way's the leader way."""
+    return {"shm": ["shard", "leader"], "shard": ["leader"]}.get(mode, [])
+
+
+def _same_as_flat(rank: int, size: int) -> int:
+    """Sizes below, at and around multiples of the ranks per host, one and several chunks: bit for bit the flat
+    allreduce of the same inputs in the same job (whole numbers: every order of summing gives the same
+    floats), and the same on every rank."""
+    checked = 0
+    for n in (1, 2, 5, 64 * 1024 // 4 * 3 + 5, 200_003):
+        g = torch.Generator().manual_seed(n + 7 * rank)
+        x = torch.randint(-1000, 1000, (n,), generator=g).float()
+        got = hvd.allreduce(x, op=hvd.Sum, name=f"way.{n}")
+        with hierarchical.flat():
+            flat = hvd.allreduce(x, op=hvd.Sum, name=f"flat.{n}")
+            every = hvd.allgather(got.unsqueeze(0), name=f"same.{n}")
+        assert torch.equal(got, flat), f"{n} elements: {(got - flat).abs().max()} off the flat allreduce"
+        assert all(torch.equal(every[0], row) for row in every), f"{n} elements: ranks got different sums"
+        checked += 1
+    return checked
+
+
 def _private_segment(path: str, nbytes: int) -> torch.Tensor | None:
     """A segment of this rank's own instead of the peer's at ``path``."""
     made = hostshm._create(nbytes)
@@ -108,17 +134,20 @@ def _hierarchical_job(rank: int, size: int, per_host: list[int], knob: str, trai
         for i, out in enumerate(outs):
             close(out, torch.full((10 + i,), float(sum(r + i for r in range(size)))), f"fused part {i}")
         checked += _more_callers(rank, size)
-        if h is not None and h.mode == "shm":  # the leader way on the same groups, then back
-            h.mode = "leader"
+        chosen = h.mode if h is not None else "flat"
+        for other in _ways_below(chosen):  # the other ways the same groups allow, then back
+            h.mode = other  # type: ignore[union-attr]
             checked += _more_callers(rank, size)
-            h.mode = "shm"
+            checked += _same_as_flat(rank, size)
+        if h is not None:
+            h.mode = chosen
         # a joined rank contributes zeros through the same three steps
         if rank != size - 1:
             close(hvd.allreduce(torch.ones(1000), op=hvd.Sum), torch.full((1000,), float(size - 1)),
                   "allreduce with the last rank joined")
         hvd.join()
         result: dict[str, object] = {"active": h is not None, "leader": h.leader if h else -1, "checked": checked,
-                                     "mode": h.mode if h else "flat"}
+                                     "mode": chosen}
         if train:
             result["hierarchical"] = _train_steps(rank)
             with hierarchical.flat():  # the flat ring in the same job: the reference
@@ -134,7 +163,7 @@ def test_three_hosts_of_two_match_flat() -> None:
     assert [r["active"] for r in out] == [True] * 6
     assert [r["leader"] for r in out] == [0, 0, 2, 2, 4, 4]
     assert [r["mode"] for r in out] == ["shm"] * 6
-    assert all(r["checked"] == 7 + 7 + 7 for r in out)  # the shared-memory way, then the leader way
+    assert all(r["checked"] == 7 + 7 + 12 + 12 for r in out)  # shared memory, then the shard and leader ways
     assert all(int(r["calls"]) >= 10 for r in out)  # type: ignore[call-overload]  # the three steps ran
     for r in out:  # the same training as the flat ring, to rounding
         for p_h, p_f in zip(r["hierarchical"], r["flat"]):  # type: ignore[call-overload]
@@ -145,18 +174,21 @@ def test_two_hosts_of_three_share_memory() -> None:
     out = run_ranks(_hierarchical_job, 6, [3, 3], "1", False, init=False, timeout=120)
     assert [r["mode"] for r in out] == ["shm"] * 6
     assert [r["leader"] for r in out] == [0, 0, 0, 3, 3, 3]
-    assert all(r["checked"] == 21 for r in out)
+    assert all(r["checked"] == 7 + 7 + 12 + 12 for r in out)
 
 
-def test_a_rank_without_shared_memory_makes_every_host_take_the_leader_way() -> None:
-    out = run_ranks(_hierarchical_job, 4, [2, 2], "1", False, 3, init=False, timeout=90)
-    assert [r["mode"] for r in out] == ["leader"] * 4
-    assert all(r["checked"] == 14 for r in out)
+def test_a_rank_without_shared_memory_makes_every_host_take_the_shard_way() -> None:
+    out = run_ranks(_hierarchical_job, 4, [2, 2], "1", True, 3, init=False, timeout=90)
+    assert [r["mode"] for r in out] == ["shard"] * 4
+    assert all(r["checked"] == 7 + 7 + 12 for r in out)  # the shard way, then the leader way
+    for r in out:  # the same training as the flat ring, to rounding
+        for p_h, p_f in zip(r["hierarchical"], r["flat"]):  # type: ignore[call-overload]
+            torch.testing.assert_close(torch.tensor(p_h), torch.tensor(p_f), rtol=1e-5, atol=1e-6)
 
 
-def test_a_rank_that_cannot_see_its_peers_segments_makes_every_host_take_the_leader_way() -> None:
+def test_a_rank_that_cannot_see_its_peers_segments_makes_every_host_take_the_shard_way() -> None:
     out = run_ranks(_hierarchical_job, 4, [2, 2], "1", False, -1, 2, init=False, timeout=90)
-    assert [r["mode"] for r in out] == ["leader"] * 4
+    assert [r["mode"] for r in out] == ["shard"] * 4
 
 
 def test_uneven_hosts() -> None:

@@ -4,6 +4,7 @@ and hora's group being torch.distributed's default group (DDP and raw calls in t
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 import torch
@@ -182,6 +183,52 @@ def _user_made_group(rank: int, size: int) -> int:
 
 def test_init_after_the_script_made_the_default_group() -> None:
     assert run_ranks(_user_made_group, 2, init=False) == [2, 2]
+
+
+def _default_group_without_cpu(rank: int, size: int) -> dict[str, object]:
+    """The script's default group has no backend for CPU tensors (``init_process_group("cuda:gloo")``: what
+    ``init_process_group("nccl")`` gives under torchrun, on a machine without CUDA): hora's CPU collectives
+    go through its own Gloo groups all the same."""
+    import os
+
+    store = dist.TCPStore(os.environ["HORA_STORE_ADDR"], int(os.environ["HORA_STORE_PORT"]), is_master=False)
+    dist.init_process_group("cuda:gloo", store=dist.PrefixStore("user", store), rank=rank, world_size=size)
+    try:
+        with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+            dist.all_reduce(torch.ones(1))  # the script's own group: no CPU backend, as with NCCL alone
+        hvd.init()
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(4, 2)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # checks the layout with a CPU allgather
+        torch.manual_seed(0)
+        close(model.weight.detach(), torch.nn.Linear(4, 2).weight.detach(), "rank 0's parameters everywhere")
+        got = hvd.broadcast_object({"from": rank}, root_rank=1)
+        metric = hvd.allreduce(torch.tensor([float(rank + 1)]), op=hvd.Sum, name="a CPU metric")
+        hvd.shutdown()
+        return {"object": got, "metric": metric.item()}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_default_group_without_a_cpu_backend_still_carries_horas_cpu_collectives() -> None:
+    assert run_ranks(_default_group_without_cpu, 2, init=False) == [{"object": {"from": 1}, "metric": 3.0}] * 2
+
+
+def _late_rank_at_ddp(rank: int, size: int) -> list[float]:
+    """A rank reaches the default group's collective long after the start timeout (evaluation, a checkpoint):
+    the others wait for it, as the collective timeout allows, instead of failing after the start timeout."""
+    hvd.init()
+    if rank == 1:
+        time.sleep(3.0)  # the start timeout is 1 s
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t)  # the default group hora made: what DDP uses
+    late = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after the late rank")
+    return [*t.tolist(), late.item()]
+
+
+def test_the_default_group_waits_past_the_start_timeout() -> None:
+    env = {"HORA_START_TIMEOUT": "1", "HORA_COLLECTIVE_TIMEOUT": "120"}
+    assert run_ranks(_late_rank_at_ddp, 2, env=env) == [[3.0, 3.0, 2.0]] * 2
 
 
 def _peer_dies(rank: int, size: int) -> str:

@@ -2,7 +2,7 @@
 the job (rank, size, local and cross ranks, where the rendezvous store is), detected from hora's launcher,
 horovodrun-style ``HOROVOD_*`` variables, torchrun, Open MPI, MPICH/Intel MPI or Slurm, else a single process;
 the job's secret; :func:`environ`, what :mod:`hora.common.knobs` reads the tuning knobs from; and
-:func:`torch_gloo_lazy_connect`, the one variable hora sets for torch while it makes its process groups.
+:func:`torch_groups_of_hora`, the variables hora sets for torch while it makes its process groups.
 
 Example:
     >>> env = WorkerEnv.from_environ({"HORA_RANK": "1", "HORA_SIZE": "2"})  # doctest: +SKIP
@@ -284,23 +284,37 @@ def launcher_environ() -> dict[str, str]:
 
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"  # torch's choice of network interface for a Gloo group
 TORCH_GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"  # read each time torch makes a Gloo group (a torch without it: ignored)
+# read each time torch makes an NCCL group (ProcessGroupNCCL's constructor): what its watchdog does when a
+# collective fails or passes the group's timeout. torch's default, 3 (SkipCleanUp), takes the process down;
+# 2 (CleanUpOnly) aborts the group's communicators and leaves the process alive, the error raised at wait()
+TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_CLEAN_UP_ONLY = "2"
 
 
 @contextlib.contextmanager
-def torch_gloo_lazy_connect(lazy: bool, iface: str = "") -> Iterator[None]:
-    """Within the block, the Gloo process groups torch makes connect a pair of ranks at the first collective
-    that pair needs (``lazy``), or every pair at once, as torch does by default; and, with ``iface``
-    (``HOROVOD_GLOO_IFACE``) and no ``GLOO_SOCKET_IFNAME`` of the user's, they use that network interface.
+def torch_groups_of_hora(lazy: bool, iface: str = "") -> Iterator[None]:
+    """Within the block, the process groups torch makes are made as hora's groups need:
+
+    - a Gloo group connects a pair of ranks at the first collective that pair needs (``lazy``), or every pair
+      at once, as torch does by default; with ``iface`` (``HOROVOD_GLOO_IFACE``) and no
+      ``GLOO_SOCKET_IFNAME`` of the user's, it uses that network interface;
+    - an NCCL group's watchdog, when a collective fails or times out, aborts the group's communicators and
+      leaves the process alive (hora raises the error where the collective is waited for, and an elastic
+      job recovers in the same process), unless the user chose otherwise with
+      ``TORCH_NCCL_ASYNC_ERROR_HANDLING``.
+
     Outside it, the variables are what they were, so the groups a script makes itself follow its own choice.
 
     Example:
-        >>> with torch_gloo_lazy_connect(True):
+        >>> with torch_groups_of_hora(True):
         ...     os.environ[TORCH_GLOO_LAZY_INIT]
         '1'
     """
     values = {TORCH_GLOO_LAZY_INIT: "1" if lazy else "0"}
     if iface and not os.environ.get(GLOO_SOCKET_IFNAME):
         values[GLOO_SOCKET_IFNAME] = iface
+    if not os.environ.get(TORCH_NCCL_ASYNC_ERROR_HANDLING):
+        values[TORCH_NCCL_ASYNC_ERROR_HANDLING] = NCCL_CLEAN_UP_ONLY
     before = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:

@@ -30,6 +30,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("HORA_LOG_LEVEL", "HOROVOD_LOG_LEVEL", str, "WARNING", "Log level of hora's loggers in workers."),
     Knob("HORA_START_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS", float, 60.0,
          "Seconds init() waits for every rank to reach the rendezvous store."),
+    Knob("HORA_COLLECTIVE_TIMEOUT", None, float, 600.0,
+         "Seconds one collective may take on the process groups hora makes (the default group, for DDP and "
+         "torch.distributed calls, and hora's own): torch's group timeout, after which NCCL's watchdog aborts "
+         "the collective. Not the start timeout: a rank late by minutes (evaluation, a checkpoint) is fine."),
     Knob("HORA_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE", bool, False, "Turn the stall inspector off."),
     Knob("HORA_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS", float, 60.0,
          "Seconds a collective may wait for missing ranks before one stall report names them."),
@@ -61,9 +65,10 @@ KNOBS: tuple[Knob, ...] = (
          "about log2 n connections and frames per rank)."),
     Knob("HORA_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE", bool, False,
          "Allreduce on the global set in three steps: reduce within each host, allreduce across hosts, share "
-         "the result within the host (through shared memory, each local rank carrying 1/p of the tensor, "
-         "where every host runs p ranks on Gloo; else through the host's lowest rank). Pays off with several "
-         "ranks per host on a slow network."),
+         "the result within the host. Where every host runs p ranks, each local rank carries 1/p of the "
+         "tensor across hosts (reduce-scatter and allgather within the host, as Horovod's NCCL hierarchical "
+         "allreduce; through shared memory on Gloo); else the host's lowest rank carries it all. Pays off "
+         "with several ranks per host on a slow network."),
     Knob("HORA_CALL_SITE_CHECK", None, bool, True,
          "Check that ranks reach each unnamed collective from the same line of code (a rank that skipped or "
          "added a collective is reported, not paired with the wrong op); 0 turns it off for code that calls "
@@ -127,6 +132,7 @@ class Knobs:
 
     log_level: str = _DEFAULTS["log_level"]
     start_timeout: float = _DEFAULTS["start_timeout"]
+    collective_timeout: float = _DEFAULTS["collective_timeout"]
     stall_check_disable: bool = _DEFAULTS["stall_check_disable"]
     stall_check_time_seconds: float = _DEFAULTS["stall_check_time_seconds"]
     stall_shutdown_time_seconds: float = _DEFAULTS["stall_shutdown_time_seconds"]

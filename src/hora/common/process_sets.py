@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -81,12 +82,22 @@ class ProcessSetTable(dict[int, ProcessSet]):
     Registering is collective: every rank registers the same sets in the same order (``dist.new_group``).
     """
 
-    def __init__(self, size: int, rank: int, backend: str, lazy_connect: bool = False, gloo_iface: str = "") -> None:
+    def __init__(self, size: int, rank: int, backend: str, lazy_connect: bool = False, gloo_iface: str = "",
+                 timeout: datetime.timedelta | None = None) -> None:
         super().__init__()
         self.size, self.rank, self.backend = size, rank, backend
         self.lazy_connect = lazy_connect  # HORA_GLOO_LAZY_CONNECT: a set's Gloo group connects pairs at first use
         self.gloo_iface = gloo_iface  # HOROVOD_GLOO_IFACE: the network interface of the sets' Gloo groups
+        self.timeout = timeout  # one collective's deadline on these groups (HORA_COLLECTIVE_TIMEOUT); None: torch's
         self._next_id = 1
+
+    def new_group(self, ranks: Sequence[int] | None = None) -> Any:
+        """A c10d group of hora's data plane over ``ranks`` (None: every rank), with this table's backend and
+        timeout, made as hora's groups are (:func:`hora.common.env.torch_groups_of_hora`). Collective: every
+        rank calls it, in the same order, members or not."""
+        with hora_env.torch_groups_of_hora(self.lazy_connect, self.gloo_iface):
+            return dist.new_group(ranks=list(ranks) if ranks is not None else None, backend=self.backend,
+                                  timeout=self.timeout)
 
     @staticmethod
     def check(sets: Sequence[Any], size: int) -> None:
@@ -120,8 +131,7 @@ class ProcessSetTable(dict[int, ProcessSet]):
         for other in self.values():
             if other.ranks == ps.ranks:
                 raise ValueError(f"a process set with ranks {ps.ranks} already exists: {other!r}")
-        with hora_env.torch_gloo_lazy_connect(self.lazy_connect, self.gloo_iface):
-            group = dist.new_group(ranks=ps.ranks, backend=self.backend)  # collective: every rank calls it
+        group = self.new_group(ps.ranks)
         ps._bind(self._next_id, group, self.rank)
         self[self._next_id] = ps
         self._next_id += 1

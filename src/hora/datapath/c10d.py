@@ -108,6 +108,18 @@ def allreduce(tensor: torch.Tensor, op: int, group: Any) -> Work:
     return group.allreduce([tensor], opts)
 
 
+def reduce_scatter(out: torch.Tensor, tensor: torch.Tensor, op: int, group: Any) -> Work:
+    """Reduce ``tensor`` (``group.size()`` equal pieces) across ``group``; this rank's piece of the result into
+    ``out``, which may be that piece of ``tensor`` itself (in place)."""
+    return _reduce_scatter_into(out, tensor, op=wire_op(op), group=group, async_op=True)
+
+
+def gather(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Work:
+    """Allgather ``tensor`` from every member of ``group`` into ``out``, in rank order; ``tensor`` may be this
+    rank's piece of ``out`` itself (in place)."""
+    return all_gather_into(out, tensor, group=group, async_op=True)
+
+
 def reduce(tensor: torch.Tensor, dst: int, op: int, group: Any) -> Work:
     """Reduce ``tensor`` in place onto global rank ``dst`` of ``group``."""
     return dist.reduce(tensor, dst=dst, op=wire_op(op), group=group, async_op=True)

@@ -1,28 +1,38 @@
 """Hierarchical allreduce (Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``): reduce within each host, allreduce
 across hosts, then share the result within the host.
 
-Two ways, chosen once at ``init()`` and the same on every rank:
+Three ways, chosen once at ``init()`` and the same on every rank:
 
-* ``"shm"`` (every host runs the same number p of ranks, Gloo, and /dev/shm can hold each rank's buffers):
-  each local rank owns 1/p of the tensor, sums it from its host peers' shared memory, allreduces it across
-  hosts with the ranks of the same local index (p cross-host groups), and every rank copies the owners'
-  results back (:mod:`hora.datapath.shared_memory`). No intra-host byte goes through a socket, and the cross-host
-  streams
-  and the summing are spread over the host's ranks;
-* ``"leader"`` (otherwise: hosts with unequal rank counts, NCCL): reduce to the host's *leader* (its lowest
-  rank), allreduce among the leaders, broadcast within the host, pipelined over chunks.
+* ``"shard"`` (every host runs the same number p of ranks; NCCL, or Gloo where shared memory is not
+  available), as Horovod 0.28.1's ``NCCLHierarchicalAllreduce`` does it (horovod/common/ops/
+  nccl_operations.cc:405-556): a reduce-scatter within the host leaves local rank i the host's sum of
+  shard i (``n // p`` elements); every local rank allreduces its shard across hosts with the ranks of the
+  same local index (p cross-host groups, all busy at once); an allgather within the host gives every rank
+  every shard. The ``n % p`` elements left over are reduced to the host's last local rank, which allreduces
+  them with its shard (they follow it in memory) and broadcasts them back. On 8-GPU nodes with a NIC per GPU
+  the cross-host step uses all eight;
+* ``"shm"`` (the same steps for Gloo on equal hosts, when /dev/shm can hold each rank's buffers): the
+  host's reduce-scatter and allgather go through shared memory, not sockets (:mod:`hora.datapath.shared_memory`);
+* ``"leader"`` (hosts with unequal rank counts, where a shard per local rank is not defined; Horovod's
+  non-homogeneous case): reduce to the host's *leader* (its lowest rank), allreduce among the leaders,
+  broadcast within the host.
 
 With several ranks per host, the flat ring sends ``2(n-1)/n`` of the data over every host's network link for
 ``n`` ranks; the hierarchy sends ``2(h-1)/h`` for ``h`` hosts, and the intra-host steps stay on the host
-(loopback, shared memory, NVLink). That is a win only where the network is the limit and several ranks share
+(NVLink, shared memory, loopback). That is a win only where the network is the limit and several ranks share
 a host; with one rank per host it is the flat ring (hora then skips the hierarchy altogether).
 
 Only collectives on the global process set take this path (as in Horovod): ``hvd.allreduce`` and the
 DistributedOptimizer's gradient buckets, fused or not. The groups are built once at ``init()`` when the knob
-is on, by every rank in the same order (``dist.new_group`` is collective).
+is on, by every rank in the same order (``dist.new_group`` is collective): one per host with several ranks,
+and one cross-host group per local index on equal hosts (the leaders' only on unequal ones), each used.
+
+Every way runs as a pipeline over chunks, so the intra-host steps hide behind the network, and in place: no
+buffer is allocated per call (NCCL and Gloo both take a reduce-scatter whose output is the rank's own slice
+of its input, and an allgather whose input is its slice of the output).
 
 Example:
-    HOROVOD_HIERARCHICAL_ALLREDUCE=1 hora run -np 6 -H a:2,b:2,c:2 python train.py
+    HOROVOD_HIERARCHICAL_ALLREDUCE=1 hora run -np 16 -H a:8,b:8 python train.py
     hora run --hierarchical-allreduce -np 6 -H a:2,b:2,c:2 python train.py
 """
 
@@ -30,19 +40,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hora.datapath import c10d as dataplane
 from hora.datapath import shared_memory as hostshm
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Hierarchy", "active", "allreduce", "build", "clear", "flat"]
+__all__ = ["MODES", "Hierarchy", "active", "allreduce", "build", "clear", "flat"]
+
+MODES = ("shard", "shm", "leader")
 
 
 @dataclass(eq=False)
@@ -53,18 +64,23 @@ class Hierarchy:
     local_group: Any  # the ranks on this rank's host (None when this host runs one rank)
     cross_group: Any  # the ranks of this rank's local index on every host (index 0: the leaders); None on a
     # rank that is not its host's leader when the hosts run unequal numbers of ranks
-    leader: int  # global rank of this host's leader
+    leader: int  # global rank of this host's leader (its first rank)
     rank: int
     hosts: tuple[tuple[int, ...], ...]
-    shared: hostshm.HostBuffers | None = None  # the host's shared buffers (None: the leader way only)
-    mode: str = "leader"  # "shm" or "leader"; a benchmark may switch an "shm" hierarchy to "leader" (every
-    # rank at the same point of its sequence of collectives), not the other way
+    shared: hostshm.HostBuffers | None = None  # the host's shared buffers (None: not the shared-memory way)
+    mode: str = "leader"  # one of MODES; a benchmark or test may switch an "shm" hierarchy to "shard" or
+    # "leader", or a "shard" one to "leader" (every rank at the same point of its sequence of collectives)
     calls: int = 0  # allreduces that took the three steps (diagnostics, tests)
     enabled: bool = True  # False: built but off (autotune switches it, every rank at the same round)
 
+    @property
+    def host(self) -> tuple[int, ...]:
+        """The global ranks on this rank's host, in local-rank order."""
+        return next(h for h in self.hosts if self.rank in h)
+
 
 class _ChainWork:
-    """The Works of the last step (one per chunk); the earlier steps were issued before them."""
+    """The Works of the last step (one or two per chunk); the earlier steps were issued before them."""
 
     __slots__ = ("_works",)
 
@@ -91,25 +107,15 @@ def active() -> Hierarchy | None:
     return _active
 
 
-def hosts_of(host_keys: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-    """Ranks on each host, hosts in order of first appearance.
-
-    >>> hosts_of(["a", "a", "b", "b", "c", "c"])
-    ((0, 1), (2, 3), (4, 5))
-    """
-    order: dict[str, list[int]] = {}
-    for rank, key in enumerate(host_keys):
-        order.setdefault(key, []).append(rank)
-    return tuple(tuple(r) for r in order.values())
-
-
 def worthwhile(hosts: Sequence[Sequence[int]]) -> bool:
     """True when the hierarchy can save network traffic: several hosts and some host with several ranks."""
     return len(hosts) > 1 and any(len(h) > 1 for h in hosts)
 
 
-def build(hosts: tuple[tuple[int, ...], ...], rank: int, flat_group: Any, backend: str) -> Hierarchy | None:
-    """Create the groups (every rank calls this with the same ``hosts``) and make the hierarchy active.
+def build(hosts: tuple[tuple[int, ...], ...], rank: int, flat_group: Any, backend: str,
+          new_group: Callable[[Sequence[int]], Any]) -> Hierarchy | None:
+    """Create the groups with ``new_group`` (every rank calls this with the same ``hosts``) and make the
+    hierarchy active.
 
     Returns None, leaving allreduce flat, when the layout gains nothing (one host, or one rank per host).
     """
@@ -121,21 +127,21 @@ def build(hosts: tuple[tuple[int, ...], ...], rank: int, flat_group: Any, backen
         return None
     local_group = None
     for members in hosts:  # every rank creates every group, in the same order
-        group = dist.new_group(ranks=list(members), backend=backend) if len(members) > 1 else None
+        group = new_group(members) if len(members) > 1 else None
         if rank in members:
             local_group = group
     mine = next(h for h in hosts if rank in h)
     even = len({len(h) for h in hosts}) == 1
     cross_group = None
-    for index in range(len(mine) if even else 1):  # one cross-host group per local index (index 0: leaders)
-        group = dist.new_group(ranks=[h[index] for h in hosts], backend=backend)
+    for index in range(len(mine) if even else 1):  # one cross-host group per local index (index 0: the leaders)
+        group = new_group([h[index] for h in hosts])
         if mine[index] == rank:
             cross_group = group
     shared = hostshm.setup(local_group, mine.index(rank), flat_group) if even and backend == "gloo" else None
+    mode = "shm" if shared is not None else "shard" if even else "leader"
     _active = Hierarchy(flat_group=flat_group, local_group=local_group, cross_group=cross_group, leader=mine[0],
-                        rank=rank, hosts=hosts, shared=shared, mode="shm" if shared is not None else "leader")
-    log.info("hierarchical allreduce on (%s): %d hosts, ranks per host %s", _active.mode, len(hosts),
-             [len(h) for h in hosts])
+                        rank=rank, hosts=hosts, shared=shared, mode=mode)
+    log.info("hierarchical allreduce on (%s): %d hosts, ranks per host %s", mode, len(hosts), [len(h) for h in hosts])
     return _active
 
 
@@ -178,11 +184,9 @@ def allreduce(tensor: torch.Tensor, op: int, group: Any) -> Any:
     process set's and the hierarchy is on, else as one flat c10d allreduce. The only place either path is
     chosen (single ops, fused batches and gradient buckets all come here).
 
-    Both ways run as a pipeline over chunks, so the intra-host steps hide behind the network. The shared
-    memory way completes on the calling thread (:func:`hora.datapath.shared_memory.allreduce`). The leader way:
-    while the leaders allreduce chunk k across hosts, the host reduces chunk k+1 and broadcasts chunk k-1; every rank
-    issues the same ops on each group in the same order (reduces, then broadcasts); a leader issues chunk
-    k's broadcast once its cross-host allreduce is done, on the calling thread.
+    Every rank issues the same ops on each group in the same order. A step that needs an earlier one's result
+    waits for its Work on the calling thread first: on NCCL that only orders the launch stream after it (the
+    host does not block), on Gloo it blocks the round's thread, while the ops already issued run.
     """
     h = _active
     if h is None or not h.enabled or group is not h.flat_group:
@@ -194,7 +198,44 @@ def allreduce(tensor: torch.Tensor, op: int, group: Any) -> Any:
         except Exception as e:  # noqa: BLE001 - a peer lost mid-way (Gloo's error): reported at wait()
             return dataplane.done_work(e)
         return dataplane.done_work()
-    chunks = chunks_of(tensor)
+    if h.mode in ("shm", "shard"):
+        return _sharded(h, chunks_of(tensor), op)
+    return _through_leaders(h, chunks_of(tensor), op)
+
+
+def _sharded(h: Hierarchy, chunks: list[torch.Tensor], op: int) -> _ChainWork:
+    """The ``"shard"`` way, chunk by chunk: while local rank i's shard of chunk k crosses the hosts, the host
+    reduce-scatters chunk k+1; the allgathers follow their cross-host allreduces."""
+    host = h.host
+    p, me, last = len(host), host.index(h.rank), host[-1]  # the last local rank also takes the remainder
+    local, cross = h.local_group, h.cross_group
+    per = [c.numel() // p for c in chunks]
+    summed = []
+    for c, n in zip(chunks, per):  # 1. within the host: shard i summed on local rank i, the remainder on the last
+        works = [dataplane.reduce_scatter(c[me * n : (me + 1) * n], c[: n * p], op, local)] if n else []
+        if c.numel() > n * p:
+            works.append(dataplane.reduce(c[n * p :], last, op, local))
+        summed.append(works)
+    crossing = []
+    for c, n, works in zip(chunks, per, summed):  # 2. across hosts, each local rank its shard (the last: and the rest)
+        for work in works:
+            work.wait()
+        own = c[me * n :] if me == p - 1 else c[me * n : (me + 1) * n]
+        crossing.append(dataplane.allreduce(own, op, cross) if own.numel() else None)
+    shared = []
+    for c, n, work in zip(chunks, per, crossing):  # 3. within the host: every shard, the remainder from the last
+        if work is not None:
+            work.wait()
+        if n:
+            shared.append(dataplane.gather(c[: n * p], c[me * n : (me + 1) * n], local))
+        if c.numel() > n * p:
+            shared.append(dataplane.broadcast(c[n * p :], last, local))
+    return _ChainWork(shared)
+
+
+def _through_leaders(h: Hierarchy, chunks: list[torch.Tensor], op: int) -> _ChainWork:
+    """The ``"leader"`` way: while the leaders allreduce chunk k across hosts, the host reduces chunk k+1 and
+    broadcasts chunk k-1; a leader issues chunk k's broadcast once its cross-host allreduce is done."""
     local, cross = h.local_group, (h.cross_group if h.rank == h.leader else None)
     reduces = [dataplane.reduce(c, h.leader, op, local) for c in chunks] if local is not None else []
     crossing = []

@@ -106,7 +106,7 @@ def setup(local_group: Any, index: int, flat_group: Any) -> HostBuffers | None:
             mapped = created[1] if i == index and created is not None else _map(offer[0], nbytes) if offer else None
             if mapped is None or offer is None or int(mapped[:8].view(torch.int64).item()) != offer[1]:
                 log.warning("hierarchical allreduce: local rank %d's shared segment is not visible here: the "
-                            "hosts reduce through their leaders instead", i)
+                            "hosts reduce-scatter and allgather through Gloo instead", i)
                 break
             segments.append(mapped)
     except (OSError, RuntimeError) as e:

@@ -39,6 +39,9 @@ class EngineContext:
     connect_store: Callable[[], dist.Store] | None  # a fresh store connection (the Gloo plane's bell); None: in memory
     secret: JobSecret | None = None  # the job's secret (env.job_secret()); None: the control plane is unauthenticated
     world: str = ""  # names this job's world (its store prefix: job id and generation); bound into every handshake
+    # aborts the NCCL communicators of hora's data groups (CUDA worlds): called once when a peer is lost, so the
+    # collectives launched with it end instead of holding the GPU (and a host waiting for it) forever
+    abort_data_plane: Callable[[], None] | None = None
 
     def hostname(self, rank: int) -> str:
         return self.hostnames[rank] if 0 <= rank < len(self.hostnames) else "?"

@@ -92,6 +92,13 @@ class Handle:
         self._error = error
         self._gate.open()
 
+    def abandon(self, error: BaseException) -> None:
+        """A peer of this op is gone. Launched and not complete, it never will be: ``synchronize`` raises
+        ``error`` (a work already complete keeps its result; one not launched yet is failed by the engine)."""
+        work = self._work
+        if self._gate.is_open and self._error is None and work is not None and not _completed(work):
+            self._error = error
+
     # --- called by the user's thread -------------------------------------------------------------------
     def poll(self) -> bool:
         if not self._gate.is_open:
@@ -109,7 +116,14 @@ class Handle:
                 if self._error is not None:
                     raise self._error
                 if self._work is not None:
-                    _wait_work(self._work, self.name, self.kind)
+                    try:
+                        _wait_work(self._work, self.name, self.kind)
+                    except CollectiveError:
+                        if self._error is not None:  # abandoned: the lost peer is the cause, name it
+                            raise self._error from None
+                        raise
+                if self._error is not None:  # abandoned while it ran (a NCCL wait returns at once)
+                    raise self._error
                 tl = timeline.active()
                 t0 = time.perf_counter() if tl is not None else 0.0
                 self._result = self._finish()
@@ -138,6 +152,13 @@ class Handle:
     def __repr__(self) -> str:
         state = "failed" if self._error else "launched" if self._gate.is_open else "pending"
         return f"<hora.Handle {self.kind} {self.name!r} {state}>"
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - a work that failed is not complete
+        return False
 
 
 def _wait_work(work: Any, name: str, kind: str) -> None:

@@ -440,7 +440,8 @@ class Negotiator:
 
     def _break(self, error: BaseException) -> None:
         with self._lock:
-            if self._move(Phase.BROKEN):
+            broke = self._move(Phase.BROKEN)
+            if broke:
                 self.error = error
                 # the text: a kept log record must not keep the error's frames. A lost peer is not this rank's
                 # error to print: the peer is the cause (hora run names it) and every collective raises it here
@@ -448,6 +449,22 @@ class Negotiator:
         self._notices.fail(error)
         for op in self._pending.take_all():
             op.handle.fail(error)
+        if broke and isinstance(error, PeerLostError):
+            self._abandon_running(error)
+
+    def _abandon_running(self, error: PeerLostError) -> None:
+        """A peer is gone: what was launched with it and has not completed never will. Those handles fail
+        (``synchronize()`` raises ``error`` rather than hand out a result that never arrived), then, on a GPU,
+        the data groups' NCCL communicators are aborted, so their kernels end and nothing (a later ``.item()``,
+        torch's watchdog) waits for the peer until the group's timeout."""
+        for handle in self._pending.running():
+            handle.abandon(error)
+        if self.ctx.abort_data_plane is not None:
+            try:
+                self.ctx.abort_data_plane()
+            except Exception as e:  # noqa: BLE001 - the reset aborts the groups again
+                log.warning("rank %d: aborting the NCCL communicators after the loss of a peer failed: %s",
+                            self.rank, e)
 
 
 def pin_to_core(affinity: str, ctx: EngineContext) -> None:

@@ -24,7 +24,7 @@ class Pending:
         self.rejected: list[Request] = []  # calls rejected on this rank, announced in the next round
         self.flags: dict[str, Any] = {}  # stall queries and answers for the next round
         self._mine: dict[str, LocalOp] = {}  # submitted, not yet launched or failed
-        self._in_flight: set[str] = set()  # names whose handle has not been synchronized
+        self._in_flight: dict[str, Any] = {}  # name -> its handle, until the handle is synchronized
         self._seq: dict[int | None, int] = {}  # process set id -> the next unnamed op's number
 
     def snapshot(self) -> dict[str, Any]:
@@ -46,7 +46,7 @@ class Pending:
                     "handle before submitting the name again, or use a different name")
         now = time.perf_counter()
         for op in ops:
-            self._in_flight.add(op.req.name)
+            self._in_flight[op.req.name] = op.handle
             op.submitted_at = now
             self._mine[op.req.name] = op
             self.outbox.append(op)
@@ -80,10 +80,15 @@ class Pending:
         with self.lock:
             return name in self._in_flight
 
+    def running(self) -> list[Any]:
+        """The handles submitted and not yet synchronized (launched or not)."""
+        with self.lock:
+            return list(self._in_flight.values())
+
     def release(self, name: str) -> None:
         """The handle of ``name`` was synchronized: the name may be used again."""
         with self.lock:
-            self._in_flight.discard(name)
+            self._in_flight.pop(name, None)
 
     def unnamed(self, ps_id: int | None) -> str:
         """A sequence name for an unnamed op: shared by every kind in a process set, so a rank calling a

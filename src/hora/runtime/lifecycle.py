@@ -190,7 +190,15 @@ def _engine_context(rt: Runtime, secret: JobSecret | None) -> EngineContext:
     return EngineContext(rank=rt.topo.rank, size=rt.topo.size, hostnames=rt.topo.hostnames, knobs=rt.knobs,
                          store=rt.store, store_addr=rt.env.store_addr, board=board, process_sets=rt.process_sets,
                          device=rt.device, ctrl_group=rt.ctrl_group, connect_store=rt.connect_store,
-                         secret=secret, world=rt.world)
+                         secret=secret, world=rt.world,
+                         abort_data_plane=(lambda: abort_nccl(_data_groups(rt))) if rt.device is not None else None)
+
+
+def _data_groups(rt: Runtime) -> list[Any]:
+    """The groups hora's collectives run on: every process set's and the hierarchy's."""
+    hierarchy = hierarchical.active()
+    extra = [hierarchy.local_group, hierarchy.cross_group] if hierarchy is not None else []
+    return [g for g in [*(ps.group for ps in rt.process_sets.values()), *extra] if g is not None]
 
 
 def _discard(rt: Runtime) -> None:
@@ -204,10 +212,10 @@ def _discard(rt: Runtime) -> None:
 
 
 def _build(env: WorkerEnv, knobs: Knobs, generation: int, secret: JobSecret | None, alone: bool = False) -> Runtime:
-    timeout = datetime.timedelta(seconds=knobs.start_timeout)
+    timeout = datetime.timedelta(seconds=knobs.start_timeout)  # reaching the store and the peers at init()
     device = bind_device(env)
-    backend = "cpu:gloo,cuda:nccl" if device is not None else "gloo"
     owns = not dist.is_initialized()
+    backend = groups_backend(None if owns else dist.get_backend_config(), device is not None)
     board: Board | None = None
     if owns:
         job_store = rendezvous.job_store(env, timeout, secret)
@@ -227,9 +235,13 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, secret: JobSecret | No
             if late:
                 raise late_error(board, env, knobs, late)
         try:
-            with hora_env.torch_gloo_lazy_connect(knobs.gloo_lazy_connect, knobs.gloo_iface):
+            with hora_env.torch_groups_of_hora(knobs.gloo_lazy_connect, knobs.gloo_iface):
+                # device_id: the NCCL communicator is made here, at once, and every group hora makes next is
+                # split from it (torch/distributed/distributed_c10d.py:2040-2057, 2333-2335) rather than made
+                # lazily by its first collective, in the middle of a negotiation round
                 dist.init_process_group(backend, store=dist.PrefixStore("default", base), rank=env.rank,
-                                        world_size=env.size, timeout=timeout)
+                                        world_size=env.size, timeout=collective_timeout(knobs),
+                                        device_id=device if "nccl" in backend else None)
         except Exception as e:
             ended = board.ended(range(env.size)) if env.elastic else {}
             if ended:
@@ -246,24 +258,23 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, secret: JobSecret | No
         prefix = f"hora/g{generation}"
         job_store = SignedStore(rendezvous.default_store(), secret, env.job_id, f"{env.store_addr}:{env.store_port}")
         connect = rendezvous.connector(job_store.raw, prefix, timeout)
-        backend = dist.get_backend()
+    sets = ProcessSetTable(env.size, env.rank, backend, lazy_connect=knobs.gloo_lazy_connect,
+                           gloo_iface=knobs.gloo_iface, timeout=collective_timeout(knobs))
     try:
-        with hora_env.torch_gloo_lazy_connect(knobs.gloo_lazy_connect, knobs.gloo_iface):
+        with hora_env.torch_groups_of_hora(knobs.gloo_lazy_connect, knobs.gloo_iface):
             ctrl = dist.new_group(backend="gloo", timeout=control_timeout(knobs))
-            topo = topology(env, ctrl)
-            sets = ProcessSetTable(env.size, env.rank, backend, lazy_connect=knobs.gloo_lazy_connect,
-                                   gloo_iface=knobs.gloo_iface)
-            sets.add_global(dist.new_group(backend=backend))
-            tunes_it = knobs.autotune and "hierarchical_allreduce" not in knobs.explicit
-            if (knobs.hierarchical_allreduce or tunes_it) and env.size > 1:
-                built = hierarchical.build(topo.hosts, env.rank, global_process_set.group, backend)
-                if built is not None:  # autotune starts it off, as Horovod's parameter manager does
-                    built.enabled = knobs.hierarchical_allreduce
+        topo = topology(env, ctrl)
+        sets.add_global(sets.new_group())
+        tunes_it = knobs.autotune and "hierarchical_allreduce" not in knobs.explicit
+        if (knobs.hierarchical_allreduce or tunes_it) and env.size > 1:
+            built = hierarchical.build(topo.hosts, env.rank, global_process_set.group, backend, sets.new_group)
+            if built is not None:  # autotune starts it off, as Horovod's parameter manager does
+                built.enabled = knobs.hierarchical_allreduce
     except BaseException as e:  # leave nothing half-built behind (init() may be retried)
         hierarchical.clear()
-        ProcessSetTable(env.size, env.rank, backend).unbind_all()
+        sets.unbind_all()
         if owns and dist.is_initialized():
-            dist.destroy_process_group()
+            abort_groups()  # a peer may be gone: a flushing destroy_process_group() would wait for it
         ended = board.ended(range(env.size)) if board is not None and env.elastic and isinstance(e, Exception) \
             else {}
         if ended:  # a member died while the groups were built: its peers' connections to it failed
@@ -296,7 +307,7 @@ def reset(peer_wait_s: float = 10.0, failed: bool = True) -> None:
             sockets itself). False for a planned reset (a host change, a new worker's join): no failed op.
     """
     began = time.monotonic()
-    _shutdown(peer_wait_s=peer_wait_s, collect=1 if failed else None)
+    _shutdown(peer_wait_s=peer_wait_s, collect=1 if failed else None, failed=failed)
     left = time.monotonic()
     _init(None, join=True)
     log.info("hora elastic: in world %d after %.3f s (leaving the last world %.3f s, joining %.3f s)",
@@ -319,21 +330,24 @@ def _shutdown_at_exit() -> None:
     # After an uncaught exception, leave at once: the peers learn of it when this process's connections
     # close, and the launcher reports this rank's traceback as the root cause.
     crashed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    _shutdown(peer_wait_s=0.0 if crashed is not None else 10.0)
+    _shutdown(peer_wait_s=0.0 if crashed is not None else 10.0, failed=crashed is not None)
 
 
-def _shutdown(peer_wait_s: float, collect: int | None = 2) -> None:
-    """Leave the world; then ``gc.collect(collect)`` (the oldest generation to collect; None: none)."""
+def _shutdown(peer_wait_s: float, collect: int | None = 2, failed: bool = False) -> None:
+    """Leave the world; then ``gc.collect(collect)`` (the oldest generation to collect; None: none).
+    ``failed`` (or negotiation broke): collectives may be in flight with a peer that is gone, so the process
+    groups are aborted, not destroyed (:func:`abort_groups`)."""
     global _state
     with _lock:
         s = _state
         if s is None:
             return
         _state = None
+        failed = failed or s.negotiator.error is not None  # read before stop(), which forgets it
         try:
             s.negotiator.stop(timeout=peer_wait_s)
         finally:
-            _teardown_groups(s)
+            _teardown_groups(s, abort=failed)
     # A failed op's error keeps, in its traceback, frames that refer to the engine, and the handle that holds
     # the error is in those frames: a cycle only the collector frees. Collect now, so a runtime gone closes
     # its sockets and process groups at once, not whenever the collector next runs (shutdown/init loops).
@@ -343,19 +357,21 @@ def _shutdown(peer_wait_s: float, collect: int | None = 2) -> None:
         gc.collect(collect)
 
 
-def _teardown_groups(s: Runtime) -> None:
+def _teardown_groups(s: Runtime, abort: bool = True) -> None:
+    """Destroy the groups ``init()`` made (the default group with them when hora made it); ``abort``: abort
+    them instead, not waiting for collectives in flight."""
     timeline.stop_timeline()
     timeline.set_world(None)
     hierarchy = hierarchical.active()
     hierarchical.clear()
     try:
         if s.owns_default_group and dist.is_initialized():
-            dist.destroy_process_group()
+            abort_groups() if abort else dist.destroy_process_group()
         elif dist.is_initialized():
             extra = [hierarchy.local_group, hierarchy.cross_group] if hierarchy is not None else []
             for g in [s.ctrl_group, global_process_set.group, *extra]:
                 if g is not None:
-                    dist.destroy_process_group(g)
+                    abort_groups(g) if abort else dist.destroy_process_group(g)
     finally:
         s.process_sets.unbind_all()
 
@@ -485,6 +501,73 @@ def member_lost(env: WorkerEnv, generation: int, ended: dict[int, str]) -> World
     rank, how = min(ended.items())
     return WorldMemberLostError(f"rank {env.rank}: rank {rank} of the launcher's world {generation} ended ({how}) "
                                 "before the world's process groups were built")
+
+
+def groups_backend(default_config: str | None, cuda: bool) -> str:
+    """The backend of the groups hora makes: Gloo for CPU tensors, always (its own CPU collectives:
+    ``broadcast_parameters``' layout check, ``broadcast_object``, metrics); for CUDA tensors (``cuda``: hora
+    bound this rank to a GPU) NCCL, or what the script's default group uses for them when the script made
+    it before ``hvd.init()`` (``default_config``: ``dist.get_backend_config()``; Gloo, when two ranks share a
+    GPU). A script's NCCL-only default group (``init_process_group("nccl")``, as under torchrun) has no CPU
+    backend: copying it would fail every CPU collective with "No backend type associated with device type
+    cpu".
+
+    >>> groups_backend(None, cuda=True), groups_backend("cuda:nccl", cuda=True)
+    ('cpu:gloo,cuda:nccl', 'cpu:gloo,cuda:nccl')
+    >>> groups_backend("cpu:gloo,cuda:gloo", cuda=True), groups_backend("cuda:gloo", cuda=False)
+    ('cpu:gloo,cuda:gloo', 'gloo')
+    """
+    if not cuda:
+        return "gloo"
+    chosen = dict(part.split(":", 1) for part in default_config.split(",") if ":" in part) if default_config else {}
+    return f"cpu:gloo,cuda:{chosen.get('cuda', 'nccl')}"
+
+
+def collective_timeout(knobs: Knobs) -> datetime.timedelta:
+    """The deadline of one collective on the groups hora makes, the default group included
+    (``HORA_COLLECTIVE_TIMEOUT``). Deliberately not torch's default: that depends on the backend string, and
+    hora's ``"cpu:gloo,cuda:nccl"`` is not ``Backend.NCCL``, so it would get Gloo's 30 minutes
+    (torch/distributed/distributed_c10d.py:836-849); nor the start timeout, which a rank busy with evaluation
+    or a checkpoint outlasts."""
+    return datetime.timedelta(seconds=knobs.collective_timeout)
+
+
+def abort_groups(group: Any = None) -> None:
+    """Abort ``group`` (None: every group, the default one included) instead of destroying it.
+    ``dist.destroy_process_group()`` flushes: NCCL's ``shutdown()`` waits for the collectives in flight to
+    finish (ncclCommFinalize, since torch's PR #141510), which never happens when a peer is gone; the abort
+    (ncclCommAbort) ends them (torch/distributed/distributed_c10d.py:2460-2540; on Gloo it forgets the groups
+    as destroy does)."""
+    from torch.distributed import distributed_c10d
+
+    try:
+        distributed_c10d._abort_process_group(group)
+    except ValueError:  # already gone (a group aborted with the default group, or twice)
+        pass
+
+
+def abort_nccl(groups: Sequence[Any]) -> None:
+    """Abort the NCCL communicators of ``groups`` now, from any thread: the collectives they run end at once,
+    so nothing on the GPU (nor a host thread waiting for it, such as ``.item()``) waits for a peer that is
+    gone. The groups stay registered until :func:`abort_groups` at the reset. In one ncclGroupStart/End, as
+    torch aborts several groups, so the communicators' aborts cannot deadlock each other
+    (torch/distributed/distributed_c10d.py:2490-2502)."""
+    backends = []
+    for group in groups:
+        try:
+            backend = group._get_backend(torch.device("cuda"))
+        except RuntimeError:  # no CUDA backend in this group
+            continue
+        if type(backend).__name__ == "ProcessGroupNCCL":
+            backends.append(backend)
+    if not backends:
+        return
+    backends[0]._group_start()
+    try:
+        for backend in backends:
+            backend.abort()
+    finally:
+        backends[0]._group_end()
 
 
 def control_timeout(knobs: Knobs) -> datetime.timedelta:
