@@ -192,7 +192,8 @@ def _default_group_without_cpu(rank: int, size: int) -> dict[str, object]:
     import os
 
     store = dist.TCPStore(os.environ["HORA_STORE_ADDR"], int(os.environ["HORA_STORE_PORT"]), is_master=False)
-    dist.init_process_group("cuda:gloo", store=dist.PrefixStore("user", store), rank=rank, world_size=size)
+    mine = dist.PrefixStore(f"user/{os.environ['HORA_JOB_ID']}", store)  # the session's store: this test's keys
+    dist.init_process_group("cuda:gloo", store=mine, rank=rank, world_size=size)
     try:
         with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
             dist.all_reduce(torch.ones(1))  # the script's own group: no CPU backend, as with NCCL alone
