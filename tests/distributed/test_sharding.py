@@ -59,6 +59,8 @@ def _cases() -> dict[str, dict[str, Any]]:
         cases[f"{mode}-clip"] = {"mode": mode, "opt": "adamw", "clip": 0.05}
         # no weight decay: the unused parameter gets a zero gradient (Horovod's rule) and must not move
         cases[f"{mode}-unused"] = {"mode": mode, "opt": "sgd", "unused": True}
+        # fc1 frozen at first, then trained while fc3 is frozen: the layouts change between steps
+        cases[f"{mode}-freeze"] = {"mode": mode, "opt": "sgd", "freeze": True}
     return cases
 
 
@@ -76,6 +78,9 @@ def _train(model: nn.Module, opt: Any, case: dict[str, Any], data: Callable[[int
            distributed: bool) -> dict[str, Any]:
     norms = []
     for step in range(STEPS):
+        if case.get("freeze") and step == 1:
+            model.fc1.requires_grad_(True)
+            model.fc3.requires_grad_(False)
         opt.zero_grad()
         for micro in range(case.get("bpps", 1)):
             x, y = data(step, micro)
@@ -98,6 +103,7 @@ def _ranks(rank: int, size: int, names: list[str]) -> dict[str, Any]:
     for name in names:
         case = CASES[name]
         model = Net(unused=case.get("unused", False))
+        model.fc1.requires_grad_(not case.get("freeze"))
         opt = hvd.DistributedOptimizer(OPTIMIZERS[case["opt"]](model.parameters()),
                                        named_parameters=model.named_parameters(), sharding=case["mode"],
                                        backward_passes_per_step=case.get("bpps", 1), **case.get("dist", {}))
@@ -125,6 +131,7 @@ def _ranks(rank: int, size: int, names: list[str]) -> dict[str, Any]:
 def reference(name: str, size: int) -> dict[str, Any]:
     case = CASES[name]
     model = Net(unused=case.get("unused", False))
+    model.fc1.requires_grad_(not case.get("freeze"))
     scale = float(size) if case.get("loss_scale") == "size" else 1.0
     opt = OPTIMIZERS[case["opt"]](model.parameters())
     return _train(model, opt, case, lambda s, m: batch(s, m, ROWS * size), scale, distributed=False)
@@ -150,10 +157,12 @@ def check(results: list[dict[str, Any]], names: list[str], size: int) -> None:
             assert got["with_state"] == mine, f"{name}: rank {rank} holds state of {got['with_state']}, owns {mine}"
             assert got["sharded_keys"] == mine, name
             grads = got["with_grad"]
+            trained = [n for n in sorted(every) if not (case.get("freeze") and n.startswith("fc3"))]
             if case["mode"] == "gradients":
-                assert grads == mine, f"{name}: rank {rank} keeps gradients of {grads}, owns {mine}"
+                mine_trained = [n for n in mine if n in trained]
+                assert grads == mine_trained, f"{name}: rank {rank} keeps gradients of {grads}, owns {mine}"
             else:
-                assert grads == sorted(every), f"{name}: rank {rank} keeps gradients of {grads}"
+                assert grads == trained, f"{name}: rank {rank} keeps gradients of {grads}"
 
 
 def test_every_case_matches_one_process_on_the_whole_batch_2_ranks() -> None:
@@ -364,3 +373,52 @@ def test_grad_scaler_recipe_skips_an_overflowing_step_on_every_rank(mode: str, c
         for i, (p, q) in enumerate(zip(got["params"], want["params"])):
             assert torch.equal(p, results[0]["params"][i]), f"rank {rank} param {i} != rank 0's"
             torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5, msg=lambda m, j=i: f"param {j}: {m}")
+
+
+# --- autotune replans the gradient buckets; the ownership (and the state) stays ------------------------------
+AUTOTUNE_STEPS = 24
+
+
+def _autotune_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(256, 256) for _ in range(12)])  # 3 MB: 1 to 3 buckets as caps change
+
+
+def _autotune_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 256, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _autotuned(rank: int, size: int, mode: str) -> dict[str, Any]:
+    model = _autotune_model()
+    opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), sharding=mode)
+    owned, plans = [], []
+    for step in range(AUTOTUNE_STEPS):
+        opt.zero_grad()
+        model(_autotune_batch(step, rank)).pow(2).mean().backward()
+        opt.step()
+        owned.append(tuple(opt.owned_parameter_names()))
+        plans.append(opt._hora_reducer._generation)  # bumped at every replan
+    return {"params": [p.detach().clone() for p in model.parameters()], "owned": sorted(set(owned)),
+            "plans": plans}
+
+
+def test_autotune_replans_sharded_gradient_buckets_and_training_stays_exact() -> None:
+    """sharding="gradients" plans its own buckets: autotune's sizes reach them (sharding="optimizer" reduces
+    with the unsharded reducer, tests/distributed/test_autotune.py)."""
+    mode = "gradients"
+    env = {"HORA_AUTOTUNE": "1", "HORA_AUTOTUNE_WARMUP_SAMPLES": "1", "HORA_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+           "HORA_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "5"}
+    results = run_tensors(_autotuned, 2, mode, env=env, timeout=240)
+    assert results[0]["plans"] == results[1]["plans"] and len(set(results[0]["plans"])) > 1, results[0]["plans"]
+    assert all(len(r["owned"]) == 1 for r in results)  # the same owners all along
+    model = _autotune_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(AUTOTUNE_STEPS):
+        opt.zero_grad()
+        sum(model(_autotune_batch(step, r)).pow(2).mean() for r in range(2)).div(2).backward()
+        opt.step()
+    for r in results:
+        for i, (p, q) in enumerate(zip(r["params"], model.parameters())):
+            assert torch.equal(p, results[0]["params"][i])
+            torch.testing.assert_close(p, q.detach(), atol=1e-5, rtol=1e-5)

@@ -145,7 +145,7 @@ class ShardedGradientReducer(GradientReducer):
             raise ConfigError(f"HORA_SHARDED_REDUCE={mode!r}: use one of {', '.join(REDUCE_MODES)}")
         self.slots = [None] * len(self.params)
         self.buckets = []
-        for b, plan in enumerate(self.sharding.trainable_plans()):
+        for b, plan in enumerate(self.sharding.trainable_plans(self._caps())):  # autotune's caps, if it runs
             scatter = self._scatters(mode, plan.device) and self._cast_only
             lay = layout(plan, part.owners, part.size, padded=scatter)
             if scatter and lay.numel > PADDING_LIMIT * sum(lay.numels):
@@ -158,6 +158,12 @@ class ShardedGradientReducer(GradientReducer):
         owned = {i for b in self.buckets for i in (b.layout.params[k] for k in b.mine)}
         self.owned_grads = {i: self.owned_grads.get(i, torch.zeros_like(self.params[i])) for i in sorted(owned)}
         self._in_flight = []
+
+    def step_bytes(self) -> int:
+        """Bytes of gradient this reducer puts on the wire in a backward pass (autotune's score)."""
+        if not self._reduce:
+            return 0
+        return sum(b.layout.numel * self._wire_dtype(b).itemsize for b in self.buckets)
 
     @staticmethod
     def _scatters(mode: str, device: torch.device) -> bool:

@@ -212,11 +212,12 @@ class Sharding:
         part = self.partition()
         return [i for i in range(len(self.params)) if part.owns(i)]
 
-    def trainable_plans(self) -> list[Any]:
-        """Buckets of the parameters that require grad now (``plan_buckets``' order and caps)."""
+    def trainable_plans(self, caps: tuple[int, int] | None = None) -> list[Any]:
+        """Buckets of the parameters that require grad now (``plan_buckets``' order; ``caps``: (first, later)
+        bucket bytes, default the knobs')."""
         specs = [ParamSpec(i, p.numel(), p.dtype, p.device, self.groups[i])
                  for i, p in enumerate(self.params) if p.requires_grad and p.numel() > 0]
-        return list(plan_buckets(specs, *self._caps()))
+        return list(plan_buckets(specs, *(caps or self._caps())))
 
     def ensure_flats(self) -> None:
         """(Re)lay out the trainable parameters by owner when the world or the trainable set changed."""
