@@ -31,8 +31,8 @@ from hora.bench.report import human_bytes, markdown_table
 from hora.bench.timing import alternate, difference_summary, ratio_summary, summarize
 from hora.testing import run_ranks
 
-__all__ = ["RESULTS", "alternate", "difference_summary", "fork_ranks", "human_bytes", "machine_info",
-           "markdown_table", "ratio_summary", "summarize", "write_results"]
+__all__ = ["RESULTS", "alternate", "alternate_steps", "difference_summary", "fork_ranks", "human_bytes",
+           "machine_info", "markdown_table", "ratio_summary", "summarize", "write_results"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUICK_OUT = Path("out") / "bench-quick"  # where --quick reports go (below the current directory), never RESULTS
@@ -116,6 +116,31 @@ def write_results(name: str, data: Mapping[str, Any], markdown: str,
         plt.close(fig)
         paths.append(out_dir / f"{name}.png")
     return paths
+
+
+def alternate_steps(step_of: Mapping[str, Callable[[], None]], repeats: int, steps: int,
+                    barrier: Callable[[], None]) -> dict[str, dict[str, list[float]]]:
+    """Training steps of several variants, alternating (:func:`alternate`): each sample is ``steps`` calls of a
+    variant's step after a ``barrier`` (so no variant pays for another's stragglers), as seconds per step of
+    wall time (``"wall"``) and of this process's CPU time, every thread's (``"cpu"``), per variant."""
+    import time
+
+    cpu: dict[str, list[float]] = {v: [] for v in step_of}
+
+    def timed(variant: str) -> Callable[[], float]:
+        step = step_of[variant]
+
+        def run() -> float:
+            barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                step()
+            cpu[variant].append((time.process_time() - c0) / steps)
+            return (time.perf_counter() - t0) / steps
+        return run
+
+    wall = alternate({v: timed(v) for v in step_of}, repeats=repeats, warmup=1)
+    return {"wall": wall, "cpu": {v: c[-repeats:] for v, c in cpu.items()}}
 
 
 def fork_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 600.0,

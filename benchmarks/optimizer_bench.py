@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from common import (
     add_output_flags,
-    alternate,
+    alternate_steps,
     fork_ranks,
     machine_info,
     markdown_table,
@@ -80,27 +79,20 @@ def _rank(rank: int, size: int, variants: list[str], repeats: int, steps: int, b
     data = torch.randn(batch, 3, image, image)
     target = torch.randint(0, 1000, (batch,))
 
-    cpu: dict[str, list[float]] = {v: [] for v in variants}
-
-    def timed(variant: str):
+    def step_of(variant: str):
         model, opt, after = built[variant]
 
-        def run() -> float:
-            hvd.barrier()  # start together, so no variant pays for another's stragglers
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                opt.zero_grad()
-                F.cross_entropy(model(data), target).backward()
-                if after is not None:
-                    after()
-                opt.step()
-            cpu[variant].append((time.process_time() - c0) / steps)  # every thread of this rank, Gloo's too
-            return (time.perf_counter() - t0) / steps
-        return run
+        def step() -> None:
+            opt.zero_grad()
+            F.cross_entropy(model(data), target).backward()
+            if after is not None:
+                after()
+            opt.step()
+        return step
 
-    samples = alternate({v: timed(v) for v in variants}, repeats=repeats, warmup=1)
+    result = alternate_steps({v: step_of(v) for v in variants}, repeats, steps, hvd.barrier)
     hvd.shutdown()
-    return {"wall": samples, "cpu": {v: c[-repeats:] for v, c in cpu.items()}}
+    return result
 
 
 def _ratio(s: list[float], base: list[float] | None) -> str:

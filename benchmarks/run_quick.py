@@ -18,8 +18,8 @@ from pathlib import Path
 from common import QUICK_OUT
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["allreduce_bench", "op_overhead", "optimizer_bench", "diagnostics_overhead", "timeline_cost",
-              "startup_bench"]
+BENCHMARKS = ["allreduce_bench", "op_overhead", "optimizer_bench", "sharding_bench", "diagnostics_overhead",
+              "timeline_cost", "startup_bench"]
 
 
 def main(argv: list[str] | None = None) -> int:

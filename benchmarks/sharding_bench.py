@@ -10,6 +10,8 @@ Two phases in one run:
   gradients and optimizer state it holds after a step (unique storages; FSDP2's are its local shards).
 - **time**: every variant built in the same ranks and stepped alternately (A B C ..., rotating), each sample
   the mean of a few steps; medians with the spread, and per-pair ratios against hora unsharded and DDP.
+- **collectives**: raw c10d allreduce, reduce-scatter, allgather and one broadcast per owner's segment of
+  bucket-sized tensors, alternating: the measurements behind the sharded modes' choice of collectives.
 
     python benchmarks/sharding_bench.py             # ~10 minutes on 2 cores
     python benchmarks/sharding_bench.py --quick     # a smoke run
@@ -18,6 +20,7 @@ Two phases in one run:
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import re
 import sys
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     add_output_flags,
     alternate,
+    alternate_steps,
     fork_ranks,
     human_bytes,
     machine_info,
@@ -184,23 +188,56 @@ def _time_rank(rank: int, size: int, variants: list[str], shape: dict[str, int],
     hvd.init()
     idx = _data(rank, shape)
     built = {v: _build(v, shape) for v in variants}
-    cpu: dict[str, list[float]] = {v: [] for v in variants}
+    result = alternate_steps({v: functools.partial(_step, *built[v], idx) for v in variants}, repeats, steps,
+                             hvd.barrier)
+    hvd.shutdown()
+    return result
 
-    def timed(variant: str) -> Any:
-        model, opt = built[variant]
 
+# --- phase 3: the collectives a sharded step could use, raw c10d on Gloo ----------------------------------
+def _collectives_rank(rank: int, size: int, sizes_mb: list[int], repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Per bucket size: allreduce (what hora's sharded modes reduce with on the CPU), reduce-scatter (what they
+    could), allgather of equal segments and one broadcast per owner's segment (how updated parameters could
+    travel; hora broadcasts)."""
+    import warnings
+
+    import torch
+
+    import hora as hvd
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's *_tensor names
+    torch.set_num_threads(1)
+    hvd.init()
+    out: dict[str, dict[str, list[float]]] = {}
+    for mb in sizes_mb:
+        n = mb * 2**20 // 4 // size * size
+        out[f"{mb} MB"] = alternate(_collectives(torch.randn(n), rank, size), repeats=repeats, warmup=1)
+    hvd.shutdown()
+    return out
+
+
+def _collectives(full: Any, rank: int, size: int) -> dict[str, Any]:
+    """The four ways, each a callable timing one call on ``full`` (a bucket)."""
+    import torch
+    import torch.distributed as dist
+
+    part = torch.empty(full.numel() // size)
+    segments = list(full.chunk(size))
+
+    def timed(fn: Any) -> Any:
         def run() -> float:
-            hvd.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                _step(model, opt, idx)
-            cpu[variant].append((time.process_time() - c0) / steps)
-            return (time.perf_counter() - t0) / steps
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
         return run
 
-    wall = alternate({v: timed(v) for v in variants}, repeats=repeats, warmup=1)
-    hvd.shutdown()
-    return {"wall": wall, "cpu": {v: c[-repeats:] for v, c in cpu.items()}}
+    return {
+        "allreduce": timed(lambda: dist.all_reduce(full)),
+        "reduce_scatter": timed(lambda: dist.reduce_scatter_tensor(part, full)),
+        "allgather": timed(lambda: dist.all_gather_into_tensor(full, segments[rank])),
+        "broadcast_per_owner": timed(lambda: [dist.broadcast(segments[m], src=m) for m in range(size)]),
+    }
 
 
 # --- the report -------------------------------------------------------------------------------------------
@@ -212,7 +249,8 @@ def _ratio(s: list[float], base: list[float] | None) -> str:
 
 
 def report(memory: dict[int, dict[str, list[dict[str, Any]]]], timing: dict[str, Any] | None,
-           args: argparse.Namespace, load: list[list[float]]) -> str:
+           args: argparse.Namespace, load: list[list[float]],
+           collectives: dict[str, dict[str, list[float]]] | None = None) -> str:
     shape = _shape(args)
     n = next(iter(next(iter(memory.values())).values()))[0]["parameters"]
     out = [f"GPT-style model: {n / 1e6:.1f} M parameters (vocab {shape['vocab']}, dim {shape['dim']}, "
@@ -245,6 +283,16 @@ def report(memory: dict[int, dict[str, list[dict[str, Any]]]], timing: dict[str,
                    "of rank 0's threads.\n\n")
         out.append(markdown_table(["variant", "step ms (median)", "min-max ms", "wall vs hora", "wall vs DDP",
                                    "CPU ms/step", "CPU vs hora"], rows))
+    if collectives:
+        rows = []
+        for size_mb, per_op in collectives.items():
+            base = per_op["allreduce"]
+            for op, s in per_op.items():
+                st = summarize(s)
+                rows.append([size_mb, op, f"{st['median'] * 1e3:.1f}", f"{st['min'] * 1e3:.1f}-{st['max'] * 1e3:.1f}",
+                             _ratio(s, base)])
+        out.append(f"\n### The collectives, raw c10d on Gloo, 2 ranks ({args.repeats} alternating samples)\n\n")
+        out.append(markdown_table(["bucket", "collective", "ms (median)", "min-max ms", "vs allreduce"], rows))
     return "".join(out)
 
 
@@ -280,11 +328,14 @@ def main(argv: list[str] | None = None) -> None:
         load.append([round(x, 1) for x in os.getloadavg()])
         memory[ranks] = {v: fork_ranks(_memory_rank, ranks, v, shape, args.memory_steps, timeout=1800)
                          for v in variants}
-    timing = None
+    timing = collectives = None
     if not args.no_timing:
         load.append([round(x, 1) for x in os.getloadavg()])
         timing = fork_ranks(_time_rank, 2, variants, shape, args.repeats, args.steps, timeout=3600)[0]
-    md = report(memory, timing, args, load)
+        load.append([round(x, 1) for x in os.getloadavg()])
+        sizes = [1] if args.quick else [4, 25]
+        collectives = fork_ranks(_collectives_rank, 2, sizes, args.repeats, timeout=1800)[0]
+    md = report(memory, timing, args, load, collectives)
     print(md)
 
     def plot(fig: Any) -> None:
@@ -300,8 +351,8 @@ def main(argv: list[str] | None = None) -> None:
             bx.set_ylabel("step time, ms (median, 2 ranks)")
             bx.tick_params(axis="x", rotation=45)
 
-    data = {"machine": machine_info(), "args": vars(args), "memory": memory, "timing": timing, "load": load,
-            "markdown": md}
+    data = {"machine": machine_info(), "args": vars(args), "memory": memory, "timing": timing,
+            "collectives": collectives, "load": load, "markdown": md}
     for path in write_results("sharding_bench", data, md, plot, output_dir(args)):
         print(f"wrote {path}")
 

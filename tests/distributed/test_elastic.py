@@ -16,6 +16,7 @@ import os
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -152,15 +153,33 @@ class _Driver:
             time.sleep(0.01)
 
 
-def _train(hook: Callable[[Any], None]) -> dict[str, Any]:
-    """An elastic training script as a Horovod user writes it (ElasticSampler, TorchState, commits)."""
-    hvd.init()
-    dataset = list(range(SAMPLES))
+@dataclass(frozen=True)
+class Setup:
+    """What the elastic training script trains: ``build()`` gives the model, its DistributedOptimizer, more
+    TorchState values, a call after each step and a report of extra results (called at the end); a commit every
+    ``commit_every`` steps."""
+
+    build: Callable[[], tuple[nn.Module, Any, dict[str, Any], Callable[[], None], Callable[[], dict[str, Any]]]]
+    commit_every: int = 1
+
+
+def _sgd() -> tuple[nn.Module, Any, dict[str, Any], Callable[[], None], Callable[[], dict[str, Any]]]:
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
                                    named_parameters=model.named_parameters())
+    return model, opt, {}, lambda: None, dict
+
+
+SGD_EVERY_STEP = Setup(_sgd)
+
+
+def _train(hook: Callable[[Any], None], setup: Setup = SGD_EVERY_STEP) -> dict[str, Any]:
+    """An elastic training script as a Horovod user writes it (ElasticSampler, TorchState, commits)."""
+    hvd.init()
+    dataset = list(range(SAMPLES))
+    model, opt, values, after_step, report = setup.build()
     sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=3)
-    state = hvd.elastic.TorchState(model, opt, sampler=sampler, epoch=0, steps=0, applied=(), sizes=())
+    state = hvd.elastic.TorchState(model, opt, sampler=sampler, epoch=0, steps=0, applied=(), sizes=(), **values)
     resets: list[int] = []
     state.register_reset_callbacks([lambda: resets.append(hvd.size())])
 
@@ -175,12 +194,14 @@ def _train(hook: Callable[[Any], None]) -> dict[str, Any]:
                 opt.zero_grad()
                 F.mse_loss(state.model(torch.stack(xs)), torch.stack(ys)).backward()
                 opt.step()
+                after_step()
                 everyone = hvd.allgather_object(batch, name="test.batch")
                 state.sampler.record_batch(idx, BATCH)
                 state.applied = (*state.applied, tuple(i for part in everyone for i in part))
                 state.sizes = (*state.sizes, hvd.size())
                 state.steps += 1
-                state.commit()
+                if state.steps % setup.commit_every == 0:
+                    state.commit()
             state.epoch += 1
             state.sampler.set_epoch(state.epoch)
             state.commit()
@@ -188,14 +209,14 @@ def _train(hook: Callable[[Any], None]) -> dict[str, Any]:
     train(state)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
     return {"params": params, "applied": state.applied, "sizes": state.sizes, "resets": resets,
-            "rank": hvd.rank(), "size": hvd.size(), "gen": runtime.world_generation()}
+            "rank": hvd.rank(), "size": hvd.size(), "gen": runtime.world_generation(), **report()}
 
 
-def _worker(worker: str, hook: Callable[[Any], None]) -> dict[str, Any] | str:
+def _worker(worker: str, hook: Callable[[Any], None], setup: Setup = SGD_EVERY_STEP) -> dict[str, Any] | str:
     os.environ.update(HORA_ELASTIC="1", HORA_WORKER_ID=worker, HORA_HOSTNAME=worker.split(":")[0],
                       HORA_ELASTIC_TIMEOUT="60")
     try:
-        return _train(hook)
+        return _train(hook, setup)
     except SystemExit as e:
         return f"left with {e.code}"
 
@@ -238,7 +259,7 @@ def _check_training(results: list[dict[str, Any]], sizes: list[int]) -> None:
     assert first["params"] == pytest.approx(_replay(list(first["applied"])), rel=1e-5, abs=1e-6)
 
 
-def _shrink(rank: int, size: int) -> Any:
+def _shrink(rank: int, size: int, setup: Setup = SGD_EVERY_STEP) -> Any:
     if rank == 0:
         d = _Driver()
         workers = ["h1:0", "h2:0", "h3:0"]
@@ -250,7 +271,8 @@ def _shrink(rank: int, size: int) -> Any:
         d.wait_ready(workers, 1)  # the removed worker resets too, then sees it is not in world 2
         d.publish(2, workers[:2])
         return "driver"
-    return _worker(f"h{rank}:0", _signal_and_wait(1))  # 2 steps of 3 x 2 samples: 12 left, 6 per rank
+    # (a commit every step) 2 steps of 3 x 2 samples: 12 left, 6 per rank; interrupted at the next commit
+    return _worker(f"h{rank}:0", _signal_and_wait(setup.commit_every), setup)
 
 
 def test_a_removed_host_leaves_with_exit_0_and_the_rest_go_on() -> None:
@@ -263,7 +285,7 @@ def test_a_removed_host_leaves_with_exit_0_and_the_rest_go_on() -> None:
     _check_training(survivors, [3, 2])
 
 
-def _grow(rank: int, size: int) -> Any:
+def _grow(rank: int, size: int, setup: Setup = SGD_EVERY_STEP) -> Any:
     if rank == 0:
         d = _Driver()
         d.wait_ready(["h1:0", "h2:0", "h3:0"], 0)  # h3 is ready at once, but joins only at a commit
@@ -274,7 +296,7 @@ def _grow(rank: int, size: int) -> Any:
         d.wait_ready(["h1:0", "h2:0"], 1)
         d.publish(2, ["h1:0", "h2:0", "h3:0"])
         return "driver"
-    return _worker(f"h{rank}:0", _signal_and_wait(2))  # 3 steps of 2 x 2 samples: 12 left, 4 per rank
+    return _worker(f"h{rank}:0", _signal_and_wait(2), setup)  # 3 steps of 2 x 2 samples: 12 left, 4 per rank
 
 
 def test_a_new_worker_joins_at_a_commit_and_gets_the_state() -> None:
@@ -293,7 +315,7 @@ def _die_at(at_step: int, worker: str) -> Callable[[Any], None]:
     return hook
 
 
-def _failure(rank: int, size: int) -> Any:
+def _failure(rank: int, size: int, setup: Setup = SGD_EVERY_STEP, die_at: int = 2) -> Any:
     if rank == 0:
         d = _Driver()
         workers = ["h1:0", "h2:0", "h3:0"]
@@ -305,11 +327,11 @@ def _failure(rank: int, size: int) -> Any:
     if rank == 3:  # the worker that dies runs in a child process, so this harness rank can report it
         pid = os.fork()
         if pid == 0:
-            _worker("h3:0", _die_at(2, "h3:0"))
+            _worker("h3:0", _die_at(die_at, "h3:0"), setup)
             os._exit(0)
         _, status = os.waitpid(pid, 0)
         return f"died with {os.waitstatus_to_exitcode(status)}"
-    return _worker(f"h{rank}:0", _die_at(2, "h3:0"))  # 2 steps of 3 x 2 samples: 12 left, 6 per rank
+    return _worker(f"h{rank}:0", _die_at(die_at, "h3:0"), setup)  # 2 steps of 3 x 2 samples: 12 left, 6 per rank
 
 
 def test_a_dead_worker_makes_the_survivors_restore_the_last_commit_and_go_on() -> None:

@@ -18,25 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hora as hvd
-from tests.distributed.test_optimizer import HalfScale, run_tensors
-
-STEPS = 3
-ROWS = 4  # per rank
-TOL = {"fp16": 2e-3, "bf16": 2e-2}
-
-
-class Net(nn.Module):
-    def __init__(self, unused: bool = False) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1 = nn.Linear(6, 16)
-        self.fc2 = nn.Linear(16, 8)
-        self.fc3 = nn.Linear(8, 3)
-        self.unused = nn.Linear(3, 3) if unused else None  # in the optimizer, never in the graph
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
-
+from tests.distributed.test_optimizer import ROWS_PER_RANK as ROWS
+from tests.distributed.test_optimizer import STEPS, TOL, HalfScale, Net, batch, run_tensors
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
@@ -67,11 +50,6 @@ def _cases() -> dict[str, dict[str, Any]]:
 CASES = _cases()
 THREE_RANK_CASES = ["optimizer-adamw", "gradients-adamw", "gradients-accumulate", "gradients-clip",
                     "optimizer-adafactor"]
-
-
-def batch(step: int, micro: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + micro)
-    return torch.randn(rows, 6, generator=g), torch.randn(rows, 3, generator=g)
 
 
 def _train(model: nn.Module, opt: Any, case: dict[str, Any], data: Callable[[int, int], Any], loss_scale: float,

@@ -9,8 +9,6 @@ one process replaying those batches with AdamW and the same schedule must end wi
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,11 +21,8 @@ import hora as hvd
 from hora.training.sharding import _check_nothing_lost
 from hora.training.state_exchange import Offer
 from tests.distributed.harness import run_ranks
-from tests.distributed.test_elastic import _data, _die_at, _Driver, _key, _signal_and_wait
+from tests.distributed.test_elastic import EPOCHS, SAMPLES, Setup, _data, _failure, _grow, _shrink
 
-SAMPLES = 24
-BATCH = 2  # per rank
-EPOCHS = 2
 COMMIT_EVERY = 2  # steps between commits: a failure rolls back a step, and the schedule with it
 
 
@@ -36,14 +31,18 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
-def _optimizer(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # one process's (the replay's)
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+
+
+def _schedule(opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
 def _replay(batches: list[tuple[int, ...]]) -> list[float]:
     model = _model()
-    opt, sched = _optimizer(model)
+    opt = _adamw(model)
+    sched = _schedule(opt)
     for batch in batches:
         xs, ys = zip(*(_data(i) for i in batch), strict=True)
         opt.zero_grad()
@@ -53,59 +52,26 @@ def _replay(batches: list[tuple[int, ...]]) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
-def _train(hook: Callable[[Any], None], mode: str, commit_every: int) -> dict[str, Any]:
-    hvd.init()
-    model = _model()
-    opt, _ = _optimizer(model)
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), sharding=mode)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    sampler = hvd.elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=3)
-    state = hvd.elastic.TorchState(model, opt, scheduler=sched, sampler=sampler, epoch=0, steps=0, applied=(),
-                                   sizes=())
-    owned: list[tuple[int, list[str]]] = []
+def _sharded(mode: str, commit_every: int) -> Setup:
+    """AdamW sharded as ``mode``, a StepLR schedule in the TorchState, a commit every ``commit_every`` steps."""
+    def build() -> tuple[nn.Module, Any, dict[str, Any], Callable[[], None], Callable[[], dict[str, Any]]]:
+        model = _model()
+        opt = hvd.DistributedOptimizer(_adamw(model), named_parameters=model.named_parameters(), sharding=mode)
+        sched = _schedule(opt)  # on the DistributedOptimizer
+        owned: list[tuple[int, list[str]]] = []
 
-    @hvd.elastic.run
-    def train(state: Any) -> None:
-        while state.epoch < EPOCHS:
-            mine = list(iter(state.sampler))
-            for idx in range(math.ceil(len(mine) / BATCH)):
-                hook(state)
-                batch = mine[idx * BATCH:(idx + 1) * BATCH]
-                xs, ys = zip(*(_data(i) for i in batch), strict=True)
-                opt.zero_grad()
-                F.mse_loss(state.model(torch.stack(xs)), torch.stack(ys)).backward()
-                opt.step()
-                sched.step()
-                owned.append((hvd.size(), opt.owned_parameter_names()))
-                everyone = hvd.allgather_object(batch, name="test.batch")
-                state.sampler.record_batch(idx, BATCH)
-                state.applied = (*state.applied, tuple(i for part in everyone for i in part))
-                state.sizes = (*state.sizes, hvd.size())
-                state.steps += 1
-                if state.steps % commit_every == 0:
-                    state.commit()
-            state.epoch += 1
-            state.sampler.set_epoch(state.epoch)
-            state.commit()
+        def after_step() -> None:
+            sched.step()
+            owned.append((hvd.size(), opt.owned_parameter_names()))
 
-    train(state)
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
-    return {"params": params, "applied": state.applied, "sizes": state.sizes, "rank": hvd.rank(),
-            "size": hvd.size(), "owned": owned[-1], "lr": opt.param_groups[0]["lr"],
-            "with_state": len(opt.state), "every": len(list(model.parameters()))}
+        def report() -> dict[str, Any]:
+            return {"owned": owned[-1], "lr": opt.param_groups[0]["lr"], "with_state": len(opt.state),
+                    "every": len(list(model.parameters()))}
+        return model, opt, {"scheduler": sched}, after_step, report
+    return Setup(build, commit_every)
 
 
-def _worker(worker: str, hook: Callable[[Any], None], mode: str,
-            commit_every: int = COMMIT_EVERY) -> dict[str, Any] | str:
-    os.environ.update(HORA_ELASTIC="1", HORA_WORKER_ID=worker, HORA_HOSTNAME=worker.split(":")[0],
-                      HORA_ELASTIC_TIMEOUT="60")
-    try:
-        return _train(hook, mode, commit_every)
-    except SystemExit as e:
-        return f"left with {e.code}"
-
-
-def _check(results: list[dict[str, Any]], sizes: list[int], sharded: bool = True) -> None:
+def _check(results: list[dict[str, Any]], sizes: list[int]) -> None:
     first = results[0]
     for r in results[1:]:
         assert r["params"] == first["params"], "ranks ended with different parameters"
@@ -115,32 +81,11 @@ def _check(results: list[dict[str, Any]], sizes: list[int], sharded: bool = True
     assert sorted(samples) == sorted(list(range(SAMPLES)) * EPOCHS), "samples lost or repeated"
     # the state moved to the last world's owners: a partition, each rank holding its own entries only
     names = [n for r in results for n in r["owned"][1]]
-    if sharded:
-        assert all(r["owned"][0] == first["size"] for r in results)
-        assert len(names) == len(set(names)) == first["every"], names
+    assert all(r["owned"][0] == first["size"] for r in results)
+    assert len(names) == len(set(names)) == first["every"], names
     assert [r["with_state"] for r in results] == [len(r["owned"][1]) for r in results]
-    want = _replay(list(first["applied"]))
-    assert first["params"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert first["params"] == pytest.approx(_replay(list(first["applied"])), rel=1e-5, abs=1e-6)
     assert first["lr"] == pytest.approx(0.05 * 0.5 ** (len(first["applied"]) // 2))  # StepLR(2, 0.5)
-
-
-def _failure(rank: int, size: int, mode: str) -> Any:
-    if rank == 0:
-        d = _Driver()
-        workers = ["h1:0", "h2:0", "h3:0"]
-        d.wait_ready(workers, 0)
-        d.publish(1, workers)
-        d.wait_ready(workers[:2], 1)  # the survivors' collective failed: they restored and reset
-        d.publish(2, workers[:2])
-        return "driver"
-    if rank == 3:  # the worker that dies runs in a child process, so this harness rank can report it
-        pid = os.fork()
-        if pid == 0:
-            _worker("h3:0", _die_at(3, "h3:0"), mode)
-            os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        return f"died with {os.waitstatus_to_exitcode(status)}"
-    return _worker(f"h{rank}:0", _die_at(3, "h3:0"), mode)
 
 
 @pytest.mark.parametrize("mode", ["optimizer", "gradients"])
@@ -148,7 +93,7 @@ def test_a_dead_workers_shard_comes_from_its_neighbours_copy_and_the_schedule_ro
     """h3 dies after step 3, one step past the commit at step 2: the survivors roll back the model, the
     optimizer shards, the schedule and the data, take h3's shard from the copy h1 kept at the commit, and
     train on at 2 ranks, ending where one process applying the same batches ends."""
-    results = run_ranks(_failure, 4, mode, init=False, timeout=180)
+    results = run_ranks(_failure, 4, _sharded(mode, COMMIT_EVERY), 3, init=False, timeout=180)
     assert results[3] == "died with 9"
     survivors = results[1:3]
     assert [(r["rank"], r["size"]) for r in survivors] == [(0, 2), (1, 2)]
@@ -156,44 +101,15 @@ def test_a_dead_workers_shard_comes_from_its_neighbours_copy_and_the_schedule_ro
     _check(survivors, [3, 2])
 
 
-def _shrink(rank: int, size: int, mode: str) -> Any:
-    if rank == 0:
-        d = _Driver()
-        workers = ["h1:0", "h2:0", "h3:0"]
-        d.wait_ready(workers, 0)
-        d.publish(1, workers)
-        d.wait_key(_key("at"))
-        d.host_update(added=[], removed=["h3"])
-        d.store.set(_key("go"), "1")
-        d.wait_ready(workers, 1)
-        d.publish(2, workers[:2])
-        return "driver"
-    return _worker(f"h{rank}:0", _signal_and_wait(COMMIT_EVERY), mode)
-
-
 def test_a_removed_hosts_shard_moves_to_the_survivors() -> None:
-    results = run_ranks(_shrink, 4, "gradients", init=False, timeout=180)
+    results = run_ranks(_shrink, 4, _sharded("gradients", COMMIT_EVERY), init=False, timeout=180)
     assert results[3] == "left with 0"
     _check(results[1:3], [3, 2])
 
 
-def _grow(rank: int, size: int, mode: str) -> Any:
-    if rank == 0:
-        d = _Driver()
-        d.wait_ready(["h1:0", "h2:0", "h3:0"], 0)
-        d.publish(1, ["h1:0", "h2:0"])
-        d.wait_key(_key("at"))
-        d.host_update(added=["h3"], removed=[])
-        d.store.set(_key("go"), "1")
-        d.wait_ready(["h1:0", "h2:0"], 1)
-        d.publish(2, ["h1:0", "h2:0", "h3:0"])
-        return "driver"
-    # a commit every step: the new worker joins after 3 steps of 2 x 2 samples, 12 left, 4 per rank
-    return _worker(f"h{rank}:0", _signal_and_wait(2), mode, commit_every=1)
-
-
 def test_a_new_worker_gets_its_share_of_the_state() -> None:
-    results = run_ranks(_grow, 4, "optimizer", init=False, timeout=180)
+    # a commit every step: the new worker joins after 3 steps of 2 x 2 samples, 12 left, 4 per rank
+    results = run_ranks(_grow, 4, _sharded("optimizer", 1), init=False, timeout=180)
     workers = results[1:]
     assert [(r["rank"], r["size"]) for r in workers] == [(0, 3), (1, 3), (2, 3)]
     assert workers[2]["with_state"] > 0  # the new worker owns, and holds, some of the moved state

@@ -191,28 +191,29 @@ class _DistributedOptimizer:
                 loss = closure()
         reducer = self._hora_reducer
         sent = sharding.begin_step()
-        owned = set(sharding.owned())
-        index_of = {id(p): i for i, p in enumerate(sharding.params)}
+        owned = sharding.partition().owners
+        member = sharding.partition().member
+        index_of = sharding.position
         done: set[int] = set()
 
         def apply(params: list[torch.Tensor]) -> None:
-            mine = [p for p in params if index_of[id(p)] in owned]
+            indices = [index_of[id(p)] for p in params]
+            mine = [i for i in indices if owned[i] == member]
             if mine:
                 self._hora_updates_by_bucket += 1
-                _step_on(self, mine)
-            indices = [index_of[id(p)] for p in params]
+                _step_on(self, [sharding.params[i] for i in mine])
             done.update(indices)
-            sent.updated([i for i in indices if i in owned])
+            sent.updated(mine)
 
         if self._hora_should_sync and not reducer.synced and _overlappable(self):
             reducer.synchronize(on_reduced=apply)
         elif self._hora_should_sync:
             reducer.synchronize()
         reducer.stepped()
-        rest = [sharding.params[i] for i in sorted(owned) if i not in done]
+        rest = [i for i in sharding.owned() if i not in done]
         if rest:
-            _step_on(self, rest)
-            sent.updated([index_of[id(p)] for p in rest])
+            _step_on(self, [sharding.params[i] for i in rest])
+            sent.updated(rest)
         sent.finish()
         return loss
 

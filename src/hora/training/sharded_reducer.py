@@ -47,7 +47,7 @@ from hora.training.sharding import Sharding
 log = logging.getLogger(__name__)
 
 REDUCE_MODES = ("auto", "allreduce", "reducescatter")
-POOL_BUFFERS = 4  # buffers per (dtype, device) before a bucket waits for an earlier one to land
+POOL_BUFFERS = 2  # buffers per (dtype, device): one filling while one is on the wire (docs/performance.md)
 PADDING_LIMIT = 1.25  # a reduce-scatter bucket may be at most this much longer than its gradients
 
 
@@ -282,7 +282,7 @@ class ShardedGradientReducer(GradientReducer):
             src = out.narrow(0, lay.offsets[k] - base, lay.numels[k])
             dst = self.owned_grads[lay.params[k]]
             if bucket.landed:
-                dst.view(-1).add_(src.to(dst.dtype), alpha=self.scale_out)
+                dst.view(-1).add_(src, alpha=self.scale_out)  # a 16-bit wire is widened by the add
             else:
                 cast_scaled(src, dst, self.scale_out)
         bucket.landed = True

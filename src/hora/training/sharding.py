@@ -60,6 +60,7 @@ class Partition:
     world: World
     member: int
     owners: tuple[int, ...]
+    mine: tuple[int, ...] = ()  # the indices of the parameters ``member`` owns
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -171,6 +172,7 @@ class Sharding:
         self.params = list(params)
         self.names = list(names)
         self.index_of = {name: i for i, name in enumerate(self.names)}
+        self.position = {id(p): i for i, p in enumerate(self.params)}  # a parameter's index, by identity
         self.groups = list(groups)
         self.process_set = process_set
         self.naming = naming
@@ -202,15 +204,15 @@ class Sharding:
                              "optimizer's state; build the optimizer only on the members")
         specs = [ParamSpec(i, p.numel(), p.dtype, p.device, self.groups[i]) for i, p in enumerate(self.params)]
         owners = assign_owners(specs, len(world[1]), *self._caps())
-        self._partition = part = Partition(world, ps.rank(), owners)
+        member = ps.rank()
+        self._partition = part = Partition(world, member, owners, tuple(i for i, o in enumerate(owners) if o == member))
         self._layout_generation = 0  # names of a new world start afresh, as a process that joined it names them
         self._flats_key = None
         return part
 
-    def owned(self) -> list[int]:
+    def owned(self) -> tuple[int, ...]:
         """Indices of the parameters this rank owns."""
-        part = self.partition()
-        return [i for i in range(len(self.params)) if part.owns(i)]
+        return self.partition().mine
 
     def trainable_plans(self, caps: tuple[int, int] | None = None) -> list[Any]:
         """Buckets of the parameters that require grad now (``plan_buckets``' order; ``caps``: (first, later)
