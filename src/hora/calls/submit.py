@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hora.datapath import streams
+from hora.datapath import adasum, streams
 from hora.datapath.c10d import dtype_name
 from hora.datapath.compression import Compression
 from hora.datapath.kinds import KINDS, REDUCTIONS, Call, Kind, Op, Request
@@ -55,10 +55,8 @@ def _validate(call: Call, rank: int) -> None:
         raise InvalidCallError(f"{where}: the tensor is not contiguous; call .contiguous() on it first")
     if t.device.type not in ("cpu", "cuda"):
         raise InvalidCallError(f"{where}: tensors on {t.device} are not supported (CPU and CUDA are)")
-    if t.is_cuda and runtime.state().device is None:
-        raise InvalidCallError(f"{where}: a CUDA tensor, but hora was initialised without CUDA (at hvd.init() "
-                               "torch saw no CUDA device or no NCCL); move the tensor to the CPU, or make CUDA "
-                               "visible before hvd.init()")
+    if t.is_cuda:
+        _validate_device(t.device, runtime.state().device, where)
     if call.ps.process_set_id is None:
         raise InvalidCallError(f"{where}: {call.ps!r} is not registered; use hvd.add_process_set() first")
     if not call.ps.included():
@@ -72,6 +70,20 @@ def _validate(call: Call, rank: int) -> None:
                                f"(world size {runtime.size()}); root_rank is a global rank")
     if call.kind in _GATHERS and t.dim() == 0:
         raise InvalidCallError(f"{where}: needs a tensor with at least one dimension (dim 0 is split or gathered)")
+
+
+def _validate_device(device: torch.device, hora: torch.device | None, where: str) -> None:
+    """A CUDA tensor must be on the device hora bound this rank to: NCCL runs every collective of a rank on
+    its one device, and a tensor elsewhere would be read from the wrong GPU."""
+    if hora is None:
+        raise InvalidCallError(f"{where}: a CUDA tensor, but hora was initialised without CUDA (at hvd.init() "
+                               "torch saw no CUDA device or no NCCL); move the tensor to the CPU, or make CUDA "
+                               "visible before hvd.init()")
+    if device != hora:
+        raise InvalidCallError(f"{where}: the tensor is on {device}, but this rank's collectives run on {hora} "
+                               "(hvd.init() binds each rank to GPU local_rank % visible GPUs); move the tensor "
+                               f"there (tensor.to('{hora}')), or give each rank its own GPU with "
+                               "CUDA_VISIBLE_DEVICES before it starts")
 
 
 def _validate_reduction(call: Call, where: str) -> None:
@@ -90,6 +102,10 @@ def _validate_adasum(call: Call, where: str) -> None:
     if size & (size - 1):  # Horovod: NotImplementedError
         raise UnsupportedCallError(f"{where}: op=hvd.Adasum needs a power-of-two number of ranks, got {size}: run "
                                    "with 2, 4, 8... ranks or use op=hvd.Average")
+    try:
+        adasum.summed_levels(call.ps.ranks, call.tensor.is_cuda)  # GPU Adasum's layout, refused here if unfit
+    except UnsupportedCallError as e:
+        raise UnsupportedCallError(f"{where}: {e}") from None
 
 
 def _request(op: Op) -> Request:

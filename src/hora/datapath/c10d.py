@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hora.datapath import streams
 from hora.datapath.reduce_ops import ReduceOp
 
 Work = Any  # a c10d Work (torch has no public type for it)
@@ -62,6 +63,36 @@ class FuturesWork:
 
     def get_future(self) -> Any:
         return torch.futures.collect_all(self._futures)
+
+
+class KeptWork:
+    """A Work and the temporaries it reads that were allocated for it on the launch stream (an uneven
+    allgather's or reduce-scatter's padded input). Since torch's PR #150398, ProcessGroupNCCL lets go of its
+    own references to a collective's tensors in ``Work.wait()``, right after ordering the *waiting* stream after
+    the collective (WorkNCCL::synchronizeStream: block the current stream on the end event, then unstash). A
+    tensor allocated on another stream, the launch stream, would then go back to that stream's pool at once,
+    and the next launch could write into it while NCCL still sends it. So they stay here until ``wait()``,
+    which records them on the waiting stream before letting go: the allocator reuses their memory only once
+    that stream, and so the collective, is past this point."""
+
+    __slots__ = ("_kept", "_work")
+
+    def __init__(self, work: Work, kept: tuple[torch.Tensor, ...]) -> None:
+        self._work = work
+        self._kept = kept
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._work.wait()
+        for tensor in self._kept:
+            streams.consumed_here(tensor)
+        self._kept = ()
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
 
 
 def done_work(error: Exception | None = None) -> FuturesWork:
@@ -120,6 +151,18 @@ def gather(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> Work:
     return all_gather_into(out, tensor, group=group, async_op=True)
 
 
+def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: Any) -> list[Work]:
+    """Send ``send`` to global rank ``peer`` and receive ``recv`` from it, as one batch (NCCL issues the pair
+    in one group call, so neither side waits on the other's order); an empty side is left out (its peer
+    leaves out the matching one). Returns the Works to wait for (none when both sides are empty)."""
+    ops = []
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, peer, group))
+    if recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, peer, group))
+    return list(dist.batch_isend_irecv(ops)) if ops else []
+
+
 def reduce(tensor: torch.Tensor, dst: int, op: int, group: Any) -> Work:
     """Reduce ``tensor`` in place onto global rank ``dst`` of ``group``."""
     return dist.reduce(tensor, dst=dst, op=wire_op(op), group=group, async_op=True)
@@ -146,11 +189,11 @@ def gather_rows(wire: torch.Tensor, rows: list[int], group: Any) -> tuple[torch.
     top = max(rows)
     rest = tuple(wire.shape[1:])
     out = torch.empty((top * len(rows), *rest), dtype=wire.dtype, device=wire.device)
-    if wire.shape[0] != top:
-        padded = torch.zeros((top, *rest), dtype=wire.dtype, device=wire.device)
-        padded[: wire.shape[0]].copy_(wire)
-        wire = padded
-    return out, all_gather_into(out, wire, group=group, async_op=True)
+    if wire.shape[0] == top:
+        return out, all_gather_into(out, wire, group=group, async_op=True)
+    padded = torch.zeros((top, *rest), dtype=wire.dtype, device=wire.device)
+    padded[: wire.shape[0]].copy_(wire)
+    return out, KeptWork(all_gather_into(out, padded, group=group, async_op=True), (padded,))
 
 
 def unpad_rows(out: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -191,13 +234,13 @@ def scatter_rows(wire: torch.Tensor, n: int, index: int, op: int, group: Any) ->
     counts = even_splits(wire.shape[0], n)
     top = counts[0]
     rest = tuple(wire.shape[1:])
-    if any(c != top for c in counts):
-        padded = torch.zeros((top * n, *rest), dtype=wire.dtype, device=wire.device)
-        start = 0
-        for i, c in enumerate(counts):
-            padded[i * top : i * top + c].copy_(wire[start : start + c])
-            start += c
-        wire = padded
     out = torch.empty((top, *rest), dtype=wire.dtype, device=wire.device)
-    work = _reduce_scatter_into(out, wire, op=wire_op(op), group=group, async_op=True)
-    return out[: counts[index]], work
+    if all(c == top for c in counts):
+        return out[: counts[index]], _reduce_scatter_into(out, wire, op=wire_op(op), group=group, async_op=True)
+    padded = torch.zeros((top * n, *rest), dtype=wire.dtype, device=wire.device)
+    start = 0
+    for i, c in enumerate(counts):
+        padded[i * top : i * top + c].copy_(wire[start : start + c])
+        start += c
+    work = _reduce_scatter_into(out, padded, op=wire_op(op), group=group, async_op=True)
+    return out[: counts[index]], KeptWork(work, (padded,))

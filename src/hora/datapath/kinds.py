@@ -30,9 +30,8 @@ import torch
 import torch.distributed as dist
 
 from hora.common.process_sets import ProcessSet
+from hora.datapath import adasum, hierarchical, streams
 from hora.datapath import c10d as dataplane
-from hora.datapath import hierarchical, streams
-from hora.datapath.adasum import adasum_tree
 from hora.datapath.c10d import Work, to_dtype
 from hora.datapath.compression import WIRE_BUFFERS, Compression, Compressor, cast_scaled, lease_wire, pipeline_ranges
 from hora.datapath.reduce_ops import AVERAGE_WIRE, ReduceOp, finish_sum, float_factor, scale_integers
@@ -174,7 +173,7 @@ class Op:
     steps: Steps
     members: int = 0  # the process set's size when the call was submitted (Average divides by it)
     wire: torch.Tensor = _NO_WIRE  # set by prepare: the buffer the collective sends (and receives in place)
-    ctx: Any = None  # compression context
+    ctx: Any = None  # compression context (Adasum: how many levels summed within a host)
     lease: torch.Tensor | None = None  # a reused 16-bit wire buffer (compression.WIRE_BUFFERS), given back at finish
     out: torch.Tensor = _NO_WIRE  # set by launch when the output is not the wire: the c10d output buffer
     rows: list[int] | None = None  # set by launch: rows from each member (allgather's sent, alltoall's received)
@@ -362,21 +361,30 @@ class Reducescatter:
 
 
 class Adasum:
-    """``allreduce(op=hvd.Adasum)``: one allgather of every member's flattened tensor, then each rank combines
-    them with the same tree (:func:`hora.datapath.adasum.adasum_tree`), so every rank ends with the same result."""
+    """``allreduce(op=hvd.Adasum)``: the members combine their flattened tensors in place by vector halving and
+    distance doubling (:func:`hora.datapath.adasum.vhdd`), as Horovod does; on CUDA tensors of the whole job
+    a host's ranks average theirs first (Horovod's GPU Adasum: summed, then divided by the ranks per host).
+    Runs entirely at launch, in the agreed order; ``op.ctx``: the summed levels."""
 
     @staticmethod
     def prepare(op: Op) -> None:
         call = op.call
-        flat = call.tensor.detach().reshape(-1)  # the allgather only reads it: no copy of the caller's tensor
+        flat = call.tensor.detach().reshape(-1)
         if call.prescale != 1.0:
             flat = flat * call.prescale
-        op.wire = _to_wire(flat, copy=False)
+        op.wire = _to_wire(flat, copy=not call.inplace and call.prescale == 1.0)  # combined in place
 
     @staticmethod
     def launch(op: Op, peers: Peers) -> Work:
-        op.out, work = dataplane.gather_rows(op.wire, [op.wire.shape[0]] * op.members, peers.group)
-        return work
+        ranks = peers.agreed.ps
+        cuda = op.wire.is_cuda
+        try:
+            op.ctx = summed = adasum.summed_levels(ranks, cuda)
+            adasum.vhdd(op.wire, ranks, peers.rank, peers.group, summed)
+        except Exception as e:  # noqa: BLE001 - a peer lost mid-way (the backend's error): reported at wait()
+            return dataplane.done_work(e)
+        # on CUDA every step was issued on the launch stream, which each step's Work was waited on
+        return streams.EventWork(torch.cuda.current_stream(op.wire.device)) if cuda else dataplane.done_work()
 
     @staticmethod
     def launch_joined(peers: Peers) -> None:
@@ -385,8 +393,9 @@ class Adasum:
     @staticmethod
     def finish(op: Op) -> torch.Tensor:
         call = op.call
-        streams.consumed_here(op.out)
-        result = adasum_tree(op.out.view(op.members, -1)).view(call.tensor.shape)  # (W, n) -> the tensor's shape
+        result = op.wire.view(call.tensor.shape)
+        if op.ctx:  # a host's ranks were summed: Horovod divides by the ranks per host (its postscale)
+            result.div_(1 << op.ctx) if result.is_floating_point() else result.floor_divide_(1 << op.ctx)
         if result.dtype != call.tensor.dtype:
             result = result.to(call.tensor.dtype)
         if call.postscale != 1.0:

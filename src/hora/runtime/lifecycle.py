@@ -35,7 +35,7 @@ from hora.common import rendezvous
 from hora.common.env import WorkerEnv
 from hora.common.knobs import Knobs, ignored_horovod_variables
 from hora.common.process_sets import ProcessSet, ProcessSetTable, global_process_set
-from hora.datapath import hierarchical
+from hora.datapath import adasum, hierarchical
 from hora.diagnostics import timeline, user_errors
 from hora.diagnostics.board import Board
 from hora.engine.context import EngineContext
@@ -264,6 +264,7 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, secret: JobSecret | No
         with hora_env.torch_groups_of_hora(knobs.gloo_lazy_connect, knobs.gloo_iface):
             ctrl = dist.new_group(backend="gloo", timeout=control_timeout(knobs))
         topo = topology(env, ctrl)
+        adasum.set_hosts(topo.hosts)
         sets.add_global(sets.new_group())
         tunes_it = knobs.autotune and "hierarchical_allreduce" not in knobs.explicit
         if (knobs.hierarchical_allreduce or tunes_it) and env.size > 1:
@@ -364,6 +365,7 @@ def _teardown_groups(s: Runtime, abort: bool = True) -> None:
     timeline.set_world(None)
     hierarchy = hierarchical.active()
     hierarchical.clear()
+    adasum.set_hosts(())
     try:
         if s.owns_default_group and dist.is_initialized():
             abort_groups() if abort else dist.destroy_process_group()

@@ -41,7 +41,9 @@ def _global_stats(x: torch.Tensor, name: str, ps: ProcessSet) -> tuple[torch.Ten
         var, mean = torch.var_mean(x, dim=dims, unbiased=False)
     else:
         var = mean = torch.zeros(x.shape[1], dtype=x.dtype, device=x.device)
-    local = torch.cat([torch.tensor([float(count)], dtype=x.dtype, device=x.device), mean, var * count])
+    # the count made on x's device: torch.tensor([count], device=cuda) would copy from the host and wait for
+    # the GPU in every layer's forward
+    local = torch.cat([x.new_full((1,), float(count)), mean, var * count])
     table = ops.allgather(local.unsqueeze(0), name=name, process_set=ps)  # (W, 1 + 2C)
     c = x.shape[1]
     counts, means, m2s = table[:, :1], table[:, 1:1 + c], table[:, 1 + c:]
