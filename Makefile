@@ -24,13 +24,14 @@ else
 $(error TORCH=$(TORCH): choose TORCH=cpu or TORCH=cuda)
 endif
 
-.PHONY: help train test test-fast test-gpu lint bench bench-quick torch system-deps clean image image-cuda
+.PHONY: help train test test-fast test-gpu test-gpu-sanitizer lint bench bench-quick torch system-deps clean image image-cuda
 
 help:  ## list the targets
 	@echo "make train         a real 2-rank training run on localhost (NP=4 for 4 ranks; sets up .venv on first use)"
 	@echo "make test          the whole test suite, as CI runs it (PYTEST_ARGS='-x -k name' to narrow it)"
 	@echo "make test-fast     unit and single-host distributed tests, a few minutes: the edit loop"
 	@echo "make test-gpu      the GPU suite (tests marked gpu; on a machine with CUDA GPUs and TORCH=cuda)"
+	@echo "make test-gpu-sanitizer  the GPU suite under torch's CUDA sanitizer (stream races are errors)"
 	@echo "make lint          ruff, mypy and the layer contracts (lint-imports) (CI runs it before make test)"
 	@echo "make bench-quick   every benchmark on its smallest settings, ~30 s; reports go to out/bench-quick/"
 	@echo "make bench         the full benchmarks (many minutes); reports go to benchmarks/results/"
@@ -114,7 +115,12 @@ test-fast: $(STAMP)
 # Tests marked gpu (tests/gpu): CUDA tensors, NCCL, AMP, SyncBatchNorm. On a machine without a CUDA device they
 # skip with one line; .venv needs the CUDA build of torch there (make clean; make test-gpu TORCH=cuda).
 test-gpu: $(STAMP)
-	$(BIN)/python -m pytest -v -m gpu tests/gpu $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -v -s -m gpu tests/gpu $(PYTEST_ARGS)
+
+# The same under torch's CUDA sanitizer (TORCH_CUDA_SANITIZER=1: every kernel's reads and writes are checked
+# against the streams' order; an unsynchronised access fails the rank that made it). Slow: run it after test-gpu.
+test-gpu-sanitizer: $(STAMP)
+	TORCH_CUDA_SANITIZER=1 $(BIN)/python -m pytest -v -s -m gpu tests/gpu $(PYTEST_ARGS)
 
 # The container images, by docker/build_image.py (the deployment tests build theirs with it too): the base is
 # Docker Hub's debian:bookworm-slim where it can be pulled, else a Debian made from Debian packages with

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 import hora as hvd
+from hora.datapath.adasum import adasum_tree
 from tests.distributed.expect import ops_for, rank_input, reduce, split_sizes
 from tests.gpu.common import device, same
 
@@ -76,8 +77,11 @@ def data_movement(rank: int, size: int) -> int:
          reduce(full, hvd.Sum)[start:start + counts[rank]], "reducescatter, uneven rows")
     if size & (size - 1) == 0:
         vecs = [torch.randn(64, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r in range(size)]
-        cpu = hvd.allreduce(vecs[rank], op=hvd.Adasum, name="adasum cpu")  # hora's CPU path as the reference
-        same(hvd.allreduce(vecs[rank].to(dev), op=hvd.Adasum, name="adasum"), cpu, "Adasum")
+        cpu = hvd.allreduce(vecs[rank], op=hvd.Adasum, name="adasum cpu")  # CPU tensors: Adasum over every rank
+        same(cpu, adasum_tree(torch.stack(vecs)), "Adasum of CPU tensors", on=torch.device("cpu"))
+        # CUDA tensors: Horovod's GPU Adasum, the ranks of a host averaged first (here every rank is on one host)
+        want = reduce(vecs, hvd.Average) if dev.type == "cuda" else cpu
+        same(hvd.allreduce(vecs[rank].to(dev), op=hvd.Adasum, name="adasum"), want, "Adasum")
     hvd.barrier()
     return 9
 

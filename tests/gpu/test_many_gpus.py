@@ -1,6 +1,6 @@
 """Two or more GPUs, one rank each, CUDA tensors through NCCL: every kind of collective, process sets, the
-hierarchical allreduce's leader path (the one NCCL takes), gradient buckets against DDP bit for bit, and a
-rank whose thread has another current device than the one hora bound it to."""
+hierarchical allreduce (the leader way on unequal hosts, the shard way on equal ones), gradient buckets
+against DDP bit for bit, and a rank whose thread has another current device than the one hora bound it to."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def _as_hosts(rank: int, per_host: list[int]) -> None:
 
 
 def _hierarchical(rank: int, size: int) -> int:
-    per_host = [2, size - 2]  # unequal hosts with 3 GPUs: the leader way; [2, 2] with 4: NCCL takes it too
+    per_host = [2, size - 2]  # unequal hosts with 3 GPUs: the leader way; [2, 2] with 4: the shard way
     _as_hosts(rank, per_host)
     # each "host" sees its own GPU, as separate machines would: a local rank then never shares one (CUDA is
     # not initialised yet in this forked rank, so the variable still counts)
@@ -87,7 +87,8 @@ def _hierarchical(rank: int, size: int) -> int:
     hvd.init()
     try:
         h = hierarchical.active()
-        want = "shm" if ON_CPU and per_host[0] == per_host[1] else "leader"  # the dry run's Gloo may share memory
+        even = per_host[0] == per_host[1]
+        want = ("shm" if ON_CPU else "shard") if even else "leader"  # the dry run's Gloo may share memory
         assert h is not None and h.mode == want, f"hierarchy {h}"
         dev = device()
         before = h.calls
@@ -115,7 +116,7 @@ def _hierarchical(rank: int, size: int) -> int:
 
 
 @pytest.mark.gpu(3)
-def test_hierarchical_leader_path_on_nccl() -> None:
+def test_hierarchical_allreduce_on_nccl() -> None:
     from hora.testing import run_ranks  # init=False: each rank sets its "host" first
 
     calls = run_ranks(_hierarchical, _ranks(), init=False, timeout=300.0)

@@ -94,47 +94,53 @@ def _model() -> torch.nn.Module:
 
 
 def _amp_steps(model: torch.nn.Module, opt: Any, batches: list[tuple[torch.Tensor, torch.Tensor]],
-               distributed: bool) -> list[float]:
-    """Horovod's AMP recipe: backward on the scaled loss, synchronize, unscale, step without reducing again."""
+               distributed: bool, recipe: str = "horovod", dtype: torch.dtype = torch.float16) -> list[float]:
+    """An AMP training loop with clipping. ``"horovod"``: backward on the scaled loss, synchronize, unscale,
+    step without reducing again. ``"torch"``: torch's own recipe, no synchronize (the scaler's reading of
+    the gradients reduces them)."""
     dev = device()
     scaler = torch.amp.GradScaler(dev.type, init_scale=2.0**40, backoff_factor=2.0**-36, growth_interval=1000)
     scales = []
     for x, y in batches:
         opt.zero_grad()
-        with torch.autocast(dev.type, dtype=torch.float16):
+        with torch.autocast(dev.type, dtype=dtype):
             loss = F.mse_loss(model(x.to(dev)), y.to(dev))
         scaler.scale(loss).backward()
-        if distributed:
+        if distributed and recipe == "horovod":
             opt.synchronize()
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
-        with opt.skip_synchronize() if distributed else contextlib.nullcontext():
+        with opt.skip_synchronize() if distributed and recipe == "horovod" else contextlib.nullcontext():
             scaler.step(opt)
         scaler.update()
         scales.append(float(scaler.get_scale()))
     return scales
 
 
-def _amp(rank: int, size: int) -> tuple[list[float], list[float]]:
+def _amp(rank: int, size: int, recipe: str = "horovod",
+         dtype: torch.dtype = torch.float16) -> tuple[list[float], list[float]]:
     dev = device()
     full = [_batch(step, 8 * size) for step in range(6)]
     model = _model().to(dev)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters())
     shards = [(x.chunk(size)[rank], y.chunk(size)[rank]) for x, y in full]
-    scales = _amp_steps(model, opt, shards, distributed=True)
+    scales = _amp_steps(model, opt, shards, True, recipe, dtype)
     ref = _model().to(dev)  # one process on the whole batch: the mean of equal shards' mean losses
-    ref_scales = _amp_steps(ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9), full, distributed=False)
-    assert scales == ref_scales, f"loss scales {scales}, one process on the whole batch: {ref_scales}"
-    if not ON_CPU:
-        assert scales[0] == 16.0, f"the first step should overflow fp16 and be skipped: scales {scales}"
+    ref_scales = _amp_steps(ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9), full, False, recipe, dtype)
+    what = f"{recipe}'s recipe in {dtype}"
+    assert scales == ref_scales, f"{what}: loss scales {scales}, one process on the whole batch: {ref_scales}"
+    if not ON_CPU and dtype == torch.float16:
+        assert scales[0] == 16.0, f"{what}: the first step should overflow fp16 and be skipped: scales {scales}"
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, atol=2e-3, rtol=2e-3, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(p, q, atol=tol, rtol=tol, msg=lambda m, name=name: f"{what}: {name}: {m}")
     return scales, [float(p.detach().double().sum()) for p in model.parameters()]
 
 
-def test_distributed_optimizer_with_grad_scaler() -> None:
-    results = gloo_world(_amp, 2)
+@pytest.mark.parametrize("recipe", ["horovod", "torch"])
+def test_distributed_optimizer_with_grad_scaler(recipe: str) -> None:
+    results = gloo_world(_amp, 2, recipe)
     assert results[0] == results[1]  # the same scales and parameters on both ranks
 
 
