@@ -36,7 +36,7 @@ def test_benchmark_runs_and_writes_its_report(name: str, tmp_path: Path) -> None
 # the module it imports), and
 # the replica of Horovod's synthetic example, which keeps that example's flags only (runs under hora run)
 NOT_REPORTING = ("common", "startup_worker", "shaped_worker", "wire16", "run_quick", "pytorch_synthetic_benchmark",
-                 "elastic_worker")
+                 "elastic_worker", "autotune_worker")
 
 
 def _usage(script: Path) -> str:

@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import socket
 import struct
+from collections.abc import Iterable
 
 from hora.errors import ConfigError
 
@@ -117,6 +118,16 @@ def interface_towards(target: str) -> str | None:
     """The interface this host uses to reach ``target`` (e.g. the rendezvous store)."""
     source = route_source(target)
     return interface_of(source) if source else None
+
+
+def get_driver_ip(nics: Iterable[str] | None = None) -> str:
+    """Horovod's ``horovod.runner.util.network.get_driver_ip``: this machine's address on the first of ``nics``
+    that has one, else the address its host name resolves to."""
+    addrs = interface_addresses()
+    for name in nics or ():
+        if name in addrs:
+            return addrs[name]
+    return socket.gethostbyname(socket.gethostname())
 
 
 def store_address(remote_hosts: list[str], interfaces: tuple[str, ...]) -> str:

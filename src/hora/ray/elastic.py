@@ -37,6 +37,7 @@ from hora.errors import ConfigError, JobFailedError
 from hora.launcher import output
 from hora.launcher.config import ElasticConfig, RunConfig
 from hora.launcher.elastic.driver import ElasticDriver
+from hora.launcher.elastic.hosts import DiscoveredHosts, HostDiscovery
 from hora.launcher.elastic.workers import Worker
 from hora.launcher.hosts import HostSpec
 from hora.launcher.remote.agent_handle import AgentHandle
@@ -81,7 +82,8 @@ class RayHosts:
             if self.gpus_per_worker:
                 slots = min(slots, int(resources.get("GPU", 0) // self.gpus_per_worker))
             if slots > 0:
-                by_host.setdefault(str(node["NodeManagerAddress"]), []).append(_Node(str(node["NodeID"]), slots))
+                address = str(node["NodeManagerAddress"])
+                by_host.setdefault(address, []).append(_Node(str(node.get("NodeID", "")), slots))
         with self._lock:
             self._nodes = by_host
         return tuple(HostSpec(host, sum(n.slots for n in nodes)) for host, nodes in by_host.items())
@@ -98,6 +100,38 @@ class RayHosts:
 
     def stop(self) -> None:
         return None  # each run is one call to Ray's GCS: nothing to stop
+
+    def resource_of(self, host: str) -> str | None:
+        """A Ray resource that places an actor on ``host`` (None: placed by node, :meth:`node_of`)."""
+        return None
+
+
+class RayHostDiscovery(HostDiscovery):
+    """Ray's live nodes as hosts (Horovod's ``horovod.ray.elastic_v2.RayHostDiscovery``, and
+    ``horovod.ray.elastic.RayHostDiscovery`` with the ``*_per_slot`` names): each node address with as many slots
+    as its CPUs (and GPUs, with ``use_gpu``) hold workers."""
+
+    def __init__(self, use_gpu: bool = False, cpus_per_worker: float = 1, gpus_per_worker: float = 1, *,
+                 cpus_per_slot: float | None = None, gpus_per_slot: float | None = None) -> None:
+        self.use_gpu = use_gpu
+        self.cpus_per_worker = cpus_per_slot if cpus_per_slot is not None else cpus_per_worker
+        self.gpus_per_worker = gpus_per_slot if gpus_per_slot is not None else gpus_per_worker
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        hosts = RayHosts(self.cpus_per_worker, self.gpus_per_worker if self.use_gpu else 0)
+        return {h.name: h.slots for h in hosts.run()}
+
+
+class DiscoveryHosts(DiscoveredHosts):
+    """The hosts of a :class:`HostDiscovery` given to the executor (``settings.discovery`` with
+    ``override_discovery=False``): a worker on host ``h`` is placed with Ray's resource ``node:h`` (Ray gives
+    every node ``node:<its address>``; a test cluster may declare others), as Horovod places them."""
+
+    def node_of(self, host: str, slot: int) -> str | None:
+        return None
+
+    def resource_of(self, host: str) -> str | None:
+        return f"node:{host}"
 
 
 @dataclass
@@ -221,6 +255,7 @@ class ElasticParams:
     gpus_per_worker: float = 0
     timeout_s: float = 30
     nics: set[str] | None = None
+    discovery: HostDiscovery | None = None  # settings.discovery with override_discovery=False: the hosts
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -259,8 +294,8 @@ class RayElasticDriver(ElasticDriver):
         executable: ``(cls, args, kwargs)`` each actor builds before it runs ``fn``.
     """
 
-    def __init__(self, cfg: RunConfig, hosts: RayHosts, fn: Callable[[Any], Any], env: Mapping[str, str],
-                 executable: tuple[type | None, list[Any] | None, dict[str, Any] | None],
+    def __init__(self, cfg: RunConfig, hosts: RayHosts | DiscoveryHosts, fn: Callable[[Any], Any],
+                 env: Mapping[str, str], executable: tuple[type | None, list[Any] | None, dict[str, Any] | None],
                  cpus_per_worker: float, gpus_per_worker: float) -> None:
         super().__init__(cfg)
         self.discovery = hosts
@@ -286,8 +321,11 @@ class RayElasticDriver(ElasticDriver):
             node = self.ray_hosts.node_of(host, slot) or ""
             options: dict[str, Any] = {"num_cpus": self.cpus_per_worker, "num_gpus": self.gpus_per_worker,
                                        "max_restarts": 0}
+            resource = self.ray_hosts.resource_of(host)
             if node:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+            elif resource is not None:
+                options["resources"] = {resource: 0.01}
             actor: Any = actor_cls.options(**options).remote(world_rank=int(env["HORA_RANK"]),
                                                         world_size=int(env["HORA_SIZE"]))
             # one caller's calls to an actor run in order: its place, then the executable, then the function
@@ -381,8 +419,10 @@ class ElasticRayJob:
         self._extra_env = {k: str(v) for k, v in (extra_env_vars or {}).items()}
         self._started = True
 
-    def run(self, fn: Callable[[Any], Any]) -> list[Any]:
+    def run(self, fn: Callable[[Any], Any], callbacks: Sequence[Callable[[Any], None]] | None = None) -> list[Any]:
         """Run ``fn(executable)`` elastically until the final world's workers return; their values in rank order.
+        Each of ``callbacks`` is called, on a thread of the driver, with every dict a worker sends with
+        :func:`hora.ray.ray_logger.log` (Horovod's callbacks).
 
         Raises:
             KeyboardInterrupt: Ctrl-C (every actor stopped first).
@@ -401,7 +441,11 @@ class ElasticRayJob:
         # the command is never run: the workers are Ray actors that run fn (RunConfig wants one for `hora run`)
         cfg = RunConfig(command=("hora.ray",), np=p.min_workers, hosts=(), start_timeout=p.timeout_s,
                         network_interfaces=nics, grace=0.0, elastic=ecfg)
-        hosts = RayHosts(p.cpus_per_worker, p.gpus_per_worker)
+        hosts: RayHosts | DiscoveryHosts = DiscoveryHosts(p.discovery) if p.discovery is not None \
+            else RayHosts(p.cpus_per_worker, p.gpus_per_worker)
+        relay = _CallbackRelay(callbacks) if callbacks else None
+        if relay is not None:
+            fn = relay.wrap(fn)
         env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "HORA_START_TIMEOUT": f"{p.timeout_s:g}",
                                "HORA_ELASTIC_TIMEOUT": f"{p.elastic_timeout + WORKER_TIMEOUT_MARGIN_S:g}"}
         if nics:
@@ -410,8 +454,12 @@ class ElasticRayJob:
         driver = RayElasticDriver(cfg, hosts, fn, env, self._executable, p.cpus_per_worker, p.gpus_per_worker)
         # the job's secret: made by the driver for this job, to the actors in a Ray call only
         driver.env[ENV_SECRET] = driver.secret.hex()
-        with output.speaking_as("hora.ray", in_ray_terms):
-            status = driver.run()
+        try:
+            with output.speaking_as("hora.ray", in_ray_terms):
+                status = driver.run()
+        finally:
+            if relay is not None:
+                relay.close()
         if status == 0:
             return driver.results()
         if driver.interrupted == signal.SIGINT and driver.failure is None:
@@ -423,3 +471,57 @@ class ElasticRayJob:
     def shutdown(self) -> None:
         self._started = False
 
+
+class _CallbackRelay:
+    """Horovod's callbacks: a Ray queue every worker's :mod:`hora.ray.ray_logger` puts dicts in, read by a thread
+    of the driver that calls each callback with each dict, until the job ends (then the rest is read)."""
+
+    def __init__(self, callbacks: Sequence[Callable[[Any], None]]) -> None:
+        from ray.util.queue import Queue
+
+        self.callbacks = list(callbacks)
+        self.queue = Queue()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._relay, name="hora-ray-callbacks", daemon=True)
+        self._thread.start()
+
+    def wrap(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        queue = self.queue
+
+        def with_logger(executable: Any) -> Any:
+            from hora.ray import ray_logger
+
+            ray_logger.configure(queue)
+            return fn(executable)
+
+        return with_logger
+
+    def _relay(self) -> None:
+        from ray.util.queue import Empty
+
+        while True:
+            try:
+                items = self.queue.get_nowait_batch(self.queue.qsize())
+            except Empty:
+                items = []
+            except Exception as e:  # noqa: BLE001 - the queue's actor is gone: the job is over
+                log.debug("hora.ray: callbacks' queue gone: %s", e)
+                return
+            for item in items:
+                for callback in self.callbacks:
+                    try:
+                        callback(item)
+                    except Exception:  # noqa: BLE001 - a user's callback must not end the job
+                        log.exception("hora.ray: a callback raised on %r", item)
+            if not items:
+                if self._done.is_set():
+                    return
+                self._done.wait(0.1)
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=10.0)
+        try:
+            ray.kill(self.queue.actor)  # type: ignore[arg-type]
+        except Exception as e:  # noqa: BLE001 - already gone
+            log.debug("hora.ray: callbacks' queue already gone: %s", e)

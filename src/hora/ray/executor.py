@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ import ray.exceptions
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hora.errors import ConfigError, JobFailedError
+from hora.launcher.elastic.hosts import HostDiscovery
 from hora.launcher.engines import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed
 from hora.launcher.pyfunc.run import RemoteTraceback
 from hora.protocol.jobsecret import ENV_SECRET, JobSecret
@@ -53,6 +54,7 @@ class MiniSettings:
     ssh_identity_file: str | None = None
     verbose: int = 1
     elastic: bool = False
+    discovery: HostDiscovery | None = None  # an elastic job's hosts when override_discovery=False (Horovod's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +81,9 @@ class RayExecutor:
         min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout: Horovod's elastic form
             (instead of ``num_workers``): the job starts with every slot Ray's nodes have, up to ``max_workers``,
             and goes on while ``min_workers`` remain (:mod:`hora.ray.elastic`, docs/engines.md).
-        override_discovery: accepted for Horovod's sake: the hosts are always Ray's live nodes.
+        override_discovery: an elastic job's hosts are Ray's live nodes (True, the default), or
+            ``settings.discovery`` (a :class:`~hora.launcher.elastic.hosts.HostDiscovery`) when False, each worker
+            placed with Ray's resource ``node:<host>`` as Horovod does.
     """
 
     @classmethod
@@ -100,8 +104,8 @@ class RayExecutor:
             raise ValueError("hora.ray.RayExecutor: max_workers is given without min_workers; an elastic job needs "
                              "a positive min_workers")
         if min_workers is not None and (num_workers is not None or num_hosts is not None):
-            raise ValueError("hora.ray.RayExecutor: give min_workers (an elastic job) or num_workers / num_hosts "
-                             "(a fixed job), not both")
+            raise ValueError("hora.ray.RayExecutor: Both `min_workers` and `num_workers` provided. Give min_workers "
+                             "(an elastic job) or num_workers / num_hosts (a fixed job), not both")
         if min_workers is None and (reset_limit is not None or cooldown_range is not None):
             raise ValueError("hora.ray.RayExecutor: reset_limit and cooldown_range are for an elastic job: give "
                              "min_workers too")
@@ -114,7 +118,7 @@ class RayExecutor:
                 min_workers=min_workers, max_workers=max_workers, reset_limit=reset_limit,
                 cooldown_range=cooldown_range, elastic_timeout=elastic_timeout, cpus_per_worker=cpus_per_worker,
                 gpus_per_worker=(gpus_per_worker or 1) if use_gpu else 0, timeout_s=settings.timeout_s,
-                nics=settings.nics))
+                nics=settings.nics, discovery=None if override_discovery else settings.discovery))
             settings.elastic = True
             num_workers = min_workers
         if gpus_per_worker and not use_gpu:
@@ -215,7 +219,9 @@ class RayExecutor:
             callbacks: list[Callable[..., Any]] | None = None) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the values in rank order.
 
-        ``callbacks`` is accepted for Horovod's sake: as in Horovod's fixed executor, nothing calls them.
+        ``callbacks``: in an elastic job (``min_workers``), each is called on the driver with every dict a worker
+        sends with ``ray_logger.log`` (:mod:`hora.ray.ray_logger`); in a fixed job, as in Horovod's, nothing
+        calls them.
 
         Raises:
             The exception a rank raised (the first), with its traceback as the cause, after every rank was
@@ -224,13 +230,13 @@ class RayExecutor:
         """
         call_args, call_kwargs = tuple(args or ()), dict(kwargs or {})
         if self._elastic is not None:
-            return self._elastic.run(lambda _executable: fn(*call_args, **call_kwargs))
+            return self._elastic.run(lambda _executable: fn(*call_args, **call_kwargs), callbacks)
         return self._supervise(self._submit(lambda _executable: fn(*call_args, **call_kwargs)))
 
     def execute(self, fn: Callable[[Any], Any], callbacks: list[Callable[..., Any]] | None = None) -> list[Any]:
         """Run ``fn(executable)`` on every rank (the object ``start(executable_cls)`` built); values in rank order."""
         if self._elastic is not None:
-            return self._elastic.run(fn)
+            return self._elastic.run(fn, callbacks)
         return self._supervise(self._submit(fn))
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
@@ -339,6 +345,12 @@ class ElasticSettings(MiniSettings):
     elastic: bool = True
 
 
+def _nic_set(nics: str | Iterable[str] | None) -> set[str] | None:
+    """``nics`` as a set: Horovod takes ``"eth0,eth1"`` or ``{"eth0"}``."""
+    names = nics.split(",") if isinstance(nics, str) else list(nics or ())
+    return {n for n in names if n} or None
+
+
 class ElasticRayExecutor:
     """Horovod 0.28.1's older elastic Ray API (``horovod.ray.ElasticRayExecutor``), on the same elastic driver as
     ``RayExecutor(min_workers=...)`` (:mod:`hora.ray.elastic`): ``worker_fn()`` runs in one actor per slot of
@@ -348,14 +360,15 @@ class ElasticRayExecutor:
     @staticmethod
     def create_settings(min_num_proc: int = 1, max_num_proc: int | None = None, reset_limit: int | None = None,
                         elastic_timeout: int = 600, timeout_s: int = 30, ssh_identity_file: str | None = None,
-                        nics: str | None = None, min_np: int | None = None, max_np: int | None = None,
+                        nics: str | Iterable[str] | None = None, min_np: int | None = None,
+                        max_np: int | None = None,
                         **kwargs: Any) -> ElasticSettings:
         """Settings for :class:`ElasticRayExecutor`; ``min_np``/``max_np`` are the deprecated names of
         ``min_num_proc``/``max_num_proc``. ``ssh_identity_file`` and other keywords are accepted and unused."""
         return ElasticSettings(min_num_proc=min_np if min_np is not None else min_num_proc,
                                max_num_proc=max_np if max_np is not None else max_num_proc,
                                reset_limit=reset_limit, elastic_timeout=elastic_timeout, timeout_s=timeout_s,
-                               nics={n for n in nics.split(",") if n} if nics else None,
+                               nics=_nic_set(nics),
                                ssh_identity_file=ssh_identity_file)
 
     def __init__(self, settings: ElasticSettings, use_gpu: bool = False, cpus_per_slot: int = 1,
@@ -370,16 +383,16 @@ class ElasticRayExecutor:
             min_workers=settings.min_num_proc, max_workers=settings.max_num_proc, reset_limit=settings.reset_limit,
             elastic_timeout=settings.elastic_timeout, cpus_per_worker=cpus_per_slot,
             gpus_per_worker=(gpus_per_slot or 1) if use_gpu else 0, timeout_s=settings.timeout_s,
-            nics=settings.nics))
+            nics=settings.nics, discovery=None if override_discovery else settings.discovery))
 
     def start(self) -> None:
         """Get ready to run (the actors start with each :meth:`run`)."""
         self._job.start(extra_env_vars=self.env_vars)
 
     def run(self, worker_fn: Callable[[], Any], callbacks: list[Callable[..., Any]] | None = None) -> list[Any]:
-        """Run ``worker_fn()`` elastically; the final world's values in rank order. ``callbacks`` is accepted and
-        not called (see docs/engines.md)."""
-        return self._job.run(lambda _executable: worker_fn())
+        """Run ``worker_fn()`` elastically; the final world's values in rank order. Each of ``callbacks`` gets every
+        dict a worker sends with ``ray_logger.log``."""
+        return self._job.run(lambda _executable: worker_fn(), callbacks)
 
     def shutdown(self) -> None:
         self._job.shutdown()

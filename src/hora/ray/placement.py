@@ -49,15 +49,79 @@ def reserve(*, num_workers: int | None, num_hosts: int | None, num_workers_per_h
         assert num_workers is not None
         group = ray.util.placement_group([dict(per_worker) for _ in range(num_workers)], strategy="PACK")
         ranks = tuple(range(num_workers))
+    hosts = f" on {num_hosts} different nodes" if num_hosts is not None else ""
+    _wait_ready(group, timeout_s, f"hora.ray: the cluster could not place {len(ranks)} ranks of {per_worker}{hosts} "
+                f"within {timeout_s:.0f} s (available now: {{available}}); add nodes, ask for fewer workers or "
+                "resources per worker, or raise placement_group_timeout_s in create_settings()")
+    return Reservation(group=group, bundles=ranks, owned=True)
+
+
+def _wait_ready(group: PlacementGroup, timeout_s: float, message: str) -> None:
+    """Wait for ``group``'s bundles to be reserved; else remove it and raise ``message`` (``{available}``: what the
+    cluster has free now) as a :class:`PlacementTimeoutError`, a ``TimeoutError``."""
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(group)
-        hosts = f" on {num_hosts} different nodes" if num_hosts is not None else ""
-        raise PlacementTimeoutError(
-            f"hora.ray: the cluster could not place {len(ranks)} ranks of {per_worker}{hosts} within "
-            f"{timeout_s:.0f} s (available now: {ray.available_resources()}); add nodes, ask for fewer "
-            "workers or resources per worker, or raise placement_group_timeout_s in create_settings()")
-    return Reservation(group=group, bundles=ranks, owned=True)
+        raise PlacementTimeoutError(message.replace("{available}", str(ray.available_resources())))
+
+
+def create_placement_group(resources_per_bundle: dict[str, float], num_bundles: int, pg_timeout: float,
+                           pg_strategy: str) -> tuple[PlacementGroup, list[dict[str, float]]]:
+    """Horovod's ``horovod.ray.strategy.create_placement_group``: ``num_bundles`` bundles of
+    ``resources_per_bundle`` with Ray's ``pg_strategy`` (``PACK``, ``SPREAD``...), ready within ``pg_timeout`` s.
+
+    Returns:
+        ``(placement group, bundles)``.
+
+    Raises:
+        PlacementTimeoutError: (a ``TimeoutError``, as Horovod's) the cluster could not reserve them in time.
+    """
+    bundles = [dict(resources_per_bundle) for _ in range(num_bundles)]
+    group = ray.util.placement_group(bundles, strategy=pg_strategy)
+    _wait_ready(group, pg_timeout, f"hora.ray: the cluster could not reserve {num_bundles} bundles of "
+                f"{resources_per_bundle} ({pg_strategy}) within {pg_timeout:g} s (available now: {{available}}); "
+                "add nodes or ask for less")
+    return group, bundles
+
+
+class Coordinator:
+    """Horovod's ``horovod.ray.runner.Coordinator``: each rank registers its node; :meth:`finalize_registration`
+    gives every rank its local and cross place by node (Horovod's numbering, as ``hora run`` assigns it:
+    :func:`hora.protocol.topology.derive_topology`). ``settings`` is kept for Horovod's sake."""
+
+    def __init__(self, settings: Any = None) -> None:
+        self.settings = settings
+        self.node_id_by_rank: dict[str, list[int]] = {}
+        self._hostnames: set[str] = set()
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(ranks) for ranks in self.node_id_by_rank.values())
+
+    @property
+    def hostnames(self) -> set[str]:
+        return self._hostnames
+
+    @property
+    def node_id_string(self) -> str:
+        """``"node:ranks,..."``, as Horovod's host string."""
+        return ",".join(f"{node}:{len(ranks)}" for node, ranks in self.node_id_by_rank.items())
+
+    def register(self, hostname: str, node_id: str, world_rank: int) -> None:
+        self._hostnames.add(hostname)
+        self.node_id_by_rank.setdefault(node_id, []).append(world_rank)
+
+    def finalize_registration(self) -> dict[int, dict[str, int]]:
+        """``{world rank: {HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK, HOROVOD_CROSS_SIZE}}``."""
+        node_of = {rank: node for node, ranks in self.node_id_by_rank.items() for rank in ranks}
+        ranks = sorted(node_of)
+        keys = [node_of[r] for r in ranks]
+        info = {}
+        for i, rank in enumerate(ranks):
+            t = derive_topology(keys, keys, i)
+            info[rank] = {"HOROVOD_CROSS_RANK": t.cross_rank, "HOROVOD_CROSS_SIZE": t.cross_size,
+                          "HOROVOD_LOCAL_RANK": t.local_rank, "HOROVOD_LOCAL_SIZE": t.local_size}
+        return info
 
 
 def rank_environments(node_ids: list[str], node_ips: list[str], store_addr: str, store_port: int,

@@ -13,8 +13,10 @@ never run twice.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -51,6 +53,14 @@ class TaskSpec:
     secret_hex: str = field(repr=False)
     start_timeout: float
     forward_output: bool = False  # run(stdout=/stderr=): the rank's lines go to the driver, not the executor's log
+
+
+def host_hash(salt: str | None = None) -> str:
+    """A key for this host, the same in every process on it (Horovod's ``horovod.spark.common.util.host_hash``):
+    the host name, told apart per container (``CONTAINER_ID``) and by ``salt`` when given."""
+    parts = [socket.gethostname(), os.environ.get("CONTAINER_ID", ""), salt or ""]
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return f"{parts[0]}-{digest}"
 
 
 def rank_task(spec: TaskSpec) -> Any:

@@ -64,6 +64,9 @@ from hora.protocol import network
 from hora.protocol.signedstore import SignedStore
 
 log = logging.getLogger(__name__)
+# Seconds between two looks for hosts; read at each look (Horovod's name for it: this module is also
+# horovod.runner.elastic.driver under the stand-in, where tests patch it).
+DISCOVER_HOSTS_FREQUENCY_SECS = DISCOVERY_INTERVAL
 
 TICK = 0.05  # seconds between two looks at the store (ready keys) when nothing else happens
 # ... while nothing is under way (every worker trains in the newest world, no update or loss pending): as the
@@ -564,7 +567,7 @@ class ElasticDriver(JobLoop):
                 self.events.put(("hosts", -1, self.discovery.run()))
             except DiscoveryError as exc:
                 self.events.put(("discovery_error", -1, str(exc)))
-            self._stopping.wait(max(0.0, DISCOVERY_INTERVAL - (time.monotonic() - began)))
+            self._stopping.wait(max(0.0, DISCOVER_HOSTS_FREQUENCY_SECS - (time.monotonic() - began)))
 
     def _step(self, now: float) -> None:
         """One look at everything: stop leavers, read ready keys, start workers, publish, check deadlines."""

@@ -25,7 +25,7 @@ import random
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -79,6 +79,54 @@ class HostSource(Protocol):
     def stop(self) -> None:
         """The job is ending: stop a run in progress."""
         ...
+
+
+class HostDiscovery:
+    """Horovod's discovery API (``horovod.runner.elastic.discovery.HostDiscovery``): a subclass says which hosts
+    are available now, as ``{host: slots}``; an elastic Ray job takes its hosts from one
+    (``settings.discovery`` with ``override_discovery=False``), through :class:`DiscoveredHosts`."""
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        """``{host: slots}`` of the hosts available now."""
+        raise NotImplementedError
+
+
+class FixedHosts(HostDiscovery):
+    """The same hosts every time (Horovod's ``FixedHosts``); :meth:`set` changes them."""
+
+    def __init__(self, host_slots: Mapping[str, int]) -> None:
+        self._host_slots = dict(host_slots)
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        return dict(self._host_slots)
+
+    def set(self, host_slots: Mapping[str, int]) -> None:
+        self._host_slots = dict(host_slots)
+
+
+class HostDiscoveryScript(HostDiscovery):
+    """The hosts a discovery script prints (Horovod's ``HostDiscoveryScript``; ``hora run
+    --host-discovery-script`` runs one the same way, :class:`Discovery`)."""
+
+    def __init__(self, discovery_script: str, slots: int | None) -> None:
+        self._discovery = Discovery(discovery_script, slots)
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        return {h.name: h.slots for h in self._discovery.run()}
+
+
+@dataclass
+class DiscoveredHosts:
+    """A :class:`HostSource` from a :class:`HostDiscovery` (hosts with no slot are left out)."""
+
+    discovery: HostDiscovery
+
+    def run(self) -> tuple[HostSpec, ...]:
+        found = self.discovery.find_available_hosts_and_slots()
+        return tuple(HostSpec(str(host), int(slots)) for host, slots in found.items() if int(slots) > 0)
+
+    def stop(self) -> None:
+        return None
 
 
 def run_discovery(script: str, default_slots: int | None, cwd: str | None = None,

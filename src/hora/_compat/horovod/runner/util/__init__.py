@@ -1,0 +1,1 @@
+"""``horovod.runner.util`` on hora: ``network.get_driver_ip``."""
