@@ -400,3 +400,34 @@ def test_autotune_replans_sharded_gradient_buckets_and_training_stays_exact() ->
         for i, (p, q) in enumerate(zip(r["params"], model.parameters())):
             assert torch.equal(p, results[0]["params"][i])
             torch.testing.assert_close(p, q.detach(), atol=1e-5, rtol=1e-5)
+
+
+# --- a process set that is not every rank -----------------------------------------------------------------
+def _in_a_process_set(rank: int, size: int, mode: str) -> dict[str, Any] | None:
+    ps = hvd.add_process_set([0, 2])
+    if rank == 1:
+        return None  # not a member: builds no optimizer
+    model = Net()
+    opt = hvd.DistributedOptimizer(OPTIMIZERS["adamw"](model.parameters()),
+                                   named_parameters=model.named_parameters(), sharding=mode, process_set=ps)
+    member = ps.rank()
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, 0, ROWS * 2)
+        F.mse_loss(model(x[member * ROWS:(member + 1) * ROWS]), y[member * ROWS:(member + 1) * ROWS]).backward()
+        opt.step()
+    return {"params": [p.detach().clone() for p in model.parameters()], "owned": opt.owned_parameter_names(),
+            "full": len(opt.state_dict()["state"])}
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "gradients"])
+def test_ranks_2_of_3_share_the_state_of_a_process_set(mode: str) -> None:
+    results = run_tensors(_in_a_process_set, 3, mode, timeout=120)
+    assert results[1] is None
+    want = reference(f"{mode}-adamw", 2)["params"]
+    names = [n for n, _ in Net().named_parameters()]
+    assert sorted(results[0]["owned"] + results[2]["owned"]) == sorted(names)
+    for r in (results[0], results[2]):
+        assert r["full"] == len(names)
+        for p, q in zip(r["params"], want):
+            torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
