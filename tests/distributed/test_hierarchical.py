@@ -18,18 +18,7 @@ import hora as hvd
 from hora.datapath import hierarchical
 from hora.datapath import shared_memory as hostshm
 from tests.distributed.expect import close, rank_input, reduce
-from tests.distributed.harness import run_ranks
-
-
-def _as_host(rank: int, per_host: list[int], knob: str) -> None:
-    """Set the launcher's variables as hora run would for a layout of ``per_host`` ranks per host."""
-    host, first = 0, 0
-    while rank >= first + per_host[host]:
-        first += per_host[host]
-        host += 1
-    os.environ.update({"HORA_HOST_KEY": f"host{host}", "HORA_LOCAL_RANK": str(rank - first),
-                       "HORA_LOCAL_SIZE": str(per_host[host]), "HORA_CROSS_RANK": str(host),
-                       "HORA_CROSS_SIZE": str(len(per_host)), "HOROVOD_HIERARCHICAL_ALLREDUCE": knob})
+from tests.distributed.harness import as_host, run_ranks
 
 
 def _model() -> torch.nn.Module:
@@ -107,7 +96,7 @@ def _private_segment(path: str, nbytes: int) -> torch.Tensor | None:
 
 def _hierarchical_job(rank: int, size: int, per_host: list[int], knob: str, train: bool,
                       no_shm_rank: int = -1, separate_shm_rank: int = -1) -> dict[str, object]:
-    _as_host(rank, per_host, knob)
+    as_host(rank, per_host, knob)
     if rank == no_shm_rank:
         hostshm.SHM_DIR = "/nonexistent-shm"  # this rank cannot make its segment
     if rank == separate_shm_rank:  # this rank sees other files than its host peers (as in another container)
@@ -205,7 +194,7 @@ def test_one_rank_per_host_stays_flat() -> None:
 
 
 def _allreduce_until_error(rank: int) -> str:
-    _as_host(rank, [2, 2], "1")
+    as_host(rank, [2, 2], "1")
     hvd.init()
     assert hierarchical.active() is not None and hierarchical.active().mode == "shm"  # type: ignore[union-attr]
     if rank == 3:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import hora as hvd
 from hora.testing import run_ranks
+from tests.distributed.harness import as_host
 
 ON_CPU = os.environ.get("HORA_GPU_SUITE_ON_CPU", "") not in ("", "0")
 TIMEOUT_S = 300.0  # the first CUDA call of a rank (context, NCCL communicators) can take many seconds
@@ -87,6 +88,15 @@ def _in_nccl_world(rank: int, size: int, fn: Callable[..., Any], *args: Any) -> 
 def nccl_world(fn: Callable[..., Any], nprocs: int, *args: Any, env: dict[str, str | None] | None = None) -> list[Any]:
     """``fn(rank, size, *args)`` on ``nprocs`` ranks, one GPU each, CUDA tensors through NCCL."""
     return run_ranks(_in_nccl_world, nprocs, fn, *args, init=False, timeout=TIMEOUT_S, env=env)
+
+
+def as_hosts(rank: int, per_host: list[int], hierarchical: bool = True) -> None:
+    """Make this forked rank one of ``per_host[h]`` ranks on "host" h, as hora run's variables would say, before
+    ``hvd.init()``; each such host sees its own GPU, as separate machines would (CUDA is not initialised yet in
+    the forked rank, so ``CUDA_VISIBLE_DEVICES`` still counts): a local rank then never shares one."""
+    as_host(rank, per_host, "1" if hierarchical else "0")
+    if not ON_CPU:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
 
 
 def same(got: torch.Tensor, want: torch.Tensor, what: str, exact: bool = False, on: torch.device | None = None) -> None:

@@ -4,7 +4,6 @@ against DDP bit for bit, and a rank whose thread has another current device than
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 import hora as hvd
 from hora.datapath import hierarchical
 from tests.distributed.expect import rank_input, reduce, split_sizes
-from tests.gpu.common import ON_CPU, cuda_devices, device, nccl_world, same
+from tests.gpu.common import ON_CPU, as_hosts, cuda_devices, device, nccl_world, same
 from tests.gpu.every_kind import every_kind
 
 
@@ -67,23 +66,9 @@ def test_process_sets_on_nccl() -> None:
     assert all(c >= 8 for c in counts), counts
 
 
-def _as_hosts(rank: int, per_host: list[int]) -> None:
-    """The launcher's variables for ``per_host`` ranks on each host (before init: hora builds the groups)."""
-    host, first = 0, 0
-    while rank >= first + per_host[host]:
-        first += per_host[host]
-        host += 1
-    os.environ.update({"HORA_HOST_KEY": f"host{host}", "HORA_LOCAL_RANK": str(rank - first),
-                       "HORA_LOCAL_SIZE": str(per_host[host]), "HORA_CROSS_RANK": str(host),
-                       "HORA_CROSS_SIZE": str(len(per_host)), "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"})
-
-
 def _hierarchical(rank: int, size: int) -> int:
     per_host = [2, size - 2]  # unequal hosts with 3 GPUs: the leader way; [2, 2] with 4: the shard way
-    _as_hosts(rank, per_host)
-    # each "host" sees its own GPU, as separate machines would: a local rank then never shares one (CUDA is
-    # not initialised yet in this forked rank, so the variable still counts)
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    as_hosts(rank, per_host)
     hvd.init()
     try:
         h = hierarchical.active()

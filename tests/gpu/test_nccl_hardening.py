@@ -39,7 +39,7 @@ from hora.runtime import lifecycle as runtime
 from hora.testing import run_ranks
 from tests.distributed.expect import reduce
 from tests.distributed.test_elastic import _Driver, _key
-from tests.gpu.common import ON_CPU, TIMEOUT_S, cuda_devices, device, nccl_world, same
+from tests.gpu.common import ON_CPU, TIMEOUT_S, as_hosts, cuda_devices, device, nccl_world, same
 from tests.gpu.test_one_gpu import _amp, _sync_batch_norm
 
 
@@ -305,18 +305,6 @@ def test_uneven_allgathers_fed_by_a_busy_stream_are_right_every_iteration() -> N
 REPORT_DIR = Path(os.environ.get("HORA_GPU_REPORT_DIR", "out/gpu-report"))
 
 
-def _as_hosts(rank: int, per_host: list[int]) -> None:
-    host, first = 0, 0
-    while rank >= first + per_host[host]:
-        first += per_host[host]
-        host += 1
-    os.environ.update({"HORA_HOST_KEY": f"host{host}", "HORA_LOCAL_RANK": str(rank - first),
-                       "HORA_LOCAL_SIZE": str(per_host[host]), "HORA_CROSS_RANK": str(host),
-                       "HORA_CROSS_SIZE": str(len(per_host)), "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"})
-    if not ON_CPU:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # each "host" sees its own GPU, as separate machines
-
-
 def _timed(fn: Any, dev: torch.device) -> float:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -330,7 +318,7 @@ def _timed(fn: Any, dev: torch.device) -> float:
 def _bandwidth(rank: int, size: int) -> dict[str, Any]:
     """Flat and hierarchical allreduces of the same tensors, alternating, 5 timed repeats each after a warm-up;
     the slowest rank's time of each (a collective ends when its last rank does); the results equal."""
-    _as_hosts(rank, [size // 2, size // 2])
+    as_hosts(rank, [size // 2, size // 2])
     hvd.init()
     try:
         h = hierarchical.active()
@@ -428,8 +416,7 @@ def test_gpu_adasum_holds_at_most_half_a_tensor_more() -> None:
 def _adasum_hosts(rank: int, size: int) -> None:
     """Two "hosts" of size/2 ranks: Horovod's GPU Adasum averages each host's tensors, then combines the two
     averages (the dry run, on CPU tensors, combines every rank's as Adasum of CPU tensors does)."""
-    _as_hosts(rank, [size // 2, size // 2])
-    os.environ.pop("HOROVOD_HIERARCHICAL_ALLREDUCE")
+    as_hosts(rank, [size // 2, size // 2], hierarchical=False)
     hvd.init()
     try:
         xs = [torch.randn(1001, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r in range(size)]
