@@ -47,6 +47,35 @@ def test_broadcast_parameters_every_form_every_dtype() -> None:
         assert r["requires_grad"]
 
 
+def _broadcast_parameters_in_chunks(rank: int, size: int) -> dict:
+    from hora.api import functions
+
+    functions.BROADCAST_CHUNK_BYTES = 64  # 16 float32s: every form of chunk below
+    torch.manual_seed(rank)
+    tensors = {"small1": torch.randn(3), "small2": torch.randn(5), "exact": torch.randn(16), "big": torch.randn(40),
+               "strided": torch.randn(8, 6).t(), "small3": torch.randn(2, 2)}  # strided: large, not contiguous
+    hvd.broadcast_parameters(tensors, root_rank=1)
+    return tensors
+
+
+def test_broadcast_parameters_in_bounded_chunks_reaches_every_tensor() -> None:
+    results = run_tensors(_broadcast_parameters_in_chunks, 2)
+    torch.manual_seed(1)
+    want = {"small1": torch.randn(3), "small2": torch.randn(5), "exact": torch.randn(16), "big": torch.randn(40),
+            "strided": torch.randn(8, 6).t(), "small3": torch.randn(2, 2)}
+    for r in results:
+        for k in want:
+            assert torch.equal(r[k], want[k]), k
+
+
+def test_broadcast_chunks_never_exceed_the_cap_but_for_a_single_large_tensor() -> None:
+    from hora.api.functions import _chunks
+
+    sizes = [3, 5, 16, 40, 1, 1, 14, 2]  # float32 elements; cap 64 bytes = 16 elements
+    chunks = _chunks([torch.empty(n) for n in sizes], 64)
+    assert [[t.numel() for t in c] for c in chunks] == [[3, 5], [16], [40], [1, 1, 14], [2]]
+
+
 def _broadcast_optimizer_state(rank: int, size: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))

@@ -1,9 +1,10 @@
 """Helpers every Horovod script calls once: start all ranks from the same weights, share Python objects.
 
-``broadcast_parameters`` flattens tensors into one buffer per (dtype, device) and broadcasts each buffer once,
-so a ResNet-50 state dict costs two collectives, not 320. ``broadcast_optimizer_state`` sends the root's
-``optimizer.state_dict()`` (state and options such as ``lr``) and loads it everywhere, so it works before the
-first step without Horovod's trick of a fake zero-gradient step.
+``broadcast_parameters`` packs tensors into flat buffers per (dtype, device), of at most
+:data:`BROADCAST_CHUNK_BYTES` each (a larger tensor travels alone, in place), so a ResNet-50 state dict costs a
+few collectives, not 320, and a large model's start needs no second copy of its weights.
+``broadcast_optimizer_state`` sends the root's ``optimizer.state_dict()`` (state and options such as ``lr``) and
+loads it everywhere, so it works before the first step without Horovod's trick of a fake zero-gradient step.
 
 Example:
     >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)   # doctest: +SKIP
@@ -64,18 +65,43 @@ def broadcast_parameters(
         if t.numel() > 0:
             by_kind.setdefault((t.dtype, t.device.type), []).append(t)
     with torch.no_grad():
-        handles = []
         for (dtype, device), group in sorted(by_kind.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
             # The device type, not the device: rank i's cuda:i must pair with every other rank's buffer.
-            name = f"hora.broadcast_parameters.{str(dtype).removeprefix('torch.')}.{device}"
-            handles.append((group, ops.broadcast_async_(flat, root_rank, name=name, process_set=process_set)))
-        for group, handle in handles:
-            flat = synchronize(handle)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            base = f"hora.broadcast_parameters.{str(dtype).removeprefix('torch.')}.{device}"
+            for i, chunk in enumerate(_chunks(group, BROADCAST_CHUNK_BYTES)):
+                _broadcast_chunk(chunk, root_rank, f"{base}.{i}" if i else base, process_set)
+
+
+# broadcast_parameters' most extra memory: small tensors travel packed in flat buffers of up to this size, one
+# buffer at a time, and a tensor this large or larger travels alone in place. A model's worth of flat copy would
+# double its memory at start (docs/large-models.md).
+BROADCAST_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def _chunks(tensors: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, cut into runs of at most ``cap`` bytes (a larger tensor is a run by itself)."""
+    out: list[list[torch.Tensor]] = []
+    size = cap
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if size + nbytes > cap or nbytes >= cap:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += nbytes
+    return out
+
+
+def _broadcast_chunk(chunk: list[torch.Tensor], root_rank: int, name: str, process_set: ProcessSet) -> None:
+    if len(chunk) == 1 and chunk[0].is_contiguous():
+        synchronize(ops.broadcast_async_(chunk[0].detach(), root_rank, name=name, process_set=process_set))
+        return
+    flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+    flat = synchronize(ops.broadcast_async_(flat, root_rank, name=name, process_set=process_set))
+    offset = 0
+    for t in chunk:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def _check_same_layout(named: list[tuple[str, torch.Tensor]], root_rank: int, process_set: ProcessSet) -> None:

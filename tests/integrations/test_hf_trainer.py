@@ -1,0 +1,51 @@
+"""transformers' Trainer on hora (hora.integrations.hf): a tiny config-built GPT-2 fine-tuned under ``hora run -np 2``
+learns, ends identical on both ranks, and matches the plain Trainer run in one process on both ranks' batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="hora[hf] (transformers) is not installed; requirements-dev.txt pins it")
+
+JOB = Path(__file__).with_name("hf_job.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _run(cmd: list[str], out: Path) -> list[dict]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+def _params(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"params-rank{rank}.pt", weights_only=True)
+
+
+def test_trainer_under_hora_run_learns_and_matches_one_process(tmp_path: Path) -> None:
+    out, ref = tmp_path / "hora", tmp_path / "reference"
+    job = [sys.executable, str(JOB)]
+    ranks = _run([sys.executable, "-m", "hora", "run", "-np", "2", *job, str(out), "--max-grad-norm", "0.5"], out)
+    (reference,) = _run([*job, str(ref), "--reference", "--max-grad-norm", "0.5"], ref)
+
+    assert [r["world_size"] for r in ranks] == [2, 2] and [r["process_index"] for r in ranks] == [0, 1]
+    assert [r["wrapped"] for r in ranks] == ["GPT2LMHeadModel"] * 2  # accelerate wrapped no DDP around it
+    assert ranks[0]["steps"] == reference["steps"] == 12  # 64 samples / (2 ranks x 4 x 2 accumulated) x 3 epochs
+    first_epoch = [set(r["read"][:32]) for r in ranks]  # each rank reads its own half of the data set
+    assert not first_epoch[0] & first_epoch[1] and len(first_epoch[0] | first_epoch[1]) == 64
+
+    losses = ranks[0]["losses"]
+    assert losses == ranks[1]["losses"]  # the Trainer logs the mean over ranks
+    assert losses[-1] < losses[0] - 0.5, losses  # learns (starts near ln 64 = 4.16)
+    assert losses == pytest.approx(reference["losses"], abs=1e-4)
+
+    p0, p1, pr = _params(out, 0), _params(out, 1), _params(ref, 0)
+    for name in p0:
+        assert torch.equal(p0[name], p1[name]), name  # ranks bit-identical
+        torch.testing.assert_close(p0[name], pr[name], atol=1e-4, rtol=1e-4, msg=name)
