@@ -50,10 +50,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sharding", default=None)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--no-use-cpu", action="store_true")
     opts = parser.parse_args(argv)
     per_rank_batch, ranks = 4, 2
     common = dict(output_dir=str(opts.out / "trainer"), gradient_accumulation_steps=2, learning_rate=3e-3,
-                  num_train_epochs=opts.epochs, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                  num_train_epochs=opts.epochs, logging_steps=1, save_strategy="no", report_to=[], use_cpu=not opts.no_use_cpu,
                   max_grad_norm=opts.max_grad_norm, seed=0, disable_tqdm=True, lr_scheduler_type="constant")
     data = Sequences()
     if opts.reference:
@@ -73,6 +74,7 @@ def main(argv: list[str]) -> int:
     report = {
         "losses": losses, "world_size": args.world_size, "process_index": args.process_index,
         "wrapped": type(trainer.model_wrapped).__name__, "optimizer": type(trainer.optimizer.optimizer).__name__,
+        "sharding": getattr(trainer.optimizer.optimizer, "sharding", None),
         "read": data.read, "steps": trainer.state.global_step,
     }
     opts.out.mkdir(parents=True, exist_ok=True)

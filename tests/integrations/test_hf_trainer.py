@@ -28,24 +28,48 @@ def _params(out: Path, rank: int) -> dict[str, torch.Tensor]:
     return torch.load(out / f"params-rank{rank}.pt", weights_only=True)
 
 
-def test_trainer_under_hora_run_learns_and_matches_one_process(tmp_path: Path) -> None:
-    out, ref = tmp_path / "hora", tmp_path / "reference"
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The plain Trainer in one process, on both ranks' batches at once (8 a step instead of 4 on each rank)."""
+    ref = tmp_path_factory.mktemp("reference")
+    (report,) = _run([sys.executable, str(JOB), str(ref), "--reference", "--max-grad-norm", "0.5"], ref)
+    return report, _params(ref, 0)
+
+
+@pytest.mark.parametrize("sharding", [None, "gradients"])
+def test_trainer_under_hora_run_learns_and_matches_one_process(
+        tmp_path: Path, sharding: str | None, reference: tuple[dict, dict[str, torch.Tensor]]) -> None:
+    out = tmp_path / "hora"
     job = [sys.executable, str(JOB)]
-    ranks = _run([sys.executable, "-m", "hora", "run", "-np", "2", *job, str(out), "--max-grad-norm", "0.5"], out)
-    (reference,) = _run([*job, str(ref), "--reference", "--max-grad-norm", "0.5"], ref)
+    shard = ["--sharding", sharding] if sharding else []
+    ranks = _run([sys.executable, "-m", "hora", "run", "-np", "2", *job, str(out), "--max-grad-norm", "0.5", *shard],
+                 out)
+    reference_report, pr = reference
 
     assert [r["world_size"] for r in ranks] == [2, 2] and [r["process_index"] for r in ranks] == [0, 1]
     assert [r["wrapped"] for r in ranks] == ["GPT2LMHeadModel"] * 2  # accelerate wrapped no DDP around it
-    assert ranks[0]["steps"] == reference["steps"] == 12  # 64 samples / (2 ranks x 4 x 2 accumulated) x 3 epochs
+    assert [r["sharding"] for r in ranks] == [sharding] * 2
+    assert ranks[0]["steps"] == reference_report["steps"] == 12  # 64 samples / (2 ranks x 4 x 2 accumulated) x 3 epochs
     first_epoch = [set(r["read"][:32]) for r in ranks]  # each rank reads its own half of the data set
     assert not first_epoch[0] & first_epoch[1] and len(first_epoch[0] | first_epoch[1]) == 64
 
     losses = ranks[0]["losses"]
     assert losses == ranks[1]["losses"]  # the Trainer logs the mean over ranks
     assert losses[-1] < losses[0] - 0.5, losses  # learns (starts near ln 64 = 4.16)
-    assert losses == pytest.approx(reference["losses"], abs=1e-4)
+    assert losses == pytest.approx(reference_report["losses"], abs=1e-4)
 
-    p0, p1, pr = _params(out, 0), _params(out, 1), _params(ref, 0)
+    p0, p1 = _params(out, 0), _params(out, 1)
     for name in p0:
         assert torch.equal(p0[name], p1[name]), name  # ranks bit-identical
         torch.testing.assert_close(p0[name], pr[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_a_trainer_that_sees_another_world_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """Without use_cpu=True on a machine without GPUs accelerate sees one process, not hora's two."""
+    proc = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "2", sys.executable, str(JOB), str(tmp_path),
+                           "--no-use-cpu"], capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]  # the script's uncaught error
+    text = proc.stdout + proc.stderr
+    assert "hora.ConfigError: rank 0:" in text and "hora.ConfigError: rank 1:" in text
+    assert "the Trainer sees a world of 1 process(es)" in text and "hora runs 2 ranks" in text
+    assert "TrainingArguments(use_cpu=True)" in text

@@ -13,7 +13,9 @@ with ``hora run -np N python train.py``. What it changes in the Trainer, and why
   sharding=...)``, so the gradients of the accumulation steps add up locally and are reduced once, in the
   last backward, overlapped with it; every rank starts from rank 0's weights (``broadcast_parameters``).
 * **Clipping sees reduced gradients.** Before the Trainer clips or measures the gradient norm, the
-  optimizer's ``synchronize()`` finishes the reduction; ``step()`` then runs under ``skip_synchronize()``.
+  optimizer's ``synchronize()`` finishes the reduction (with ``sharding="gradients"`` each rank holds only its
+  own parameters' gradients, and the optimizer's ``clip_grad_norm_`` combines the norm over the ranks);
+  ``step()`` then runs under ``skip_synchronize()``.
 
 Example (``hora run -np 2 python train.py``):
     >>> import hora as hvd                                                              # doctest: +SKIP
@@ -136,9 +138,14 @@ def _leave_reduction_to_hora(trainer: HoraTrainer) -> None:
         return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     def clip_grad_norm_after_synchronize(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
-        if trainer._hora_optimizer is not None:
-            trainer._hora_optimizer.synchronize()  # type: ignore[attr-defined]
-        return clip_grad_norm(parameters, max_norm, norm_type)
+        optimizer: Any = trainer._hora_optimizer
+        if optimizer is None:
+            return clip_grad_norm(parameters, max_norm, norm_type)
+        optimizer.synchronize()
+        if optimizer.sharding != "gradients":  # every rank holds every reduced gradient
+            return clip_grad_norm(parameters, max_norm, norm_type)
+        accelerator.unscale_gradients()  # fp16's GradScaler, on the owned gradients
+        return optimizer.clip_grad_norm_(max_norm, norm_type)  # each rank holds its own: the norm over ranks
 
     accelerator.prepare_model = prepare_model_without_ddp
     accelerator.clip_grad_norm_ = clip_grad_norm_after_synchronize
