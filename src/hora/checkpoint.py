@@ -21,6 +21,10 @@ code. A checkpoint holding your own classes needs ``restore(..., weights_only=Fa
 your own jobs wrote) or ``torch.serialization.add_safe_globals([...])``. The rules are
 :mod:`hora.common.trusted_load`'s, for every checkpoint format.
 
+Large models: :func:`save_sharded` / :func:`restore_sharded` (from :mod:`hora.sharded_checkpoint`) write one
+directory per checkpoint, every rank its own part in parallel, and restore at any number of ranks, under the same
+atomicity and trust rules.
+
 Example:
     >>> from hora import checkpoint
     >>> state = checkpoint.restore("/checkpoints/run1")  # doctest: +SKIP
@@ -34,8 +38,6 @@ import logging
 import os
 import pickle
 import re
-import socket
-import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,16 +45,24 @@ import torch
 
 from hora.api.functions import allgather_object, broadcast_object
 from hora.common.trusted_load import UnsafeToLoad, load_owned, private_directory
+from hora.common.writer_files import STALE_AFTER_S, RememberingFile, fsync_dir, is_stale, writer_id
 from hora.errors import CheckpointError
 from hora.runtime import lifecycle as runtime
+from hora.sharded_checkpoint import (
+    AsyncSave,
+    clear_stale_sharded,
+    restore_sharded,
+    save_sharded,
+    sharded_checkpoints,
+)
 
-__all__ = ["CheckpointError", "checkpoints", "clear_stale", "latest", "restore", "save"]
+__all__ = ["AsyncSave", "CheckpointError", "checkpoints", "clear_stale", "clear_stale_sharded", "latest", "restore",
+           "restore_sharded", "save", "save_sharded", "sharded_checkpoints"]
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 _TEMP = re.compile(r"^\.ckpt-\d{9}\.pt\.tmp\.(?:(?P<host>.+)\.)?(?P<pid>\d+)$")
-STALE_AFTER_S = 3600.0  # a temporary file from another host untouched this long belongs to a dead writer
 # what torch.load raises on a file cut short or damaged
 _UNREADABLE = (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError)
 
@@ -65,19 +75,6 @@ def _rank_and_size() -> tuple[int, int]:
     if runtime.is_initialized():
         return runtime.rank(), runtime.size()
     return 0, 1
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some filesystems do not open directories; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -116,7 +113,7 @@ def save(directory: str | os.PathLike[str], step: int, state: Any, *, keep: int 
         return None
     where = Path(directory)
     final = _path(where, step)
-    tmp = where / f".{final.name}.tmp.{_writer()}"
+    tmp = where / f".{final.name}.tmp.{writer_id()}"
     try:
         private_directory(where)
         clear_stale(where)
@@ -125,7 +122,7 @@ def save(directory: str | os.PathLike[str], step: int, state: Any, *, keep: int 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        _fsync_dir(where)
+        fsync_dir(where)
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoint {final}: {e.strerror or e}; check that {where} is "
                               "writable and has space") from e
@@ -138,39 +135,14 @@ def save(directory: str | os.PathLike[str], step: int, state: Any, *, keep: int 
     return final
 
 
-class _Sink:
-    """The file ``torch.save`` writes to, remembering the OSError a write raised: torch reports a failed write
-    to a real file as its own ``RuntimeError`` ("unexpected pos ...")."""
-
-    def __init__(self, f: IO[bytes]) -> None:
-        self._f = f
-        self.error: OSError | None = None
-
-    def write(self, data: bytes) -> int:
-        try:
-            return self._f.write(data)
-        except OSError as e:
-            self.error = e
-            raise
-
-    def flush(self) -> None:
-        self._f.flush()
-
-
 def _write(state: Any, f: IO[bytes]) -> None:
-    sink = _Sink(f)
+    sink = RememberingFile(f)
     try:
         torch.save(state, sink)  # type: ignore[arg-type]  # a writable object is what torch.save needs
     except RuntimeError as e:
         if sink.error is None:
             raise
         raise sink.error from e
-
-
-def _writer() -> str:
-    """This process as a temporary file's suffix: ``<host>.<pid>``."""
-    host = re.sub(r"[^A-Za-z0-9_-]+", "-", socket.gethostname()) or "host"
-    return f"{host}.{os.getpid()}"
 
 
 def clear_stale(directory: str | os.PathLike[str]) -> list[Path]:
@@ -181,7 +153,6 @@ def clear_stale(directory: str | os.PathLike[str]) -> list[Path]:
     :data:`STALE_AFTER_S` seconds.
     """
     removed = []
-    me = _writer().rsplit(".", 1)[0]
     try:
         entries = list(Path(directory).iterdir())
     except OSError:
@@ -194,37 +165,12 @@ def clear_stale(directory: str | os.PathLike[str]) -> list[Path]:
             changed = entry.stat().st_mtime
         except OSError:
             continue  # gone meanwhile (renamed into place)
-        if m.group("host") == me:
-            stale = not _alive_since(int(m.group("pid")), changed)
-        else:
-            stale = time.time() - changed > STALE_AFTER_S
-        if stale:
+        if is_stale(m.group("host"), int(m.group("pid")), changed, STALE_AFTER_S):
             entry.unlink(missing_ok=True)
             removed.append(entry)
             log.warning("removed %s: the temporary file of a checkpoint write that never finished (its writer "
                         "died)", entry)
     return removed
-
-
-def _alive_since(pid: int, changed: float) -> bool:
-    """Process ``pid`` exists and started before ``changed`` (a wall-clock time), so it may be that file's writer."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        with open("/proc/stat") as fh:
-            boot = next(float(line.split()[1]) for line in fh if line.startswith("btime "))
-    except (OSError, StopIteration, IndexError, ValueError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    if fields[0] in ("Z", "X"):
-        return False
-    started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    return started <= changed + 1.0  # start times are in clock ticks, boot time in seconds
 
 
 def restore(directory: str | os.PathLike[str], *, map_location: Any = "cpu", weights_only: bool = True) -> Any | None:

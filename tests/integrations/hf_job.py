@@ -54,8 +54,9 @@ def main(argv: list[str]) -> int:
     opts = parser.parse_args(argv)
     per_rank_batch, ranks = 4, 2
     common = dict(output_dir=str(opts.out / "trainer"), gradient_accumulation_steps=2, learning_rate=3e-3,
-                  num_train_epochs=opts.epochs, logging_steps=1, save_strategy="no", report_to=[], use_cpu=not opts.no_use_cpu,
-                  max_grad_norm=opts.max_grad_norm, seed=0, disable_tqdm=True, lr_scheduler_type="constant")
+                  num_train_epochs=opts.epochs, logging_steps=1, save_strategy="no", report_to=[],
+                  use_cpu=not opts.no_use_cpu, max_grad_norm=opts.max_grad_norm, seed=0, disable_tqdm=True,
+                  lr_scheduler_type="constant")
     data = Sequences()
     if opts.reference:
         args = transformers.TrainingArguments(per_device_train_batch_size=per_rank_batch * ranks, **common)
