@@ -8,11 +8,23 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import re
 from types import TracebackType
 
 _FIELD = re.compile(r"^(VmRSS|VmHWM):\s+(\d+) kB$", re.M)
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _fresh_heap() -> None:
+    """Make large allocations show in the resident size: glibc raises its mmap threshold after large frees (up to
+    32 MiB) and then serves them from heap memory still resident from earlier tests, which no high-water mark sees.
+    Fix the threshold at its 128 KiB default and hand the free heap back to the kernel."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    libc.malloc_trim(0)
 
 
 def _status() -> dict[str, int]:
@@ -25,6 +37,7 @@ class PeakMemory:
 
     def __enter__(self) -> PeakMemory:
         gc.collect()
+        _fresh_heap()
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")  # resets VmHWM to the current VmRSS
         self._start = _status()["VmRSS"]
