@@ -13,7 +13,11 @@ Pickled keys get a payload that, when unpickled, creates ``DIR/canary.<host>.<pi
 attacker's own listener, which records every connection in ``DIR/connections``. ``DIR/attacks.jsonl`` gets
 one line per key the first time it is overwritten.
 
-TARGETs: mesh, watch, lost, bell, board, fn, result, elastic-world, elastic-ready.
+TARGETs: mesh, watch, lost, bell, board, fn, result, elastic-world, elastic-ready, gen-replay.
+
+``gen-replay`` forges nothing: it keeps the first value of ``hora/<job>/elastic/gen`` it reads (world 1's, MAC
+and all: ``DIR/gen.captured`` says it has one) and puts it back whenever the driver has written another, a
+replay whose MAC checks.
 """
 
 from __future__ import annotations
@@ -106,6 +110,33 @@ def _forged(jobs: set[str], keys: list[str], me: str) -> Iterator[tuple[str, byt
             yield from ((f"hora.run/result/{r}", payload) for r in (0, 1))
 
 
+def _replay_gen(store: TCPStore, jobs: set[str], captured: dict[str, bytes]) -> None:
+    """Keep each job's ``elastic/gen`` at the first value read (see the module docstring): once captured, a
+    thread of its own writes it back every fraction of a millisecond, so a newer value the driver writes is
+    gone before a worker reads it."""
+    for job in jobs:
+        key = f"hora/{job}/elastic/gen"
+        if key in captured or not store.check([key]):
+            continue
+        captured[key] = store.get(key)
+        (DIR / "gen.captured").write_text(key)
+        threading.Thread(target=_hold, args=(store.clone(), key, captured[key]), daemon=True).start()
+
+
+def _hold(store: TCPStore, key: str, value: bytes) -> None:
+    logged = False
+    while not (DIR / "stop").exists():
+        try:
+            if not logged and store.get(key) != value:  # the driver wrote a newer one: this is a replay now
+                logged = True
+                with open(DIR / "attacks.jsonl", "a") as f:
+                    f.write(json.dumps({"key": key, "replayed": True}) + "\n")
+            store.set(key, value)
+        except Exception:  # noqa: BLE001 - the store went away with its job
+            return
+        time.sleep(0.0002)
+
+
 def main() -> int:
     me = _listen()
     while not (DIR / "store").exists():
@@ -114,6 +145,7 @@ def main() -> int:
     store = TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))
     jobs: set[str] = set()
     written: set[str] = set()
+    replayed: dict[str, bytes] = {}
     rounds = 0
     while not (DIR / "stop").exists():
         try:
@@ -126,6 +158,8 @@ def main() -> int:
                 written.add(key)
                 with open(DIR / "attacks.jsonl", "a") as f:
                     f.write(json.dumps({"key": key, "round": rounds}) + "\n")
+            if "gen-replay" in TARGETS:
+                _replay_gen(store, jobs, replayed)
             if "board" in TARGETS:  # the counters carry no MAC: bump them so the readers look at the posts
                 for job in jobs:
                     store.add(f"hora/{job}/board/waits", 1)

@@ -9,7 +9,8 @@
 
 The attacks: replay the captured handshake to the listener it was meant for, while the real dialer's seat is
 still free; then, against every listener in ``DIR/mesh.json``: hold 50 half-open connections, impersonate the
-rank not yet connected (fresh, with a made-up secret), speak hora's old protocol with a pickled payload (the
+rank not yet connected (fresh, with a made-up secret), claim it and then speak wire version 99 where its
+PROOF belongs, speak hora's old protocol with a pickled payload (the
 payload would create CANARY), send garbage, announce an oversized message, and send a forged round frame. The
 attacker knows only what the network shows: addresses, the world's name, captured bytes; never the secret.
 """
@@ -202,6 +203,21 @@ def impersonate(host: str, port: int, rank: int, to: int, world: str) -> str:
     return f"answered {[k for k, _ in answer]}, then {verdict or 'nothing'}"
 
 
+def other_version_after_hello(host: str, port: int, rank: int, to: int, world: str) -> str:
+    """Claim ``rank`` with a HELLO, then send a message of wire version 99 where the PROOF belongs (issue 33:
+    this failed the listener's init, as if a rank of the job ran another hora)."""
+    hello = _body({"rank": rank, "to": to, "world": world, "purpose": "mesh", "nonce": os.urandom(32),
+                   "secret": True, "code": "0" * 64, "hora": "0.1.0", "host": "stranger"})
+    with socket.create_connection((host, port), timeout=15) as sock:
+        sock.sendall(PREFIX.pack(MAGIC, WIRE_VERSION, HELLO, len(hello)) + hello)
+        answer = _read_messages(sock, 2)
+        sock.sendall(PREFIX.pack(MAGIC, 99, PROOF, 0))
+        verdict = _read_messages(sock, 1)
+    if verdict and verdict[0][0] == REFUSE:
+        return f"answered {[k for k, _ in answer]}, then refused: {_decode_str(verdict[0][1])}"
+    return f"answered {[k for k, _ in answer]}, then {verdict or 'nothing'}"
+
+
 def send_and_see(host: str, port: int, data: bytes) -> str:
     """Send ``data`` on a fresh connection; what the listener did."""
     with socket.create_connection((host, port), timeout=15) as sock:
@@ -225,6 +241,7 @@ def attack(folder: Path, canary: str) -> None:
         half_open += [socket.create_connection((host, port), timeout=15) for _ in range(50)]
         outcomes[f"rank{rank}"] = {
             "impersonate": impersonate(host, port, late, rank, world),
+            "other version after hello": other_version_after_hello(host, port, late, rank, world),
             "old protocol with a pickle": send_and_see(
                 host, port, struct.pack("<4sI", b"hora", late) + struct.pack("<I", len(pickled)) + pickled),
             "garbage": send_and_see(host, port, os.urandom(4096)),

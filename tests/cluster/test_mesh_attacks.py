@@ -75,6 +75,10 @@ def test_a_stranger_on_the_network_cannot_join_stall_or_run_code_in_the_mesh(
     for rank in (0, 1, 2):  # every listener of the mesh (rank 3 listens for nobody)
         seen = outcomes[f"rank{rank}"]
         assert seen["impersonate"] == "answered [1, 2], then refused: the proof does not match", seen
+        # before its proof, nothing a stranger says fails the listener: not even "another wire version"
+        assert seen["other version after hello"] == ("answered [1, 2], then refused: it (claiming rank 3) speaks "
+                                                     "control wire version 99, this rank wire version 1: install "
+                                                     "the same hora on every host"), seen
         for attack in ("old protocol with a pickle", "garbage", "oversized", "forged frame"):
             assert seen[attack] == "closed", (attack, seen)
 

@@ -8,7 +8,9 @@ line naming the key it could not trust, at once, not at a timeout. The store lis
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import jobs, netns
+from tests.cluster import test_elastic as elastic
 
 pytestmark = pytest.mark.cluster
 
@@ -212,6 +215,40 @@ def test_forged_elastic_worlds_and_ready_posts_fail_the_job_naming_the_key(hosts
     assert outcome == "refused" or target == "elastic-ready", job.describe()
     _no_attacker_code_ran_and_no_rank_followed_it(where)
     assert jobs.leftovers(hosts, within=10) == {}
+
+
+def test_an_older_elastic_gen_put_back_by_a_stranger_delays_no_worker(hosts: netns.Cluster, tmp_path: Path) -> None:
+    """Issue 33.5: ``elastic/gen`` is rewritten in place, so world 1's value keeps a valid MAC; the attacker holds it
+    there once the driver writes a newer one. A worker lost, the world shrinks (world 2), then a host is added:
+    its new worker still joins the world made for it at once. Before the fix it read "1", found world 2 (which
+    does not hold it) already there and looked again, until --elastic-timeout."""
+    listed = tmp_path / "hosts.txt"
+    listed.write_text("10.78.0.3:2\n10.78.0.4:1\n")
+    with _attacker(hosts, tmp_path / "attack", ["gen-replay"]) as where:
+        out = tmp_path / "out"
+        out.mkdir()
+        flags = ["-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script", f"cat {listed}",
+                 "--elastic-timeout", "30"]
+        job = jobs.start_job(hosts, [*flags, *jobs.hora_ssh_flags(hosts)],
+                             [jobs.PYTHON, elastic.WORKER, str(out), "--sleep", "0.05"], tmp_path)
+        _, port = _store_address(hosts.host(2), job.proc.pid)
+        (where / "store").write_text(f"10.78.0.2:{port}")
+        first = elastic._wait_world(job, out, 3)
+        deadline = time.monotonic() + 60
+        while not (where / "gen.captured").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (where / "gen.captured").exists(), "the attacker never read elastic/gen"
+        lost = time.time()
+        os.kill(first["10.78.0.4:0"][1], signal.SIGKILL)  # the hosts share this machine's process ids
+        elastic._wait_world(job, out, 2, since=lost)
+        added = time.time()
+        listed.write_text("10.78.0.3:2\n10.78.0.4:1\n10.78.0.2:1\n")  # node4 stays blacklisted
+        grown = elastic._wait_world(job, out, 3, since=added)
+        assert {w: r for w, (r, _) in grown.items()} == {"10.78.0.3:0": 0, "10.78.0.3:1": 1, "10.78.0.2:0": 2}
+    elastic._finish(job, out, hosts, 3)  # the attacker stopped: nothing may be left on any host
+    replays = [json.loads(line) for line in (where / "attacks.jsonl").read_text().splitlines()]
+    assert any(r.get("replayed") for r in replays), replays  # world 2's gen was put back to world 1's
+    _no_attacker_code_ran_and_no_rank_followed_it(where)
 
 
 def test_the_secret_travels_over_ssh_on_stdin_only(hosts: netns.Cluster, tmp_path: Path) -> None:

@@ -103,6 +103,21 @@ def test_records_a_stranger_wrote_are_refused_naming_their_key() -> None:
         world.discoveries(store, JOB, 0)
 
 
+def test_an_older_gen_put_back_by_a_stranger_delays_no_worker() -> None:
+    """Issue 33.5: ``gen`` is rewritten in place, so its older values keep valid MACs; a stranger replays one."""
+    store = _store()
+    _publish(store, 1, ["a:0", "b:0"])
+    captured = store.raw.get(f"{BASE}gen")  # what a stranger reads while world 1 is the newest
+    _publish(store, 2, ["a:0", "b:0", "c:0"])
+    store.raw.set(f"{BASE}gen", captured)  # the replay: a value the driver really wrote, for this very key
+    assert store.get(f"{BASE}gen") == b"1"  # its MAC checks: nothing but the worlds themselves can tell
+    assert world.newest(store, JOB) == 2
+    env, joined = world.join(store, _env(), 1, timeout_s=3)  # a member of world 1 after its reset
+    assert (joined.gen, env.rank, env.size) == (2, 1, 3)
+    store.raw.delete_key(f"{BASE}gen")  # deleted outright: the worlds still say which is the newest
+    assert world.newest(store, JOB) == 2
+
+
 def test_sampler_state_dict_is_horovod_028s_two_counts_and_loads_hora_s_older_form() -> None:
     """Horovod 0.28.1's sampler state is ``{'epoch', 'processed_num'}``, two ints a checkpoint stores as they
     are; hora's older ``{'epoch', 'processed_indices'}`` still loads, counted as that many samples."""

@@ -234,6 +234,27 @@ def test_a_stranger_claiming_other_code_cannot_fail_the_listener(listener: PeerL
     assert sorted(listener.wait(time.monotonic() + 5, 5)) == [1, 2]
 
 
+def test_another_wire_version_after_a_strangers_hello_fails_that_connection_only(
+        listener: PeerListener, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 33.2: a stranger claims rank 1, gets the listener's HELLO and PROOF, then sends a message of wire
+    version 99 where its PROOF should be. Nothing it proved, so nothing it says may fail the listener."""
+    with caplog.at_level(logging.WARNING), connect(listener) as s:
+        s.sendall(_hello_bytes(me(1)))
+        s.settimeout(5)
+        answer = b""
+        while _messages(answer) < 2:  # the listener's HELLO and PROOF
+            answer += s.recv(4096)
+        s.sendall(struct.pack("<4sHBI", handshake.MAGIC, 99, handshake.PROOF, 0))  # read whole: no reset
+        got = answer
+        while chunk := s.recv(4096):
+            got += chunk
+    assert dial(listener, me(1)).rank == 0 and dial(listener, me(2)).rank == 0  # the real ranks still connect
+    assert sorted(listener.wait(time.monotonic() + 5, 5)) == [1, 2]
+    assert _refusal(got[len(answer):]).startswith("it (claiming rank 1) speaks control wire version 99")
+    assert any("closed a mesh connection from 127.0.0.1:" in r.getMessage() and "failed the handshake: it "
+               "(claiming rank 1) speaks control wire version 99" in r.getMessage() for r in caplog.records)
+
+
 def test_another_wire_version_is_refused_naming_both_versions(listener: PeerListener) -> None:
     with connect(listener) as s:
         body = codec.encode({"anything": "a later version sends"})

@@ -20,7 +20,8 @@ and nothing is authenticated, but versions and code are still compared.
 
 A failed handshake raises :class:`HandshakeFailed` (a stranger, a replay, a stale process: the listener logs
 it and keeps waiting for the real rank) or :class:`IncompatiblePeer` (a rank of this job running another
-hora: the job cannot run, on either side).
+hora: the job cannot run, on either side). On the listener's side only a peer that proved it holds the
+secret can raise :class:`IncompatiblePeer`: whatever comes before its proof fails that connection alone.
 """
 
 from __future__ import annotations
@@ -146,11 +147,7 @@ def answer(sock: socket.socket, me: Identity, seats: Seats, deadline: float) -> 
         IncompatiblePeer: a rank of this job (it proved it) runs other hora code.
     """
     where = _address(sock)
-    try:
-        kind, hello_c = _receive(sock, deadline, "it")
-    except IncompatiblePeer as e:  # unauthenticated (anyone can send a version number): not fatal here
-        _refuse(sock, str(e))  # the prefix tells a real rank of another version this rank's version
-        raise HandshakeFailed(str(e)) from None
+    kind, hello_c = _receive_unproven(sock, deadline, "it")
     if kind != HELLO:
         raise HandshakeFailed(f"it sent a {_NAMES.get(kind, kind)} message first, not a HELLO")
     try:
@@ -172,7 +169,7 @@ def answer(sock: socket.socket, me: Identity, seats: Seats, deadline: float) -> 
     hello_l = codec.encode(me.hello(claimed, os.urandom(NONCE_BYTES)))
     _send(sock, HELLO, hello_l)
     _send(sock, PROOF, codec.encode(me.proof(b"listener", hello_c, hello_l)))
-    kind, proof = _receive(sock, deadline, f"it (claiming rank {claimed})")
+    kind, proof = _receive_unproven(sock, deadline, f"it (claiming rank {claimed})")
     if kind != PROOF:
         raise HandshakeFailed(f"it (claiming rank {claimed}) answered with a {_NAMES.get(kind, kind)}, not its "
                               "PROOF")
@@ -278,6 +275,18 @@ def _refuse(sock: socket.socket, reason: str) -> None:
         _send(sock, REFUSE, codec.encode(reason[:MAX_MESSAGE_BYTES - 16]))
     except HandshakeFailed:
         pass
+
+
+def _receive_unproven(sock: socket.socket, deadline: float, who: str) -> tuple[int, bytes]:
+    """The next message from a peer that has proven nothing yet. Anyone can send a wire version number, so
+    what such a message says decides this connection only: another version (or an old hora) refuses it, as a
+    :class:`HandshakeFailed`, never the listener's fatal :class:`IncompatiblePeer`. The REFUSE tells a real rank
+    of another version this rank's version."""
+    try:
+        return _receive(sock, deadline, who)
+    except IncompatiblePeer as e:
+        _refuse(sock, str(e))
+        raise HandshakeFailed(str(e)) from None
 
 
 def _receive(sock: socket.socket, deadline: float, who: str) -> tuple[int, bytes]:

@@ -7,7 +7,9 @@ below live in the driver's rendezvous store under ``hora/<job>/elastic/`` (:func
 ``world/<gen>``
     a :class:`World` as JSON, written before ``gen``. World 1 is the first world.
 ``gen``
-    ``"<gen>"``: the newest world. A worker waits for it to pass the last world it was in.
+    ``"<gen>"``: the newest world, rewritten in place. Workers read it as a hint only and follow ``world/<n>``
+    from it while the next one exists, so an older value put back by a stranger (its MAC stays valid) delays
+    nobody. A worker waits for a world past the last one it was in.
 ``ready/<worker_id>``
     ``"<last gen the worker was in, 0 if none>"``: set by a worker at its first ``hvd.init()`` and at every
     reset, before it waits for a newer ``gen``. A worker that was in world ``L`` and is absent from the first

@@ -113,11 +113,17 @@ def _wait_for_world(store: SignedStore, job: str, gen: int, timeout_s: float) ->
 
 
 def newest(store: SignedStore, job: str) -> int:
-    """The number of the newest world the driver published (0: none yet, the job is starting)."""
+    """The number of the newest world the driver published (0: none yet, the job is starting).
+
+    ``gen`` is rewritten in place, so each of its older values keeps a valid MAC: a stranger who put one back
+    (a replay) would keep a worker waiting for a world it already has, until the elastic timeout. So ``gen``
+    is read as where to start looking only: the worlds themselves, ``world/<n>``, each written once, are
+    followed from there while the next one exists (one ``check`` when ``gen`` is current)."""
     key = proto.elastic_key(job, proto.GEN)
-    if not store.check([key]):
-        return 0
-    return int(store.get(key))
+    gen = int(store.get(key)) if store.check([key]) else 0
+    while store.check([proto.elastic_key(job, proto.WORLD, gen=gen + 1)]):
+        gen += 1
+    return gen
 
 
 def planned(env: WorkerEnv) -> Topology:
