@@ -52,9 +52,9 @@ _QUOTED = re.compile(r"(: |-> )'([^']*)'")
 
 def public_names() -> dict[str, Any]:
     """name -> object for everything ``import hora`` exposes (no modules, no ``__future__`` feature)."""
-    return {name: obj for name, obj in vars(hora).items()
-            if not name.startswith("_") and not isinstance(obj, types.ModuleType)
-            and type(obj).__module__ != "__future__"}
+    named = {name: getattr(hora, name) for name in dir(hora) if not name.startswith("_")}  # dir(): loads them all
+    return {name: obj for name, obj in named.items()
+            if not isinstance(obj, types.ModuleType) and type(obj).__module__ != "__future__"}
 
 
 def _module_of(obj: Any) -> str:

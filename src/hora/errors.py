@@ -27,6 +27,12 @@ class NotInitializedError(HoraError, ValueError):
             f"hora has not been initialized: {what} needs hora.init() first. "
             "Call hvd.init() at the top of your training script."
         )
+        self.what = what
+
+    def __reduce__(self) -> tuple[type[NotInitializedError], tuple[str]]:
+        # pickled (hora.run sends a rank's exception to its caller) as what it was made from, not its message,
+        # which would come back wrapped a second time
+        return type(self), (self.what,)
 
 
 class ConfigError(HoraError, ValueError):

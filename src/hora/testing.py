@@ -48,6 +48,7 @@ import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 
 import hora
+import hora._public  # noqa: F401 - every public module, once here: each forked rank would import them itself
 from hora.protocol.code_fingerprint import code_fingerprint, installed_version
 from hora.protocol.jobsecret import ENV_SECRET, JobSecret
 

@@ -78,3 +78,55 @@ def test_a_full_log_disk_warns_once_and_the_job_goes_on(tmp_path: Path, small_di
                         rf"left on device\); --output-filename {disk}/logs gets no more lines from this job, the "
                         r"console output goes on", warnings[0]), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _fill(disk: Path) -> None:
+    """Take every free block of ``disk``."""
+    with open(disk / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
+def test_a_disk_full_before_the_job_starts_warns_naming_each_file_and_the_job_runs(
+        tmp_path: Path, small_disk) -> None:  # type: ignore[no-untyped-def]
+    """Issue 33.1: every file hora writes at start on a full disk (the lock records, the logs, the ranks'
+    timeline parts, the merged timeline) is one warning naming it; the job runs and says what it printed."""
+    disk = small_disk(64)
+    _fill(disk)
+    script = write_script(tmp_path, "hello.py", """
+        import hora as hvd
+        hvd.init()
+        print("hello from", hvd.rank())
+        hvd.shutdown()
+        """)
+    result = hora_run(["-np", "2", "--output-filename", str(disk / "logs"), "--timeline-filename",
+                       str(disk / "t.json"), PYTHON, script], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[0]<stdout>:hello from 0", "[1]<stdout>:hello from 1"]
+    assert "Traceback" not in result.stderr, result.stderr
+    full = r"\(No space left on device\)"
+    for lock in (rf"{disk}/logs/\.hora-job\.lock", rf"{disk}/\.t\.json\.hora-job\.lock"):
+        assert re.search(rf"^hora run: warning: cannot write {lock} {full}: its filesystem is full; the job runs",
+                         result.stderr, re.MULTILINE), result.stderr
+    assert re.search(rf"^hora run: warning: cannot write the log file {disk}/logs/rank\.[01]/std(out|err) {full}; ",
+                     result.stderr, re.MULTILINE), result.stderr
+    for rank in (0, 1):
+        assert re.search(rf"^\[{rank}\]<stderr>:hora: warning: timeline {disk}/t\.json: rank {rank} cannot write "
+                         rf"{disk}/t\.[0-9a-f]{{12}}\.rank{rank}\.json {full}; this rank records no timeline, "
+                         "training goes on$", result.stderr, re.MULTILINE), result.stderr
+    merged = (rf"^hora run: no rank wrote a timeline file \(did the ranks call hvd\.init\(\)\? a rank that could not "
+              rf"write its file said why\): {disk}/t\.json not written$")
+    assert re.search(merged, result.stderr, re.MULTILINE), result.stderr
+    assert "WARNING" not in result.stderr, result.stderr  # no merge of files that are not there
+
+
+def test_hora_secret_on_a_full_disk_is_one_line_and_leaves_no_file(small_disk) -> None:  # type: ignore[no-untyped-def]
+    from hora.protocol import jobsecret
+
+    disk = small_disk(64)
+    _fill(disk)
+    assert jobsecret.main([str(disk / "job.secret")]) == 2
+    assert not (disk / "job.secret").exists()

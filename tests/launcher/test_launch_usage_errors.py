@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from hora.errors import ConfigError
 from hora.launcher.cli import main
 from tests.launcher.helpers import HORA, PYTHON
 
@@ -33,6 +34,15 @@ CASES: list[tuple[list[str], str]] = [
     (["-H", "bad host:2", *OK], "-H 'bad host:2': 'bad host' is not a valid host name or address"),
     (["-np", "5", "-H", "localhost:2", *OK],
      "-np 5 is more than the 2 slots the hosts offer; lower -np or add slots (-H host:slots)"),
+    (["-np", "3", "-H", "node1,node2", *OK],
+     "-np 3 is more than the 2 slots the hosts offer (node1, node2 are written without :slots, so 1 slot each); "
+     "lower -np or add slots (-H host:slots)"),
+    (["-np", "2", "-H", "localhost2", *OK],  # issue 33.6: a colon left out; said before any ssh, whatever -np
+     "-H 'localhost2': host 'localhost2' does not resolve; did you mean localhost:2? Give slots as host:slots, "
+     "with a colon (-H localhost:2)"),
+    (["-np", "1", "-H", "localhost2", *OK],
+     "-H 'localhost2': host 'localhost2' does not resolve; did you mean localhost:2? Give slots as host:slots, "
+     "with a colon (-H localhost:2)"),
     (["-np", "0", *OK], "-np 0: the number of processes must be at least 1"),
     (["-np", "-1", *OK], "-np -1: the number of processes must be at least 1"),
     (["-np", "abc", *OK], "-np/--num-proc: invalid int value: 'abc'"),
@@ -138,6 +148,29 @@ def test_the_hora_command_prints_the_same_line(workdir: Path) -> None:
                             capture_output=True, text=True, timeout=60, check=False)
     line = "hora run: error: -np 3 is more than the 2 slots the hosts offer; lower -np or add slots (-H host:slots)"
     assert (result.returncode, result.stderr, result.stdout) == (2, line + "\n", "")
+
+
+def test_usage_errors_are_found_before_torch_is_imported(workdir: Path) -> None:
+    """Issue 33.6: a usage error took 7-12 s at load 13, all of it torch's import; the command line is checked
+    first, so the answer comes without it (no time asserted: whether torch was imported is what a user waits
+    for)."""
+    probe = ("import sys; from hora.launcher.cli import main; "
+             "codes = [main(['run', '-np', '2', sys.executable, 'missing.py']), "
+             "main(['run', '-np', '5', '-H', 'localhost:2', sys.executable, 'ok.py'])]; "
+             "print(codes, 'torch' in sys.modules)")
+    result = subprocess.run([P, "-c", probe], cwd=workdir, capture_output=True, text=True, timeout=120, check=False)
+    assert result.stdout.strip() == "[2, 2] False", result.stdout + result.stderr
+
+
+def test_a_host_with_a_left_out_colon_that_resolves_is_named_when_slots_run_short(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from hora.launcher import hosts
+
+    monkeypatch.setattr(hosts, "_resolves", lambda name, timeout_s=3.0: True)  # e.g. a localhost2 in /etc/hosts
+    with pytest.raises(ConfigError) as raised:
+        hosts.assign_slots(hosts.parse_hosts("localhost2"), 2)
+    assert str(raised.value) == ("-np 2 is more than the 1 slot the hosts offer (localhost2 is written without :slots, "
+                                 "so 1 slot each; did you mean localhost:2?); lower -np or add slots (-H host:slots)")
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs root and unshare(1)")

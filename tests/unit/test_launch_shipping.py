@@ -71,3 +71,18 @@ def test_class_defined_in_main_travels_by_value() -> None:
 def test_an_unpicklable_argument_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="cannot send the function"):
         dumps((print, (threading.Lock(),)))
+
+
+def test_a_rank_that_forgot_init_raises_the_message_once_in_the_caller() -> None:
+    """Issue 33.6: hora.run's caller saw "hora has not been initialized: hora has not been initialized: ..."."""
+    import hora as hvd
+    from hora.launcher.pyfunc import run, worker
+
+    try:
+        hvd.rank()
+    except hvd.NotInitializedError as e:
+        record, _ = worker._error_record(e)
+    with pytest.raises(hvd.NotInitializedError) as raised:
+        run._reraise("rank 0 on localhost", pickle.loads(record))
+    assert str(raised.value) == ("hora has not been initialized: hvd.rank() needs hora.init() first. Call hvd.init() "
+                                 "at the top of your training script.")

@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train a model on random data on 1, 2, 4 ... ranks and print throughput and "
                        "scaling efficiency against one rank. Run it under hora run, e.g. hora run -np 4 hora bench "
                        f"model. Each rank trains on its GPU where it has one, else on the CPU. The defaults, sized "
-                       f"to finish in about two minutes: {gpu[0]} at {gpu[1]} px, batch {gpu[2]} per rank on GPUs; "
-                       f"{cpu_[0]} at {cpu_[1]} px, batch {cpu_[2]} on CPUs.")
+                       f"to finish in about two minutes on a quiet machine (longer under load): {gpu[0]} at "
+                       f"{gpu[1]} px, batch {gpu[2]} per rank on GPUs; {cpu_[0]} at {cpu_[1]} px, batch {cpu_[2]} "
+                       "on CPUs.")
     m.add_argument("--model", default=None,
                    help=f"mlp, wide-mlp, resnet18, resnet50 (built in) or a torchvision.models name (default "
                         f"{gpu[0]} on GPUs, {cpu_[0]} on CPUs)")
@@ -148,7 +149,8 @@ def _model_config(ns: argparse.Namespace, device: str) -> model.ModelConfig:
     if defaulted and hvd.rank() == 0:
         output.line(f"hora bench model: on {device}: {cfg.model}, {cfg.image_size} px images, batch "
                     f"{cfg.batch_size} per rank (the defaults for {device} are sized to finish in about two "
-                    f"minutes; to change them: {', '.join(defaulted)})", sys.stderr)
+                    f"minutes on a quiet machine, longer on a loaded one; to change them: {', '.join(defaulted)})",
+                    sys.stderr)
     return cfg
 
 

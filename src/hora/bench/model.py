@@ -45,7 +45,7 @@ class ModelConfig:
 
 
 # model, image side, batch per rank: sized so that `hora run -np N hora bench model` finishes in about two
-# minutes on the device it runs on; ResNet-50 at ImageNet's 224 px is far too slow for that on CPUs.
+# minutes on a quiet machine (measured: docs/performance.md); ResNet-50 at 224 px is far too slow for that on CPUs.
 DEFAULTS = {"cuda": ("resnet50", 224, 32), "cpu": ("resnet18", 64, 32)}
 
 

@@ -27,6 +27,8 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -221,7 +223,7 @@ def active() -> Timeline | None:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False, *, rank: int | None = None,
-                   size: int | None = None) -> Timeline:
+                   size: int | None = None) -> Timeline | None:
     """Start writing this rank's timeline (Horovod's ``hvd.start_timeline``).
 
     Args:
@@ -232,7 +234,11 @@ def start_timeline(file_path: str, mark_cycles: bool = False, *, rank: int | Non
         size: the world size; default hora's size (or 1).
 
     Returns:
-        The running :class:`Timeline` (a second call restarts it on the new path).
+        The running :class:`Timeline` (a second call restarts it on the new path); None when the file's
+        filesystem is full (one warning names the file; training goes on without a timeline).
+
+    Raises:
+        ConfigError: the file cannot be written for another reason (no such directory, no permission).
     """
     global _active
     path = file_path
@@ -246,6 +252,13 @@ def start_timeline(file_path: str, mark_cycles: bool = False, *, rank: int | Non
             _active = Timeline(target, rank=rank, mark_cycles=mark_cycles, append=target in _written)
         except OSError as e:
             _active = None
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk must not stop training (as in flush())
+                log.warning("timeline %s: rank %d cannot write %s (%s); this rank records no timeline, training "
+                            "goes on", path, rank, target, e.strerror)
+                with contextlib.suppress(OSError):  # the empty file it made, which no merge should look for
+                    if os.path.getsize(target) == 0:
+                        os.unlink(target)
+                return None
             raise ConfigError(
                 f"timeline {path!r} (--timeline-filename / HORA_TIMELINE): rank {rank} cannot write {target!r} "
                 f"({e.strerror or e}); give a path in a writable directory"

@@ -17,7 +17,7 @@ from pathlib import Path
 from hora.common import env as hora_env
 from hora.common.knobs import KNOBS
 from hora.errors import ConfigError
-from hora.launcher.hosts import HostSpec, hosts_from
+from hora.launcher.hosts import HostSpec, check_missing_colons, hosts_from
 
 
 def _bool01(value: object) -> str:
@@ -317,6 +317,7 @@ def from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         hosts: tuple[HostSpec, ...] = (HostSpec("localhost", 1),)  # placeholder: the script names the hosts
     else:
         hosts = hosts_from(ns.hosts, ns.hostfile, ns.np)
+        check_missing_colons(hosts, f"-H {ns.hosts!r}" if ns.hosts is not None else f"--hostfile {ns.hostfile}")
     _check_numbers(ns)
     _check_files(ns)
     cwd = os.getcwd()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 import socket
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hora.errors import ConfigError
@@ -27,6 +28,7 @@ class HostSpec:
 
     name: str
     slots: int
+    slots_given: bool = field(default=True, compare=False)  # False: written without ":slots" (so 1 slot)
 
     @property
     def is_local(self) -> bool:
@@ -72,7 +74,9 @@ def _parse_entry(entry: str, where: str) -> HostSpec:
         raise ConfigError(f"{where}: missing slot count after ':' in {entry!r}; write host:slots, e.g. {name}:2")
     if not _HOST_RE.match(name):
         raise ConfigError(f"{where}: {name!r} is not a valid host name or address")
-    return HostSpec(name, 1 if slots_text is None else _parse_slots(slots_text, name, entry, where))
+    if slots_text is None:
+        return HostSpec(name, 1, slots_given=False)
+    return HostSpec(name, _parse_slots(slots_text, name, entry, where))
 
 
 def _parse_slots(text: str, host: str, entry: str, where: str) -> int:
@@ -155,6 +159,66 @@ def hosts_from(hosts: str | None, hostfile: str | None, np: int | None = None,
     return (HostSpec("localhost", np or 1),)
 
 
+_TRAILING_DIGITS = re.compile(r"(.*?\D)(\d+)")
+
+
+def missing_colon(host: HostSpec) -> str | None:
+    """``name:N`` when ``host`` reads like a ``host:slots`` entry whose colon was left out (``localhost2``): written
+    without a slot count, and this machine's name followed by digits; else None.
+
+    Example:
+        >>> missing_colon(parse_hosts("localhost2")[0]), missing_colon(parse_hosts("node2")[0])
+        ('localhost:2', None)
+    """
+    found = _TRAILING_DIGITS.fullmatch(host.name)
+    if host.slots_given or found is None:
+        return None
+    name = found.group(1)
+    return f"{name}:{found.group(2)}" if name in LOCAL_NAMES or name == socket.gethostname() else None
+
+
+def check_missing_colons(hosts: tuple[HostSpec, ...], flag: str) -> None:
+    """Refuse, before anything is started (no ssh), a host that reads like ``host:slots`` without its colon and
+    that no resolver knows (``-H localhost2``).
+
+    Raises:
+        ConfigError: naming the host, the entry it probably meant and the ``host:slots`` form.
+    """
+    for host in hosts:
+        meant = missing_colon(host)
+        if meant is not None and not _resolves(host.name):
+            raise ConfigError(f"{flag}: host {host.name!r} does not resolve; did you mean {meant}? Give slots as "
+                              f"host:slots, with a colon (-H {meant})")
+
+
+def _resolves(name: str, timeout_s: float = 3.0) -> bool:
+    """Whether ``name`` resolves within ``timeout_s`` (a resolver that does not answer counts as no)."""
+    answer: list[bool] = []
+
+    def look_up() -> None:
+        try:
+            socket.getaddrinfo(name, None)
+            answer.append(True)
+        except (OSError, UnicodeError):
+            answer.append(False)
+
+    thread = threading.Thread(target=look_up, name="hora-resolve", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return bool(answer and answer[0])
+
+
+def _unsized(hosts: tuple[HostSpec, ...] | list[HostSpec]) -> str:
+    """Why the hosts offer fewer slots than expected, when some were written without a slot count."""
+    unsized = [h for h in hosts if not h.slots_given]
+    if not unsized:
+        return ""
+    names = ", ".join(h.name for h in unsized[:3]) + (", ..." if len(unsized) > 3 else "")
+    guesses = [g for g in map(missing_colon, unsized) if g]
+    guess = f"; did you mean {guesses[0]}?" if guesses else ""
+    return f" ({names} {'is' if len(unsized) == 1 else 'are'} written without :slots, so 1 slot each{guess})"
+
+
 def assign_slots(hosts: tuple[HostSpec, ...] | list[HostSpec], np: int) -> list[SlotInfo]:
     """Give ranks ``0..np-1`` to the hosts' slots in order, Horovod's way.
 
@@ -165,8 +229,8 @@ def assign_slots(hosts: tuple[HostSpec, ...] | list[HostSpec], np: int) -> list[
     if np < 1:
         raise ConfigError(f"-np {np}: the number of processes must be at least 1")
     if np > total:
-        raise ConfigError(f"-np {np} is more than the {total} slots the hosts offer; "
-                          "lower -np or add slots (-H host:slots)")
+        raise ConfigError(f"-np {np} is more than the {total} slot{'s' if total > 1 else ''} the hosts offer"
+                          f"{_unsized(hosts)}; lower -np or add slots (-H host:slots)")
     placed: list[tuple[int, int]] = []  # (host_index, local_rank)
     for index, host in enumerate(hosts):
         for local in range(host.slots):

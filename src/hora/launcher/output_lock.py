@@ -6,7 +6,8 @@ command started twice). While a job runs it holds an exclusive ``flock`` on a lo
 second job that finds one held stops before anything starts, naming the job that holds it. The kernel drops a
 ``flock`` when its process ends however it ends, so a killed launcher leaves nothing that blocks the next job;
 the lock file is removed when the job ends. A job started after the first one ended writes where it did, as
-horovodrun does (its logs replace the earlier job's).
+horovodrun does (its logs replace the earlier job's). On a full disk (or quota) the job still runs: one
+warning names the file that could not be written, and the lock is held without its record, or not at all.
 
 Example:
     >>> held = OutputLock.hold(lock_paths("/tmp/logs", None), "ab12")  # doctest: +SKIP
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hora.errors import SetupError
+from hora.launcher import output
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,10 @@ class OutputLock:
                 try:
                     os.makedirs(os.path.dirname(lock_file), exist_ok=True)
                 except OSError as exc:
+                    if full(exc):
+                        output.note(f"warning: {flag} {path}: cannot create {os.path.dirname(lock_file)} "
+                                    f"({exc.strerror}); the job runs without it, the console output goes on")
+                        continue
                     raise SetupError(f"{flag} {path}: cannot create {os.path.dirname(lock_file)} "
                                      f"({exc.strerror or exc}); give a writable path") from None
                 fd = _acquire(lock_file)
@@ -70,10 +76,8 @@ class OutputLock:
                                      "overwrite each other's files. Give this job another path, or wait for that "
                                      "job to end")
                 if fd >= 0:
-                    os.ftruncate(fd, 0)
-                    os.write(fd, json.dumps({"job": job_id, "pid": os.getpid(), "host": socket.gethostname(),
-                                             "started": time.time()}).encode())
                     lock.held.append((fd, lock_file))
+                    _record(fd, lock_file, job_id)
         except BaseException:
             lock.release()
             raise
@@ -88,6 +92,24 @@ class OutputLock:
                 pass
             os.close(fd)
         self.held.clear()
+
+
+def full(exc: OSError) -> bool:
+    """Whether ``exc`` says a filesystem is full (or a quota is spent): what a job survives with a warning."""
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _record(fd: int, lock_file: str, job_id: str) -> None:
+    """Write who holds the lock into it; on a full disk the lock holds without it (one warning)."""
+    record = json.dumps({"job": job_id, "pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, record.encode())
+    except OSError as exc:
+        if not full(exc):
+            raise
+        output.note(f"warning: cannot write {lock_file} ({exc.strerror}): its filesystem is full; the job runs, and "
+                    "a second job started with the same path is still refused (without naming this one)")
 
 
 def _acquire(lock_file: str) -> int | None:

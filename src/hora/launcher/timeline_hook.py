@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from hora.diagnostics.merge import finish_job_timeline
+from hora.diagnostics.merge import finish_job_timeline, rank_parts
 from hora.launcher import output
 
 log = logging.getLogger(__name__)
@@ -17,6 +17,11 @@ def merge(filename: str | None, size: int, job: str) -> None:
     if not filename:
         return
     path = os.path.abspath(filename)
+    if not rank_parts(filename, job):  # each rank said why (a full disk, no init()): one line here, no merge
+        left = "left as it was" if os.path.exists(filename) else "not written"
+        output.note(f"no rank wrote a timeline file (did the ranks call hvd.init()? a rank that could not write "
+                    f"its file said why): {path} {left}")
+        return
     try:
         merged = finish_job_timeline(filename, size, job=job, remove_parts=True)
     except Exception as exc:  # noqa: BLE001 - a broken merge must not change the job's exit status

@@ -98,9 +98,13 @@ class JobSecret:
             raise SecretError(f"{path} exists: give another file, or --force to replace its secret") from None
         except OSError as e:
             raise SecretError(f"cannot write the job secret file {path!r}: {e.strerror}") from None
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(fd, 0o600)  # a replaced file keeps no wider mode it had
-            f.write(self.hex() + "\n")
+        try:
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(fd, 0o600)  # a replaced file keeps no wider mode it had
+                f.write(self.hex() + "\n")
+        except OSError as e:  # a full disk, a quota: no half-written secret is left behind
+            os.unlink(path)
+            raise SecretError(f"cannot write the job secret file {path!r}: {e.strerror or e}") from None
 
     def hex(self) -> str:
         """The secret as hex text, to hand to a process (stdin, its own environment); never to print."""

@@ -26,6 +26,7 @@ from hora.launcher.config import RunConfig
 from hora.launcher.failures import RankState, RootCause
 from hora.launcher.hosts import assign_slots
 from hora.launcher.job_loop import JobLoop, record_exit
+from hora.launcher.output_lock import full
 from hora.launcher.remote import preflight
 from hora.launcher.remote.agent_handle import AgentHandle, split_returncode
 from hora.launcher.remote.transport import SSH_FAILED, Transport
@@ -137,6 +138,9 @@ class Driver(JobLoop):
         try:
             self.console.open_logs(range(self.cfg.np))
         except OSError as exc:  # e.g. a read-only filesystem, or the directory went away after the checks
+            if full(exc):  # the job runs: one warning naming the file, as for a disk that fills up later
+                self.console.open_logs(range(self.cfg.np), strict=False)
+                return
             self.console.close()
             raise SetupError(f"--output-filename {self.cfg.output_filename}: cannot write the logs there "
                               f"({exc.strerror or exc}: {exc.filename or self.cfg.output_filename}); give a writable "
