@@ -1,4 +1,6 @@
-"""The training script of the store attack tests: it waits until the attacker is in place, then init() (timed),
+"""The training script of the store attack tests: rank 0 tells the attacker the job's id (DIR/job, as an attacker
+that watched the store long enough would learn it), every rank waits until the attacker forged the job's keys
+once (DIR/job.seen), then init() (timed),
 a few allreduces whose exact sums it reports, one of them after rank 1 held its peers up (the board speaks).
 
     python attacked_worker.py DIR [--hold S]
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +27,11 @@ def main() -> int:
     parser.add_argument("dir")
     parser.add_argument("--hold", type=float, default=0.0, help="rank 1 sleeps this long before the 3rd allreduce")
     args = parser.parse_args()
-    ready = Path(args.dir) / "attacker.ready"
+    folder = Path(args.dir)
+    if os.environ.get("HORA_RANK") == "0":  # the attacker learns the job's id before any rank writes a key
+        (folder / "job.tmp").write_text(os.environ["HORA_JOB_ID"])
+        (folder / "job.tmp").rename(folder / "job")
+    ready = folder / "job.seen"  # the attacker has forged the job's keys once
     deadline = time.monotonic() + 120
     while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -7,13 +7,19 @@ scan would), connects as any TCPStore client can, and then, every few millisecon
 lists the keys, learns the job ids from them and overwrites the keys of each TARGET (those that exist and the
 ones it can predict) with forged values: plain ones as hora wrote them before it authenticated the store, and
 ones made to look authenticated (``b"P" + value``, ``b"M" + 32 random bytes + value``). After its first round
-it creates ``DIR/attacker.ready`` (the test's workers wait for it, so the attack is in place before they read).
+it creates ``DIR/attacker.ready``, and after its first round that knew a job's id (from the keys, or from
+``DIR/job``, which the test's workers write) ``DIR/job.seen``: the workers wait for it, so the attack is in
+place before they read.
 
 Pickled keys get a payload that, when unpickled, creates ``DIR/canary.<host>.<pid>``; addresses point at the
 attacker's own listener, which records every connection in ``DIR/connections``. ``DIR/attacks.jsonl`` gets
 one line per key the first time it is overwritten.
 
-TARGETs: mesh, watch, lost, bell, board, fn, result, elastic-world, elastic-ready, gen-replay.
+TARGETs: mesh, watch, lost, bell, board, fn, result, elastic-world, elastic-ready, gen-replay, flood.
+
+``flood`` writes 300 values of 1 MiB under ``hora/flood/<i>`` first (issue 33: the launcher grew by 310 MB),
+then goes on with the other targets on a new connection; ``DIR/flood.json`` says how many were taken before
+the store closed its connection.
 
 ``gen-replay`` forges nothing: it keeps the first value of ``hora/<job>/elastic/gen`` it reads (world 1's, MAC
 and all: ``DIR/gen.captured`` says it has one) and puts it back whenever the driver has written another, a
@@ -124,17 +130,30 @@ def _replay_gen(store: TCPStore, jobs: set[str], captured: dict[str, bytes]) -> 
 
 
 def _hold(store: TCPStore, key: str, value: bytes) -> None:
-    logged = False
     while not (DIR / "stop").exists():
         try:
-            if not logged and store.get(key) != value:  # the driver wrote a newer one: this is a replay now
-                logged = True
+            now = store.compare_set(key, value, value)  # what the key holds, without overwriting it unseen
+            if now != value:  # the driver wrote a newer one: put the old one back, a replay
+                store.set(key, value)
                 with open(DIR / "attacks.jsonl", "a") as f:
-                    f.write(json.dumps({"key": key, "replayed": True}) + "\n")
-            store.set(key, value)
+                    f.write(json.dumps({"key": key, "replayed": now.decode(errors="replace")[-8:]}) + "\n")
         except Exception:  # noqa: BLE001 - the store went away with its job
             return
         time.sleep(0.0002)
+
+
+def _flood(host: str, port: int) -> None:
+    """300 one-MiB values, then what happened: how many went out before the store closed the connection."""
+    store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    sent, error = 0, ""
+    try:
+        for i in range(300):
+            store.set(f"hora/flood/{i}", os.urandom(1 << 20))
+            sent += 1
+        store.get("hora/flood/0")  # a write the store refused is only seen at the next answer
+    except Exception as e:  # noqa: BLE001 - the store closed this connection: what the test wants to see
+        error = str(e).splitlines()[0]
+    (DIR / "flood.json").write_text(json.dumps({"sent": sent, "error": error}))
 
 
 def main() -> int:
@@ -142,6 +161,8 @@ def main() -> int:
     while not (DIR / "store").exists():
         time.sleep(0.005)
     host, _, port = (DIR / "store").read_text().strip().rpartition(":")
+    if "flood" in TARGETS:
+        _flood(host, int(port))
     store = TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))
     jobs: set[str] = set()
     written: set[str] = set()
@@ -151,6 +172,9 @@ def main() -> int:
         try:
             keys = store.list_keys()
             jobs |= {m.group(1) for k in keys if (m := JOB.match(k))}
+            told = DIR / "job"  # the job's id, before its ranks write any key (tests/cluster/attacked_worker.py)
+            if told.exists():
+                jobs.add(told.read_text().strip())
             forged = dict(_forged(jobs, keys, me))
             if forged:  # one round trip for all of them: the legitimate values live a millisecond or two
                 store.multi_set(list(forged), [_variants(v)[rounds % 5] for v in forged.values()])
@@ -171,6 +195,8 @@ def main() -> int:
         rounds += 1
         if rounds == 1:
             (DIR / "attacker.ready").touch()
+        if jobs and not (DIR / "job.seen").exists():  # this round forged the job's keys
+            (DIR / "job.seen").touch()
         time.sleep(0.001)
     return 0
 

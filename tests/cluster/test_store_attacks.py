@@ -34,11 +34,13 @@ REFUSED = (r"the value of store key '{key}' on the rendezvous store at 10\.78\.0
 
 
 def _store_address(host: netns.Host, pid: int, timeout: float = 60) -> tuple[str, int]:
-    """Where process ``pid`` on ``host`` listens (the launcher: its store), as the attacker would find it."""
+    """Where process ``pid`` on ``host`` listens for other hosts (the launcher: its store), as the attacker would
+    find it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         out = host.run(["ss", "-ltnpH"]).stdout
-        found = re.search(rf"\s(\S+):(\d+)\s+\S+\s+users:\(\(\"[^\"]*\",pid={pid},", out)
+        # not torch's own server of the store, on the loopback interface behind the guard: no other host sees it
+        found = re.search(rf"\s(?!127\.0\.0\.1:)(\S+):(\d+)\s+\S+\s+users:\(\(\"[^\"]*\",pid={pid},", out)
         if found:
             return found.group(1).strip("[]"), int(found.group(2))
         time.sleep(0.02)
@@ -117,6 +119,7 @@ def test_forged_board_posts_death_watch_bells_and_counters_leave_the_results_exa
     clean = tmp_path / "clean"
     clean.mkdir()
     (clean / "attacker.ready").touch()
+    (clean / "job.seen").touch()  # no attacker in the clean run
     code, job = jobs.run_job(hosts, [*TWO_HOSTS, *jobs.hora_ssh_flags(hosts), *flags],
                              [jobs.PYTHON, WORKER, str(clean), "--hold", "2.5"], clean, timeout=180)
     assert code == 0, job.describe()
@@ -213,6 +216,40 @@ def test_forged_elastic_worlds_and_ready_posts_fail_the_job_naming_the_key(hosts
     # again, so both workers' first posts may have been read before the attacker's copy (then: exact)
     outcome = _exact_or_refused(code, job, key)
     assert outcome == "refused" or target == "elastic-ready", job.describe()
+    _no_attacker_code_ran_and_no_rank_followed_it(where)
+    assert jobs.leftovers(hosts, within=10) == {}
+
+
+def _rss_mb(host: netns.Host, pid: int) -> float:
+    status = host.run(["cat", f"/proc/{pid}/status"]).stdout
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE).group(1)) / 1024  # type: ignore[union-attr]
+
+
+def test_a_stranger_flooding_the_store_is_cut_off_and_the_launcher_stays_bounded(
+        hosts: netns.Cluster, tmp_path: Path) -> None:
+    """Issue 33.4: 300 values of 1 MiB from a stranger grew the launcher from 232 MB to 542 MB. The store's
+    guard takes at most HORA_STORE_MAX_HOST_MB (64) from the stranger's host, closes its connection, and the job
+    (whose ranks are on other hosts) gives exact results."""
+    with _attacker(hosts, tmp_path / "attack", ["flood"]) as where:
+        job = jobs.start_job(hosts, [*TWO_HOSTS, *jobs.hora_ssh_flags(hosts)],
+                             [jobs.PYTHON, WORKER, str(where), "--hold", "1"], tmp_path)
+        _, port = _store_address(hosts.host(2), job.proc.pid)
+        before = _rss_mb(hosts.host(2), job.proc.pid)
+        (where / "store").write_text(f"10.78.0.2:{port}")
+        deadline = time.monotonic() + 120
+        while not (where / "flood.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = _rss_mb(hosts.host(2), job.proc.pid)  # the ranks wait for attacker.ready: the job still runs
+        code = job.wait(180)
+    flood = json.loads((where / "flood.json").read_text())
+    print(f"launcher RSS {before:.0f} MB before the flood, {after:.0f} MB after; flood {flood}")  # for the record
+    assert code == 0, job.describe()
+    assert [r["sums"] for r in jobs.worker_reports(job.stdout)] == [EXACT, EXACT], job.describe()
+    assert flood["sent"] < 300 and flood["error"], flood  # cut off before its 300 MiB were taken
+    assert re.search(r"the rendezvous store closed the connection of 10\.78\.0\.4:\d+: its host would hold "
+                     r"\d+ bytes in the store with 'hora/flood/\d+' \(at most 67108864 per host: "
+                     r"HORA_STORE_MAX_HOST_MB\)", job.stderr), job.describe()
+    assert after - before < 64 + 48, (before, after)  # its host's 64 MiB and the relay's buffers, not 300 MiB
     _no_attacker_code_ran_and_no_rank_followed_it(where)
     assert jobs.leftovers(hosts, within=10) == {}
 

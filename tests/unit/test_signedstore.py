@@ -126,8 +126,8 @@ def test_the_store_server_listens_on_the_jobs_address_only() -> None:
         with pytest.raises(OSError):
             socket.create_connection((other, port), timeout=5).close()
     client = SignedStore(rendezvous.dist.TCPStore("127.0.0.1", port, is_master=False), SECRET, "j", "x")
-    client.set("k", "v")
-    assert SignedStore(store, SECRET, "j", "x").get("k") == b"v"
+    client.set("hora/k", "v")
+    assert SignedStore(store, SECRET, "j", "x").get("hora/k") == b"v"
 
 
 def test_an_address_that_is_not_this_hosts_listens_everywhere_as_before() -> None:

@@ -113,6 +113,16 @@ KNOBS: tuple[Knob, ...] = (
          "Refuse to start a job of several processes that has no job secret (HORA_SECRET_FILE under torchrun, "
          "srun, mpirun or Kubernetes; hora run and hora.run always make one) instead of warning once that its "
          "store and control plane are unauthenticated (docs/security.md)."),
+    Knob("HORA_STORE_MAX_VALUE_MB", None, float, 64.0,
+         "The rendezvous store hora serves (hora run's launcher; rank 0 under other launchers) refuses a value "
+         "larger than this (hora.run's function and each rank's result are the largest), closing that client's "
+         "connection (docs/security.md)."),
+    Knob("HORA_STORE_MAX_HOST_MB", None, float, 64.0,
+         "The rendezvous store hora serves holds at most this much written from one host (every key last "
+         "written from it, name and value: hora.run's results of the ranks on a host count together); a client "
+         "whose write would pass it is disconnected, the job's other clients go on (docs/security.md)."),
+    Knob("HORA_STORE_MAX_TOTAL_MB", None, float, 512.0,
+         "The rendezvous store hora serves holds at most this much in all (docs/security.md)."),
     Knob("HORA_FULL_TRACEBACKS", None, bool, False,
          "Print hora's own frames in the traceback of an uncaught hora error (hora run --verbose sets it); "
          "by default only your script's frames and the error in its terms are shown."),
@@ -162,6 +172,9 @@ class Knobs:
     thread_affinity: str = _DEFAULTS["thread_affinity"]
     gloo_iface: str = _DEFAULTS["gloo_iface"]
     log_hide_time: bool = _DEFAULTS["log_hide_time"]
+    store_max_value_mb: float = _DEFAULTS["store_max_value_mb"]
+    store_max_host_mb: float = _DEFAULTS["store_max_host_mb"]
+    store_max_total_mb: float = _DEFAULTS["store_max_total_mb"]
     explicit: frozenset[str] = frozenset()  # the knobs set in the environment (autotune holds them constant)
 
     @classmethod

@@ -3,7 +3,8 @@
 One client per store address per process (a TCPStore server must outlive ``shutdown()`` / ``init()``); a
 host name that does not resolve fails in seconds, naming it; :func:`connector` makes further connections
 (the Gloo plane's bell waits on its own). Whoever hosts the store (``hora run``'s driver, rank 0 under other
-launchers) serves it on the job's address only (:func:`serve`); hora's own keys are read and written through
+launchers) serves it on the job's address only, behind a guard that bounds what clients store (:func:`serve`);
+hora's own keys are read and written through
 :func:`job_store`, which authenticates every value (:mod:`hora.protocol.signedstore`). :func:`wrap_clients` lets a
 measurement see every client this process opens (``hora bench control`` counts store operations with it).
 """
@@ -20,11 +21,15 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
 from hora.common.env import WorkerEnv
+from hora.common.knobs import Knobs
+from hora.common.store_guard import Limits, StoreGuard
 from hora.errors import ConfigError
 from hora.protocol import network
 from hora.protocol.jobsecret import JobSecret
 from hora.protocol.signedstore import SignedStore
 
+LOOPBACK = "127.0.0.1"  # where torch's server of a store hora serves listens: only its guard faces the network
+MB = 1 << 20
 _RESOLVE_TIMEOUT = 10.0  # seconds; a rendezvous host name that takes longer to resolve is treated as unresolvable
 _stores: dict[tuple[str, int], dist.Store] = {}  # a TCPStore server must outlive shutdown()/init()
 _wrap: Callable[[dist.Store], dist.Store] | None = None  # see wrap_clients()
@@ -71,18 +76,42 @@ def job_store(env: WorkerEnv, timeout: datetime.timedelta, secret: JobSecret | N
     return SignedStore(store(env, timeout), secret, env.job_id, f"{env.store_addr}:{env.store_port}")
 
 
+class GuardedStore(dist.TCPStore):
+    """The job's store as the process serving it holds it: torch's TCPStore server on the loopback interface (this
+    object is also this process's client of it), reached from the network through a :class:`StoreGuard`
+    (:mod:`hora.common.store_guard`), whose port is :attr:`port`: what every other client connects to."""
+
+    def __init__(self, guard_listener: socket.socket, timeout: datetime.timedelta, limits: Limits) -> None:
+        backend = network.listen_on(LOOPBACK, 0)
+        bound = backend.getsockname()[1]
+        fd = backend.detach()  # the store owns it from here and closes it when it is destroyed
+        try:
+            super().__init__(LOOPBACK, bound, world_size=None, is_master=True, timeout=timeout,
+                             wait_for_workers=False, master_listen_fd=fd)
+        except BaseException:
+            with contextlib.suppress(OSError):  # unless the store took it before it failed
+                socket.close(fd)
+            raise
+        self.guard = StoreGuard(guard_listener, (LOOPBACK, bound), limits)
+
+    @property
+    def port(self) -> int:  # type: ignore[override]
+        """The port clients reach the store at (the guard's; torch's own server listens on the loopback)."""
+        return self.guard.port
+
+
 def serve(addr: str, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
-    """A TCPStore server listening on ``addr`` only (torch's own binds every interface of the host), on
-    ``port`` (0: any free port, read it from ``.port``). Where ``addr`` is not this host's, every interface."""
+    """The job's store, served on ``addr`` only (torch's own binds every interface of the host), on ``port``
+    (0: any free port, read it from ``.port``); where ``addr`` is not this host's, every interface. What clients
+    may store is bounded (:mod:`hora.common.store_guard`, the knobs ``HORA_STORE_MAX_*``)."""
+    knobs = Knobs.from_environ()
+    limits = Limits(value_bytes=int(knobs.store_max_value_mb * MB), host_bytes=int(knobs.store_max_host_mb * MB),
+                    total_bytes=int(knobs.store_max_total_mb * MB))
     listener = network.listen_on(addr, port)
-    bound = listener.getsockname()[1]
-    fd = listener.detach()  # the store owns it from here and closes it when it is destroyed
     try:
-        return dist.TCPStore(addr, bound, world_size=None, is_master=True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=fd)
+        return GuardedStore(listener, timeout, limits)
     except BaseException:
-        with contextlib.suppress(OSError):  # unless the store took it before it failed
-            socket.close(fd)
+        listener.close()
         raise
 
 
