@@ -49,6 +49,7 @@ _MB = 1024 * 1024
 def _job(cluster: netns.Cluster, ns: argparse.Namespace, work: Path, name: str, flags: list[str],
          steps: int) -> dict[str, Any]:
     out = work / f"{name}.json"
+    (work / name).mkdir(parents=True, exist_ok=True)
     hosts = ",".join(f"{h.addr}:1" for h in cluster.hosts[:2])
     load_before = os.getloadavg()[0]
     code, job = jobs.run_job(cluster, ["-np", "2", "-H", hosts, *jobs.hora_ssh_flags(cluster), *flags],
