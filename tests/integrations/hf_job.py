@@ -51,10 +51,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--no-use-cpu", action="store_true")
+    parser.add_argument("--save-steps", type=int, default=0, help="save a Trainer checkpoint every so many steps")
+    parser.add_argument("--resume", default=None, help="a Trainer checkpoint folder to resume from")
     opts = parser.parse_args(argv)
     per_rank_batch, ranks = 4, 2
     common = dict(output_dir=str(opts.out / "trainer"), gradient_accumulation_steps=2, learning_rate=3e-3,
-                  num_train_epochs=opts.epochs, logging_steps=1, save_strategy="no", report_to=[],
+                  num_train_epochs=opts.epochs, logging_steps=1, report_to=[],
+                  save_strategy="steps" if opts.save_steps else "no", save_steps=opts.save_steps or 500,
                   use_cpu=not opts.no_use_cpu, max_grad_norm=opts.max_grad_norm, seed=0, disable_tqdm=True,
                   lr_scheduler_type="constant")
     data = Sequences()
@@ -70,7 +73,7 @@ def main(argv: list[str]) -> int:
         args = transformers.TrainingArguments(per_device_train_batch_size=per_rank_batch, **common)
         trainer = HoraTrainer(model=model(), args=args, train_dataset=data, sharding=opts.sharding)
         rank = hvd.rank()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=opts.resume)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     report = {
         "losses": losses, "world_size": args.world_size, "process_index": args.process_index,

@@ -73,3 +73,19 @@ def test_a_trainer_that_sees_another_world_is_refused_with_the_fix(tmp_path: Pat
     assert "hora.ConfigError: rank 0:" in text and "hora.ConfigError: rank 1:" in text
     assert "the Trainer sees a world of 1 process(es)" in text and "hora runs 2 ranks" in text
     assert "TrainingArguments(use_cpu=True)" in text
+
+
+def test_a_sharded_trainer_resumes_from_its_checkpoint_bit_for_bit(tmp_path: Path) -> None:
+    """The Trainer's checkpoint holds the sharded optimizer as a sharded checkpoint, each rank's shard written by
+    that rank; resume_from_checkpoint ends exactly where the uninterrupted run ends."""
+    hora_run = [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable, str(JOB)]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    _run([*hora_run, str(whole), "--sharding", "optimizer", "--save-steps", "6"], whole)
+    saved = whole / "trainer" / "checkpoint-6"
+    shards = saved / "ckpt-000000006.dcp"
+    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (saved / "optimizer.pt").exists()  # no rank gathered the whole state
+    _run([*hora_run, str(resumed), "--sharding", "optimizer", "--resume", str(saved)], resumed)
+    end, again = _params(whole, 0), _params(resumed, 0)
+    for name, value in end.items():
+        assert torch.equal(again[name], value), name

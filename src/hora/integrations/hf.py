@@ -12,6 +12,9 @@ with ``hora run -np N python train.py``. What it changes in the Trainer, and why
   one passed in) in ``DistributedOptimizer(backward_passes_per_step=args.gradient_accumulation_steps,
   sharding=...)``, so the gradients of the accumulation steps add up locally and are reduced once, in the
   last backward, overlapped with it; every rank starts from rank 0's weights (``broadcast_parameters``).
+* **Checkpoints keep the shards apart.** With ``sharding=...`` the Trainer's checkpoints hold the optimizer
+  as a sharded checkpoint (:func:`hora.checkpoint.save_sharded`: each rank writes the state it owns), which
+  ``resume_from_checkpoint`` reads back at any number of ranks.
 * **Clipping sees reduced gradients.** Before the Trainer clips or measures the gradient norm, the
   optimizer's ``synchronize()`` finishes the reduction (with ``sharding="gradients"`` each rank holds only its
   own parameters' gradients, and the optimizer's ``clip_grad_norm_`` combines the norm over the ranks);
@@ -47,6 +50,7 @@ from hora.api.functions import broadcast_parameters  # noqa: E402
 from hora.datapath.compression import Compression, Compressor  # noqa: E402
 from hora.errors import ConfigError, NotInitializedError  # noqa: E402
 from hora.runtime import lifecycle as runtime  # noqa: E402
+from hora.sharded_checkpoint import restore_sharded, save_sharded, sharded_checkpoints  # noqa: E402
 from hora.training.optimizer import DistributedOptimizer  # noqa: E402
 
 __all__ = ["HoraTrainer"]
@@ -105,6 +109,22 @@ class HoraTrainer(transformers.Trainer):
         broadcast_parameters(target.state_dict(), root_rank=0)
         self.optimizer = self._hora_optimizer = wrapped
         return wrapped
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """With sharding, each rank writes its own optimizer shard (and rank 0 the scheduler) as a sharded
+        checkpoint inside the Trainer's checkpoint folder: torch's full ``state_dict()`` of a sharded optimizer is
+        a collective the Trainer would call on rank 0 alone, and would gather the whole state there."""
+        if self._hora_sharding is None:
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        save_sharded(output_dir, self.state.global_step, optimizer=self._hora_optimizer, scheduler=self.lr_scheduler,
+                     rng=False, keep=0)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or self._hora_sharding is None or not sharded_checkpoints(checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        restore_sharded(checkpoint, optimizer=self._hora_optimizer, scheduler=self.lr_scheduler, rng=False)
 
 
 def _check_world(args: Any) -> None:
