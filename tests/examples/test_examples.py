@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.distributed.harness import run_ranks
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -77,3 +79,25 @@ def test_readme_main_job_under_hora_run() -> None:
     assert len(lines) == 1 and lines[0].startswith("[0]")  # printed once, by rank 0
     assert float(lines[0].rsplit(" ", 1)[1]) > 0.6  # 2 epochs; chance is 0.1
     assert "Warning" not in proc.stderr  # what the user sees is the bar and the result, no library warnings
+
+
+def test_finetune_lm_learns_checkpoints_sharded_and_resumes_at_another_size(tmp_path: Path) -> None:
+    """A Llama-style model built on the meta device, ZeRO-2, bf16 autocast, accumulation and clipping on 2 ranks,
+    sharded checkpoints every 4 steps; then resumed at 1 rank and at 3 ranks, the optimizer re-partitioned."""
+    pytest.importorskip("transformers", reason="examples/finetune_lm.py needs hora[hf]")
+    common = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4", "--bf16", "--sharding", "gradients",
+              "--meta", "--accumulate", "2"]
+    first = run_ranks(_run_example, 2, "finetune_lm.py", ["--steps", "12", *common], init=False, timeout=240)
+    assert [r["start"] for r in first] == [0, 0] and [r["step"] for r in first] == [12, 12]
+    assert first[0]["checksum"] == first[1]["checksum"]  # one model on both ranks
+    assert first[0]["owned"] + first[1]["owned"] == first[0]["params"]  # each parameter's state on one rank
+    losses = first[0]["losses"]
+    assert losses[-1] < losses[0] - 0.3, losses  # from ln(128) = 4.85
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000004.dcp", "ckpt-000000008.dcp",
+                                                          "ckpt-000000012.dcp"]
+    for ranks, start, end in ((1, 12, 16), (3, 16, 20)):
+        more = run_ranks(_run_example, ranks, "finetune_lm.py", ["--steps", str(end), *common], init=False,
+                         timeout=240)
+        assert {r["start"] for r in more} == {start} and {r["step"] for r in more} == {end}
+        assert len({r["checksum"] for r in more}) == 1
+        assert more[0]["losses"][0] < losses[0] - 0.3  # it went on from the trained model
