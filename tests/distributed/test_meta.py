@@ -8,7 +8,7 @@ from torch import nn
 import hora as hvd
 from hora.meta import materialize
 from tests.distributed.test_optimizer import run_tensors
-from tests.peak_memory import PeakMemory
+from hora.bench.peak_memory import PeakMemory
 
 
 def _net(width: int) -> nn.Module:

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers", reason="hora[hf] (transformer
 import hora as hvd  # noqa: E402
 from hora.meta import materialize  # noqa: E402
 from tests.distributed.test_optimizer import run_tensors  # noqa: E402
-from tests.peak_memory import PeakMemory  # noqa: E402
+from hora.bench.peak_memory import PeakMemory  # noqa: E402
 
 VOCAB = 4096
 

@@ -1,4 +1,5 @@
-"""This process's peak resident memory over a stretch of code (Linux): the kernel's high-water mark, reset first.
+"""This process's peak resident memory over a stretch of code (Linux): the kernel's high-water mark, reset first
+(benchmarks/large_model_start.py, and the tests that show a start holds its weights once).
 
 Example:
     >>> with PeakMemory() as peak:  # doctest: +SKIP
