@@ -18,8 +18,8 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
-NAMES = ["allreduce_bench", "diagnostics_overhead", "large_model_start", "op_overhead", "optimizer_bench", "sharding_bench",
-         "timeline_cost"]
+NAMES = ["allreduce_bench", "diagnostics_overhead", "large_model_start", "op_overhead", "optimizer_bench",
+         "sharding_bench", "timeline_cost"]
 
 
 @pytest.mark.parametrize("name", NAMES)

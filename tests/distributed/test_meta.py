@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 import hora as hvd
+from hora.bench.peak_memory import PeakMemory
 from hora.meta import materialize
 from tests.distributed.test_optimizer import run_tensors
-from hora.bench.peak_memory import PeakMemory
 
 
 def _net(width: int) -> nn.Module:

@@ -11,9 +11,9 @@ import torch
 transformers = pytest.importorskip("transformers", reason="hora[hf] (transformers) is not installed")
 
 import hora as hvd  # noqa: E402
+from hora.bench.peak_memory import PeakMemory  # noqa: E402
 from hora.meta import materialize  # noqa: E402
 from tests.distributed.test_optimizer import run_tensors  # noqa: E402
-from hora.bench.peak_memory import PeakMemory  # noqa: E402
 
 VOCAB = 4096
 
