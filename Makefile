@@ -69,7 +69,7 @@ train: $(STAMP)
 
 # Multi-host tests build hosts from network namespaces with their own sshd: they need root, iproute2 and
 # openssh-server. The deployment tests (tests/deploy) need podman, runc, mmdebstrap and iptables (containers) and
-# slurm-wlm and munge (a Slurm cluster); the Spark tests (tests/engines) need Java 17. Installed here when missing
+# slurm-wlm and munge (a Slurm cluster); the Spark tests (tests/frameworks) need Java 17. Installed here when missing
 # (root with apt only). Locally a tool still missing afterwards is named and the tests needing it skip and say why;
 # under CI (the CI variable set) it fails the run, naming the tool, since a skipped multi-host suite would make a
 # green run a lie.

@@ -1,4 +1,4 @@
-"""Put Horovod 0.28.1's own Ray test files where tests/engines/test_horovod_suites.py reads them.
+"""Put Horovod 0.28.1's own Ray test files where tests/frameworks/test_horovod_suites.py reads them.
 
 They are not in this repository (they are Horovod's) nor in Horovod's sdist on PyPI (which holds the library
 only), so they come from a Horovod source tree you have: a checkout of the v0.28.1 tag, or its source archive
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.engines.horovod_suites import FILES  # noqa: E402
+from tests.frameworks.horovod_suites import FILES  # noqa: E402
 from tests.horovod_sdist import cache_dir  # noqa: E402
 
 

@@ -177,7 +177,7 @@ class ElasticTimeoutError(HoraError):
 
 
 class PlacementTimeoutError(ConfigError, TimeoutError):
-    """A cluster engine could not place or start every rank within its start timeout (``hora.ray``'s placement
+    """A cluster framework could not place or start every rank within its start timeout (``hora.ray``'s placement
     group, ``hora.spark.run``'s barrier tasks); also a ``TimeoutError``, as Horovod raises one there."""
 
 

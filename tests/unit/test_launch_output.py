@@ -1,4 +1,4 @@
-"""The launcher's root-cause report: what a user reads when a rank fails; its lines under a cluster engine."""
+"""The launcher's root-cause report: what a user reads when a rank fails; its lines under a cluster framework."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_no_join_hint_when_nobody_finished_or_the_error_is_the_users_own() -> No
     assert failure_report(0, "localhost", "exit code 1", own, 0, finished=[1])[-1] == "hora run: ----"
 
 
-def test_a_cluster_engine_speaks_the_launchers_lines_in_its_own_terms(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_cluster_framework_speaks_the_launchers_lines_in_its_own_terms(capsys: pytest.CaptureFixture[str]) -> None:
     from hora.launcher import output
 
     with output.speaking_as("hora.ray", lambda text: text.replace("--min-np", "min_workers")):

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from hora.launcher.engines import require
+from hora.launcher.frameworks import require
 
 require("transformers", "hf", "hora.integrations.hf")
 

@@ -62,7 +62,7 @@ def record_exit(state: RankState, message: dict[str, Any]) -> None:
     state.killed = float(message.get("killed") or 0.0)
     if message.get("oom"):  # the agent found the kernel's OOM killer behind the SIGKILL
         state.how = f"{message['oom']}, {procs.describe_exit(state.code, state.sig)}"
-    elif message.get("how"):  # a cluster engine's own account of the end (hora.ray: the actor died, raised ...)
+    elif message.get("how"):  # a cluster framework's own account of the end (hora.ray: the actor died, raised ...)
         state.how = str(message["how"])
     state.exit_ts = float(message.get("ts") or time.time())
 

@@ -42,7 +42,7 @@ _speaker: tuple[str, Callable[[str], str]] | None = None  # see speaking_as
 @contextlib.contextmanager
 def speaking_as(program: str, translate: Callable[[str], str]) -> Iterator[None]:
     """Within the block, the launcher's own lines start with ``<program>: `` instead of ``hora run: `` and go
-    through ``translate``: a cluster engine's driver (``hora.ray``'s elastic jobs) runs the launcher's drivers
+    through ``translate``: a cluster framework's driver (``hora.ray``'s elastic jobs) runs the launcher's drivers
     inside a user's program, whose parameters are not ``hora run``'s flags. One job at a time per process."""
     global _speaker
     previous, _speaker = _speaker, (program, translate)

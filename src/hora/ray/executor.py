@@ -33,7 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hora.errors import ConfigError, JobFailedError
 from hora.launcher.elastic.hosts import HostDiscovery
-from hora.launcher.engines import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed
+from hora.launcher.frameworks import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed
 from hora.launcher.pyfunc.run import RemoteTraceback
 from hora.protocol.jobsecret import ENV_SECRET, JobSecret
 from hora.ray import placement
@@ -80,7 +80,7 @@ class RayExecutor:
         use_current_placement_group: inside a placement group (a Ray Tune trial), run the ranks in it.
         min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout: Horovod's elastic form
             (instead of ``num_workers``): the job starts with every slot Ray's nodes have, up to ``max_workers``,
-            and goes on while ``min_workers`` remain (:mod:`hora.ray.elastic`, docs/engines.md).
+            and goes on while ``min_workers`` remain (:mod:`hora.ray.elastic`, docs/frameworks.md).
         override_discovery: an elastic job's hosts are Ray's live nodes (True, the default), or
             ``settings.discovery`` (a :class:`~hora.launcher.elastic.hosts.HostDiscovery`) when False, each worker
             placed with Ray's resource ``node:<host>`` as Horovod does.
@@ -329,7 +329,7 @@ class RayExecutor:
 
 
 def _follows(error: Exception) -> bool:
-    """A rank's failure that only reports a peer's (see hora.launcher.engines.FOLLOW_ON_ERRORS)."""
+    """A rank's failure that only reports a peer's (see hora.launcher.frameworks.FOLLOW_ON_ERRORS)."""
     cause = getattr(error, "cause", None) if isinstance(error, ray.exceptions.RayTaskError) else None
     return cause is not None and is_follow_on(type(cause).__name__)
 

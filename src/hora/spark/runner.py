@@ -34,7 +34,7 @@ from typing import Any
 from hora.common import env as hora_env
 from hora.errors import ConfigError, JobFailedError, PlacementTimeoutError
 from hora.launcher import envvars
-from hora.launcher.engines import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed, require
+from hora.launcher.frameworks import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed, require
 from hora.launcher.procs import describe_exit
 from hora.launcher.pyfunc import shipping
 from hora.launcher.pyfunc.run import collect_results
@@ -99,7 +99,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
 
 
 def run_elastic(*args: Any, **kwargs: Any) -> list[Any]:
-    """Horovod's elastic Spark run: not supported (see docs/engines.md); raises ConfigError."""
+    """Horovod's elastic Spark run: not supported (see docs/frameworks.md); raises ConfigError."""
     raise ConfigError(
         "hora.spark.run_elastic is not supported: hora runs ranks in a Spark barrier stage, which starts its tasks "
         "together and fails them together, so a lost rank cannot be replaced while the others train; use "

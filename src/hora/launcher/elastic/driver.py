@@ -110,7 +110,7 @@ class ElasticDriver(JobLoop):
         self._reset_since: float | None = None
         self._lost_member = False  # a member of the newest world died or left: a reset is due
         self._handing_over = False  # the members left are on removed hosts and wait for newcomers (said once)
-        # the --host-discovery-script, when the job has one (a cluster engine's driver sets its own source)
+        # the --host-discovery-script, when the job has one (a cluster framework's driver sets its own source)
         self.discovery: HostSource | None = None
         self.absences = Absences()  # hosts discovery left out, until their removal is confirmed
         self._unlisted_since: float | None = None  # discovery lists no host of the newest world's workers
@@ -634,7 +634,7 @@ class ElasticDriver(JobLoop):
 
     def _launch(self, host: str, workers: list[tuple[int, int, dict[str, str]]]) -> AgentHandle:
         """Start the worker processes ``workers`` (``(number, slot, variables)`` each) on ``host``: one agent
-        for them. A cluster engine's driver starts them its own way (``hora.ray``: one actor each)."""
+        for them. A cluster framework's driver starts them its own way (``hora.ray``: one actor each)."""
         spec = self.agent_spec(host, [{"rank": number, "env": env} for number, _, env in workers],
                                unset=(ep.ELASTIC_ENV, ep.WORKER_ID_ENV))
         return self.start_agent(len(self.agents), host, HostSpec(host, 1).is_local,

@@ -69,7 +69,7 @@ class DiscoveryError(Exception):
 
 
 class HostSource(Protocol):
-    """Where an elastic job's hosts come from: a discovery script (:class:`Discovery`), or a cluster engine's
+    """Where an elastic job's hosts come from: a discovery script (:class:`Discovery`), or a cluster framework's
     own view of its nodes (``hora.ray``'s). The driver calls :meth:`run` about once a second."""
 
     def run(self) -> tuple[HostSpec, ...]:

@@ -1,4 +1,4 @@
-"""Session fixtures: a Ray cluster and a Spark driver on a local-cluster, each started once (see engines.py)."""
+"""Session fixtures: a Ray cluster and a Spark driver on a local-cluster, each started once (see frameworks.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.engines import RayCluster, SparkDriver, java_missing, module_missing, require
+from tests.frameworks.frameworks import RayCluster, SparkDriver, java_missing, module_missing, require
 
 
 @pytest.fixture(scope="session")

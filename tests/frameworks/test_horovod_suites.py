@@ -1,5 +1,5 @@
 """Horovod 0.28.1's own Ray test files (test/single/test_ray.py, test_ray_elastic.py, test_ray_elastic_v2.py) run
-through hora's ``horovod`` stand-in, each test's outcome checked against tests/engines/horovod_suites.py's
+through hora's ``horovod`` stand-in, each test's outcome checked against tests/frameworks/horovod_suites.py's
 ``EXPECTED``: a test that regresses fails here, and so does one that starts passing (move it to "passed").
 
 The files are not in this repository nor in Horovod's sdist (see horovod_suites.py); where they are not on this
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import horovod_suites
+from tests.frameworks import horovod_suites
 
-pytestmark = pytest.mark.engines
+pytestmark = pytest.mark.frameworks
 
 
 @pytest.mark.parametrize("file", horovod_suites.FILES)

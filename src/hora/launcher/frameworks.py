@@ -1,4 +1,4 @@
-"""What the cluster-engine integrations (``hora.ray``, ``hora.spark``) share: the import check that names the
+"""What the cluster frameworks (``hora.ray``, ``hora.spark``) share: the import check that names the
 extra to install, and the one-line report of a failed rank.
 
 Example:
@@ -38,6 +38,6 @@ def is_follow_on(type_name: str | None) -> bool:
     return type_name in FOLLOW_ON_ERRORS
 
 
-def rank_failed(engine: str, rank: int, where: str, how: str) -> str:
-    """The headline of a job that one of its ranks ended: the engine, the rank, where it ran, what happened."""
-    return f"{engine}: rank {rank} on {where} failed: {how}"
+def rank_failed(framework: str, rank: int, where: str, how: str) -> str:
+    """The headline of a job that one of its ranks ended: the framework, the rank, where it ran, what happened."""
+    return f"{framework}: rank {rank} on {where} failed: {how}"

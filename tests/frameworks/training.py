@@ -1,4 +1,4 @@
-"""The training every engine test runs: a small model, 2 ranks, DistributedOptimizer, equal shards.
+"""The training every framework test runs: a small model, 2 ranks, DistributedOptimizer, equal shards.
 
 This file is also the script TorchDistributor runs as a file (``python training.py OUT_DIR``), and its source is
 pasted into the tests' driver scripts, so its functions travel to Ray actors and Spark tasks by value: it imports
@@ -41,7 +41,7 @@ def _flat(model: Any) -> list[float]:
 
 
 def train(out_dir: str | None = None) -> dict[str, Any]:
-    """One rank's share: ``hvd.init()`` finds the world the engine set up; returns (and writes to
+    """One rank's share: ``hvd.init()`` finds the world the framework set up; returns (and writes to
     ``out_dir/rank<r>.json``) where the rank ran and its final parameters."""
     import torch
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.engines import RayCluster, gone, rank_files, run_driver
-from tests.engines.training import reference
+from tests.frameworks.frameworks import RayCluster, gone, rank_files, run_driver
+from tests.frameworks.training import reference
 
-pytestmark = pytest.mark.engines
+pytestmark = pytest.mark.frameworks
 
 
 def _same_params(results: list[dict]) -> None:
@@ -24,7 +24,7 @@ def _same_params(results: list[dict]) -> None:
 def test_torch_trainer_runs_a_hora_script_unchanged(ray_cluster: RayCluster, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    secret = tmp_path / "hora.secret"  # the job's secret as docs/engines.md says to give it under Ray Train
+    secret = tmp_path / "hora.secret"  # the job's secret as docs/frameworks.md says to give it under Ray Train
     secret.write_text(secrets.token_hex(32))
     secret.chmod(0o600)
     done = run_driver(f"""

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.engines import RayCluster, gone, run_driver
+from tests.frameworks.frameworks import RayCluster, gone, run_driver
 
-pytestmark = pytest.mark.engines
+pytestmark = pytest.mark.frameworks
 
 # The training: a fixed batch of 12 samples split into equal shards (3 or 2 ranks), mean loss, averaged gradients:
 # every step applies the whole batch's gradient whatever the world's size, so the final parameters equal one

@@ -1,4 +1,4 @@
-"""The engines the tests in this folder start once per session, and how a test runs a driver script on them.
+"""The cluster frameworks the tests in this folder start once per session, and how a test runs a driver script on them.
 
 * Ray: a real two-node cluster (``ray.cluster_utils.Cluster``: a head node and a second raylet playing a second
   host, 2 CPUs each). Each test's driver is a script in its own Python process, connected by address: the
@@ -7,9 +7,9 @@
   local-cluster lives inside its driver, so tests send it scripts to run (:class:`SparkDriver`) instead of
   starting their own.
 
-Both engines run under a :class:`Keeper`, outside pytest's process tree.
+Both frameworks run under a :class:`Keeper`, outside pytest's process tree.
 
-A missing engine (ray, pyspark, java) skips these tests with the reason, except under CI (``CI=true``), where it
+A missing framework (ray, pyspark, java) skips these tests with the reason, except under CI (``CI=true``), where it
 is a failure: CI installs all of them (requirements-dev.txt, ``make system-deps``).
 """
 
@@ -38,7 +38,7 @@ def require(what: str, missing: bool, fix: str) -> None:
         return
     reason = f"{what} is not installed ({fix})"
     if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"{reason}: CI must run the engine tests", pytrace=False)
+        pytest.fail(f"{reason}: CI must run the framework tests", pytrace=False)
     pytest.skip(reason)
 
 
@@ -84,10 +84,10 @@ DETACH = ("import os, sys\nif os.fork():\n    os._exit(0)\nos.setsid()\n"
 
 
 class Keeper:
-    """A Python program that keeps an engine up for the session, detached from pytest's process tree (a double
-    fork, a session of its own): the engine's processes (Ray's workers, Spark's executors and Python workers)
+    """A Python program that keeps a framework up for the session, detached from pytest's process tree (a double
+    fork, a session of its own): the framework's processes (Ray's workers, Spark's executors and Python workers)
     come and go as tests run, and must not count as processes a test left behind. It talks on its stdin and
-    stdout; when its stdin closes (the session ends, or pytest died) it stops its engine and exits."""
+    stdout; when its stdin closes (the session ends, or pytest died) it stops its framework and exits."""
 
     def __init__(self, program: str, tmp: Path, name: str, start_timeout: float) -> None:
         self.tmp = tmp
@@ -129,7 +129,7 @@ class Keeper:
         self.stdin.flush()
 
     def shutdown(self, timeout: float = 60.0) -> None:
-        """Close its stdin (it stops its engine), wait for it; kill its whole session if it does not go."""
+        """Close its stdin (it stops its framework), wait for it; kill its whole session if it does not go."""
         try:
             self.stdin.close()
         except OSError:
@@ -139,7 +139,7 @@ class Keeper:
             while _alive(self.pid) and time.monotonic() < deadline:
                 time.sleep(0.2)
             try:
-                os.killpg(self.pid, signal.SIGKILL)  # whatever of the engine is left: it is all in this session
+                os.killpg(self.pid, signal.SIGKILL)  # whatever of the framework is left: it is all in this session
             except (ProcessLookupError, PermissionError):
                 pass
         self.stdout.close()
@@ -196,7 +196,7 @@ sys.stdout = sys.stderr
 print("PID", os.getpid(), file=proto)
 os.environ["PYSPARK_PYTHON"] = sys.executable
 import secrets
-secret = os.path.abspath("hora.secret")  # the job's secret as docs/engines.md says to give it to TorchDistributor
+secret = os.path.abspath("hora.secret")  # the job's secret as docs/frameworks.md says to give it to TorchDistributor
 with open(os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
     f.write(secrets.token_hex(32))
 from pyspark.sql import SparkSession

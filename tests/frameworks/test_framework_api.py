@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from tests.engines.engines import java_missing, module_missing, require
+from tests.frameworks.frameworks import java_missing, module_missing, require
 
-pytestmark = pytest.mark.engines
+pytestmark = pytest.mark.frameworks
 REQ = object()
 
 RAY_EXECUTOR = {

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.engines import HERE, SparkDriver, gone, rank_files
-from tests.engines.training import reference
+from tests.frameworks.frameworks import HERE, SparkDriver, gone, rank_files
+from tests.frameworks.training import reference
 
-pytestmark = pytest.mark.engines
+pytestmark = pytest.mark.frameworks
 
 
 def _same_params(results: list[dict]) -> None:

@@ -1,4 +1,4 @@
-"""A pytest plugin loaded into the run of Horovod 0.28.1's own Ray test files (tests/engines/test_horovod_suites.py),
+"""A pytest plugin loaded into the run of Horovod 0.28.1's own Ray test files (tests/frameworks/test_horovod_suites.py),
 for the one thing in them that today's Ray refuses: ``ray.init(_redis_max_memory=...)`` (test_ray.py's
 ``ray_start_4_cpus`` fixture; Ray 2.x has no Redis to size). The argument is dropped; nothing else is changed."""
 

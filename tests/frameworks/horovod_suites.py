@@ -96,7 +96,7 @@ def run(where: Path, files: tuple[str, ...], report: Path, timeout: float) -> di
     single = where / "single"  # the working directory, as Horovod's CI runs them: Ray's workers import test_ray
     # from there; hora's conftest and suite plugins are not loaded (another rootdir), so Horovod's skips stay skips
     subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p",
-                    "tests.engines.horovod_suite_plugin", "-q", "-rA", f"--junitxml={report}", "--rootdir",
+                    "tests.frameworks.horovod_suite_plugin", "-q", "-rA", f"--junitxml={report}", "--rootdir",
                     str(single), *[str(where / f) for f in files]],
                    cwd=single, env=env, timeout=timeout, capture_output=True, text=True)
     outcomes: dict[str, str] = {}
