@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 
 from hora.common.env import WorkerEnv
-from hora.common.knobs import KNOBS, Knobs, knobs_markdown
-from hora.common.slurm import expand_nodelist, parse_tasks_per_node
 from hora.errors import ConfigError
 
 MASTER = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
@@ -114,26 +112,6 @@ def test_slurm_variables_with_nodelist_expansion() -> None:
     assert (explicit.store_addr, explicit.store_port) == ("10.0.0.1", 1234)
 
 
-@pytest.mark.parametrize(("nodelist", "hosts"), [
-    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
-    ("n[8-10]", ["n8", "n9", "n10"]),
-    ("n[008-010]", ["n008", "n009", "n010"]),
-    ("rack1-[1-2]-ib", ["rack1-1-ib", "rack1-2-ib"]),
-    ("solo", ["solo"]),
-    ("a[1,3],b[2-3]", ["a1", "a3", "b2", "b3"]),
-    ("", []),
-])
-def test_expand_nodelist(nodelist: str, hosts: list[str]) -> None:
-    assert expand_nodelist(nodelist) == hosts
-
-
-def test_parse_tasks_per_node() -> None:
-    assert parse_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
-    assert parse_tasks_per_node("4") == [4]
-    with pytest.raises(ConfigError, match="SLURM_TASKS_PER_NODE"):
-        parse_tasks_per_node("two")
-
-
 @pytest.mark.parametrize(("environ", "needle"), [
     ({"HORA_RANK": "2", "HORA_SIZE": "2"}, "rank 2 is outside 0..1"),
     ({"HORA_RANK": "0", "HORA_SIZE": "0"}, "world size must be >= 1"),
@@ -145,34 +123,6 @@ def test_parse_tasks_per_node() -> None:
 def test_bad_values_are_clear_errors(environ: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(".", r"\.")):
         WorkerEnv.from_environ(environ)
-
-
-def test_knobs_defaults_hora_names_and_horovod_aliases() -> None:
-    assert Knobs.from_environ({}) == Knobs()
-    k = Knobs.from_environ({"HOROVOD_FUSION_THRESHOLD": "1024", "HORA_LOG_LEVEL": "debug",
-                            "HOROVOD_LOG_LEVEL": "error", "HOROVOD_STALL_CHECK_DISABLE": "1",
-                            "HORA_STALL_CHECK_TIME_SECONDS": "2.5"})
-    assert (k.fusion_threshold, k.log_level, k.stall_check_disable, k.stall_check_time_seconds) == \
-        (1024, "debug", True, 2.5)
-    assert Knobs.from_environ({"HOROVOD_CACHE_CAPACITY": "0"}).disable_cache is True
-    assert Knobs.from_environ({"HOROVOD_CACHE_CAPACITY": "1024"}).disable_cache is False
-    with pytest.raises(ConfigError, match="HORA_STALL_CHECK_DISABLE='maybe'"):
-        Knobs.from_environ({"HORA_STALL_CHECK_DISABLE": "maybe"})
-    with pytest.raises(ConfigError, match="HORA_FUSION_THRESHOLD"):
-        Knobs.from_environ({"HORA_FUSION_THRESHOLD": "lots"})
-
-
-def test_knob_docs_list_every_knob() -> None:
-    doc = knobs_markdown()
-    for knob in KNOBS:
-        assert f"`{knob.name}`" in doc
-
-
-def test_knob_defaults_are_written_once_in_the_table() -> None:
-    defaults = Knobs()
-    for knob in KNOBS:
-        value = getattr(defaults, knob.name[len("HORA_"):].lower())
-        assert value == knob.default and type(value) is knob.type, knob.name
 
 
 def test_a_torchrun_restart_gets_store_keys_of_its_own() -> None:

@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-from tests.polling import wait_until
 from torch.distributed import HashStore
 
 from hora.diagnostics import inflight
@@ -19,6 +18,7 @@ from hora.diagnostics.board import Board
 from hora.diagnostics.stall_report import StallPolicy
 from hora.engine.table import Request
 from hora.protocol import messages as protocol
+from tests.polling import wait_until
 
 
 class Transfer:

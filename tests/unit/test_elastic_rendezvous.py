@@ -1,5 +1,4 @@
-"""The worker's rendezvous with the elastic driver (hora.runtime.elastic_rendezvous) and ElasticSampler's arithmetic,
-in one process."""
+"""The worker's rendezvous with the elastic driver (hora.runtime.elastic_rendezvous), in one process."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import pytest
 import torch.distributed as dist
 
 from hora.common.env import WorkerEnv
-from hora.elastic import ElasticSampler
 from hora.errors import ElasticTimeoutError, StoreAuthError
 from hora.protocol.jobsecret import JobSecret
 from hora.protocol.signedstore import SignedStore
@@ -116,24 +114,6 @@ def test_an_older_gen_put_back_by_a_stranger_delays_no_worker() -> None:
     assert (joined.gen, env.rank, env.size) == (2, 1, 3)
     store.raw.delete_key(f"{BASE}gen")  # deleted outright: the worlds still say which is the newest
     assert world.newest(store, JOB) == 2
-
-
-def test_sampler_state_dict_is_horovod_028s_two_counts_and_loads_hora_s_older_form() -> None:
-    """Horovod 0.28.1's sampler state is ``{'epoch', 'processed_num'}``, two ints a checkpoint stores as they
-    are; hora's older ``{'epoch', 'processed_indices'}`` still loads, counted as that many samples."""
-    sampler = ElasticSampler(range(6), shuffle=False)
-    assert list(iter(sampler)) == [0, 1, 2, 3, 4, 5] and len(sampler) == 6
-    sampler.record_batch(0, 3)
-    assert sampler.state_dict() == {"epoch": 0, "processed_num": 3}
-    assert all(type(v) is int for v in sampler.state_dict().values())
-    resumed = ElasticSampler(range(6), shuffle=False)
-    resumed.load_state_dict(sampler.state_dict())
-    assert list(iter(resumed)) == [3, 4, 5] and len(resumed) == 3
-    older = ElasticSampler(range(6), shuffle=False)
-    older.load_state_dict({"epoch": 0, "processed_indices": {0, 1, 2}})
-    assert older.processed_num == 3 and list(iter(older)) == [3, 4, 5]
-    older.set_epoch(1)
-    assert older.processed_num == 0 and list(iter(older)) == list(range(6))
 
 
 def test_discoveries_are_read_after_the_count_already_seen() -> None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import re
 import threading
 
-from tests.polling import wait_until
-
 from hora.diagnostics.where import describe_location, set_waiting, waiting_in
+from tests.polling import wait_until
 
 
 def _in_thread(target) -> tuple[threading.Thread, threading.Event]:
@@ -39,7 +38,7 @@ def test_names_the_function_a_busy_thread_is_in():
         done.set()
         t.join()
     # innermost user frame first, then the library call it is in; threading's own frames left out
-    assert re.fullmatch(r"running test_stall_where\.py:\d+ load_batch_slowly \(in threading\.py:\d+ wait\)", where)
+    assert re.fullmatch(r"running test_where\.py:\d+ load_batch_slowly \(in threading\.py:\d+ wait\)", where)
 
 
 def test_says_which_collective_a_thread_waits_in():
@@ -49,7 +48,7 @@ def test_says_which_collective_a_thread_waits_in():
     finally:
         done.set()
         t.join()
-    assert where.startswith("waiting in allreduce 'grad.bucket.3' (called from test_stall_where.py:")
+    assert where.startswith("waiting in allreduce 'grad.bucket.3' (called from test_where.py:")
     assert "wait_in_collective" in where
     assert waiting_in(t.ident) is None  # cleared after the wait
 
@@ -71,7 +70,7 @@ def test_default_describes_the_main_thread_from_another_thread():
     t, _ = _in_thread(ask)
     sleeping_main_step(entered, asked)
     t.join()
-    assert seen[0].startswith("running test_stall_where.py:")
+    assert seen[0].startswith("running test_where.py:")
     assert "sleeping_main_step" in seen[0].split(" <- ")[0]
 
 
@@ -79,5 +78,5 @@ def test_hora_frames_are_left_out():
     # Asked from the main thread itself: describe_location's own frames are hora's and must not show.
     where = describe_location()
     assert " where.py:" not in where and "<- where.py" not in where
-    assert where.startswith("running test_stall_where.py:")
+    assert where.startswith("running test_where.py:")
     assert "test_hora_frames_are_left_out" in where.split(" <- ")[0]

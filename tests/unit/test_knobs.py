@@ -1,3 +1,6 @@
+"""Knobs (hora.common.knobs): defaults written once, hora's names and Horovod's aliases read (hora's winning),
+bad values named, every Horovod variable read or listed, and docs/knobs.md as generated."""
+
 from __future__ import annotations
 
 import pathlib
@@ -42,15 +45,6 @@ def test_every_horovod_variable_of_common_h_is_read_or_listed() -> None:
         "HOROVOD_NUM_NCCL_STREAMS=2: hora issues every GPU collective on one launch stream per rank"]
 
 
-def test_horovod_aliases_and_hora_names_are_read() -> None:
-    knobs = Knobs.from_environ({"HOROVOD_STALL_CHECK_TIME_SECONDS": "7", "HORA_FUSION_THRESHOLD": "1024",
-                                "HOROVOD_CACHE_CAPACITY": "0", "HORA_TIMELINE_MARK_CYCLES": "yes"})
-    assert knobs.stall_check_time_seconds == 7.0
-    assert knobs.fusion_threshold == 1024
-    assert knobs.disable_cache is True
-    assert knobs.timeline_mark_cycles is True
-
-
 def test_hora_name_wins_over_horovod_alias() -> None:
     knobs = Knobs.from_environ({"HOROVOD_STALL_CHECK_TIME_SECONDS": "7", "HORA_STALL_CHECK_TIME_SECONDS": "3"})
     assert knobs.stall_check_time_seconds == 3.0
@@ -60,3 +54,21 @@ def test_hora_name_wins_over_horovod_alias() -> None:
 def test_bad_values_name_the_variable(name: str, raw: str) -> None:
     with pytest.raises(ConfigError, match=name):
         Knobs.from_environ({name: raw})
+
+
+def test_defaults_hora_names_and_horovod_aliases_are_read() -> None:
+    assert Knobs.from_environ({}) == Knobs()
+    k = Knobs.from_environ({"HOROVOD_FUSION_THRESHOLD": "1024", "HORA_LOG_LEVEL": "debug",
+                            "HOROVOD_LOG_LEVEL": "error", "HOROVOD_STALL_CHECK_DISABLE": "1",
+                            "HOROVOD_STALL_CHECK_TIME_SECONDS": "7", "HORA_TIMELINE_MARK_CYCLES": "yes"})
+    assert (k.fusion_threshold, k.log_level, k.stall_check_disable, k.stall_check_time_seconds,
+            k.timeline_mark_cycles) == (1024, "debug", True, 7.0, True)
+    assert Knobs.from_environ({"HOROVOD_CACHE_CAPACITY": "0"}).disable_cache is True
+    assert Knobs.from_environ({"HOROVOD_CACHE_CAPACITY": "1024"}).disable_cache is False
+
+
+def test_knob_defaults_are_written_once_in_the_table() -> None:
+    defaults = Knobs()
+    for knob in KNOBS:
+        value = getattr(defaults, knob.name[len("HORA_"):].lower())
+        assert value == knob.default and type(value) is knob.type, knob.name

@@ -1,12 +1,9 @@
-"""The negotiation table and fusion planning: pure logic every rank runs on the same inputs."""
+"""The negotiation table (hora.engine.table): when a name is ready, mismatches, joined ranks, rejected calls;
+pure logic every rank runs on the same inputs."""
 
 from __future__ import annotations
 
-import torch
-
-from hora.datapath.fusion import inline_bytes, plan_batches, reduce_inline
-from hora.datapath.reduce_ops import ReduceOp
-from hora.engine.table import Decision, Entry, Request, Table, last_joined
+from hora.engine.table import Decision, Request, Table, last_joined
 from hora.errors import CollectiveError, CollectiveMismatchError, PeerRejectedCallError
 
 ALL = (0, 1, 2)
@@ -107,28 +104,6 @@ def test_latecomers_to_a_failed_name_get_the_same_error() -> None:
     late = step(table, 2, (1, req("t", "broadcast", root=2)))
     assert [(r, n) for r, n, _ in late.late_failures] == [(1, "t")]
     assert "t" not in table.tombstones
-
-
-def _request(name: str, nbytes: int, op: int = 1, dtype: str = "float32") -> Request:
-    return Request(name, "allreduce", dtype, (nbytes // 4,), op=op, ps=(0, 1))
-
-
-def test_fusion_groups_consecutive_small_compatible_allreduces_only() -> None:
-    reqs = [_request("a", 64), _request("b", 64), _request("big", 4 << 20), _request("c", 64),
-            _request("d", 64, op=int(ReduceOp.MAX)), _request("e", 64, op=int(ReduceOp.MAX))]
-    batches = plan_batches(reqs, threshold=64 << 20)
-    assert [[reqs[i].name for i in b] for b in batches] == [["a", "b"], ["big"], ["c"], ["d", "e"]]
-    assert [[reqs[i].name for i in b] for b in plan_batches(reqs[:2], threshold=0)] == [["a"], ["b"]]
-
-
-def test_inline_reduction_is_the_same_arithmetic_on_every_rank() -> None:
-    r = Request("x", "allreduce", "float32", (2,), op=int(ReduceOp.SUM), ps=(0, 1, 2))
-    entry = Entry("x", {0: r, 1: r, 2: r}, 0, 0.0)
-    for rank in range(3):
-        entry.inline[rank] = inline_bytes(r, torch.tensor([rank + 1.0, -rank]))  # type: ignore[assignment]
-    assert reduce_inline(entry.first, entry.inline).tolist() == [6.0, -3.0]
-    big = Request("y", "allreduce", "float32", (1024,), ps=(0, 1))
-    assert inline_bytes(big, torch.zeros(1024)) is None  # too large: goes on the data plane
 
 
 def test_a_rejected_call_fails_the_op_at_once_naming_the_rank_and_the_reason() -> None:

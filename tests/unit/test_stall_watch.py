@@ -1,17 +1,9 @@
-"""The pure parts of issue 17's silent-rank diagnosis: which ranks are silent, which hosts are partitioned,
-what /proc's answer means, and one machine listed twice."""
+"""The launcher's watch over silent ranks (hora.launcher.stall_watch, issue 17): which ranks are silent, which
+hosts are partitioned, which member froze in a transfer; and the silent-rank report it prints."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
 from hora.diagnostics.stall_report import format_silent_report
-from hora.errors import LaunchError
-from hora.launcher import procs
-from hora.launcher.hosts import HostSpec
-from hora.launcher.remote import preflight
 from hora.launcher.stall_watch import StallWatch
 
 HOSTS = {0: "n2", 1: "n3", 2: "n3", 3: "n4"}
@@ -42,37 +34,11 @@ def test_two_groups_waiting_for_each_other_in_one_round_are_a_partition() -> Non
     assert culprit is not None and culprit.rank == 3 and culprit.how.startswith("unreachable from host n3")
 
 
-def test_proc_states_in_words() -> None:
-    assert procs.describe_state({"state": "T"}).startswith("its process is stopped (state T: SIGSTOP")
-    assert "busy in native code that holds the Python GIL" in procs.describe_state(
-        {"state": "R", "syscall": "running", "threads_running": "1"})
-    assert procs.describe_state({"state": "S", "syscall": "clock_nanosleep", "wchan": "hrtimer_nanosleep"}) \
-        .startswith("its process is sleeping in the clock_nanosleep system call (kernel: hrtimer_nanosleep)")
-    assert procs.describe_state({}) == "its process is gone"
-
-
-def test_this_process_reads_as_running_or_sleeping() -> None:
-    info = procs.process_state(os.getpid())
-    assert info["state"] in ("R", "S")
-
-
 def test_silent_report_names_ranks_hosts_and_the_deadline() -> None:
     text = format_silent_report(0, {1: "n3", 2: "n3"}, 4.2, 10.0, True)
     assert text.startswith("hora stall: ranks 1-2 on n3 have not answered rank 0's negotiation round for 4 s. "
                            "Their processes cannot run Python")
     assert "The job stops when the round has waited 10 s (--stall-check-shutdown-time-seconds)." in text
-
-
-def test_one_machine_listed_twice_is_refused_and_different_machines_pass() -> None:
-    hosts = (HostSpec("localhost", 1), HostSpec("127.0.0.1", 1))
-    with pytest.raises(LaunchError, match=r"hosts localhost and 127\.0\.0\.1 are the same machine \(this machine\)"):
-        preflight.refuse_same_machine(hosts, {"localhost", "127.0.0.1"}, {})
-    remote = (HostSpec("a", 1), HostSpec("10.0.0.1", 2), HostSpec("b", 1))
-    answers = {"a": {"machine": "boot1/net:[1]"}, "10.0.0.1": {"machine": "boot1/net:[1]"},
-               "b": {"machine": "boot2/net:[1]"}}
-    with pytest.raises(LaunchError, match=r"hosts a and 10\.0\.0\.1 are the same machine: .* -H a:3$"):
-        preflight.refuse_same_machine(remote, {"a", "10.0.0.1", "b"}, answers)
-    preflight.refuse_same_machine(remote, {"a", "b"}, answers)  # -np left 10.0.0.1 without ranks
 
 
 def _transfer(age: float, expired: bool = False, ps: tuple[int, ...] = (0, 1, 2, 3)) -> dict[str, object]:
