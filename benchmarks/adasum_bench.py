@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import hora as hvd
-from hora.datapath.adasum import adasum_tree
+from hora.datapath.kinds.adasum import adasum_tree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

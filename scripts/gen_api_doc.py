@@ -32,7 +32,7 @@ SECTIONS: dict[str, str] = {
     "hora.datapath.reduce_ops": "Reduction operations",
     "hora.training.optimizer": "DistributedOptimizer",
     "hora.api.functions": "Broadcast and gather helpers",
-    "hora.datapath.compression": "Compression",
+    "hora.datapath.wire": "Compression",
     "hora.training.sync_batch_norm": "SyncBatchNorm",
     "hora.diagnostics.timeline": "Timeline",
     "hora.launcher.pyfunc.run": "Launching from Python",

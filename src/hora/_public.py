@@ -35,7 +35,7 @@ from hora.errors import (  # noqa: F401
 )
 
 # --- compression --------------------------------------------------------------------------------------
-from hora.datapath.compression import Compression, Compressor  # noqa: F401
+from hora.datapath.wire import Compression, Compressor  # noqa: F401
 
 # --- lifecycle, topology, process sets (runtime.py, process_sets.py, build.py) ------------------------
 from hora.api.build_info import (  # noqa: F401

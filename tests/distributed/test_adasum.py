@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hora as hvd
-from hora.datapath import adasum
+from hora.datapath.kinds import adasum
 from hora.errors import UnsupportedCallError
 from hora.runtime import lifecycle as runtime
 from tests.distributed.expect import close

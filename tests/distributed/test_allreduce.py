@@ -9,8 +9,9 @@ import torch
 
 import hora as hvd
 from hora.calls import submit as collectives
-from hora.datapath.compression import POOL_MIN_BYTES, WIRE_BUFFERS, CastCompressor
-from hora.datapath.kinds import Call, Kind
+from hora.calls.call import Call
+from hora.datapath.kinds.op import Kind
+from hora.datapath.wire import POOL_MIN_BYTES, WIRE_BUFFERS, CastCompressor
 from tests.distributed.expect import ALL, FLOATS, close, ops_for, rank_input, reduce
 from tests.distributed.harness import run_ranks
 
@@ -89,7 +90,7 @@ def _large_compressed(rank: int, size: int) -> int:
             assert torch.equal(pooled, fresh), f"{comp} {op.name} {pre} {post}: reused wire = generic path, bitwise"
             assert torch.equal(again, pooled), "a later call did not overwrite an earlier result"
             y = x.clone()  # in place (the DistributedOptimizer's private entry): cast back into the tensor
-            call = Call(Kind.ALLREDUCE, y, "", hvd.global_process_set, op=op, prescale=pre, postscale=post,
+            call = Call(Kind.ALLREDUCE, y, "", hvd.global_process_set, reduce_op=op, prescale=pre, postscale=post,
                         compression=comp, inplace=True)
             assert hvd.synchronize(collectives.submit(call)) is y and torch.equal(y, fresh), "in place"
         # another factor: the float32 product of the 16-bit sum (the generic path scales the 16-bit values)

@@ -313,7 +313,7 @@ def _adasum_adam_ranks(rank: int, size: int) -> list[float]:
 
 def test_adasum_combines_each_ranks_optimizer_update_as_horovod_does() -> None:
     # Horovod applies Adasum to the update of each rank's own optimizer step (Adam state stays local)
-    from hora.datapath.adasum import adasum_pair
+    from hora.datapath.kinds.adasum import adasum_pair
 
     w = torch.ones(3)
     locals_ = [nn.Parameter(torch.ones(3)) for _ in GRADS]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import hora as hvd
-from hora.datapath.adasum import adasum_tree
+from hora.datapath.kinds.adasum import adasum_tree
 from tests.distributed.expect import ops_for, rank_input, reduce, split_sizes
 from tests.gpu.common import device, same
 

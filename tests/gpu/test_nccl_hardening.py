@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hora as hvd
-from hora.datapath import adasum, hierarchical
+from hora.datapath import hierarchical
+from hora.datapath.kinds import adasum
 from hora.errors import InvalidCallError
 from hora.runtime import lifecycle as runtime
 from hora.testing import run_ranks

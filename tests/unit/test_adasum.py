@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hora.datapath.adasum import adasum_pair, adasum_tree
+from hora.datapath.kinds.adasum import adasum_pair, adasum_tree
 
 
 def test_pair_hand_computed() -> None:

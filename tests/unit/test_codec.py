@@ -30,7 +30,7 @@ def test_plain_values_round_trip_with_their_types(value: Any) -> None:
 
 
 def test_int_enums_and_str_enums_travel_as_their_plain_values() -> None:
-    from hora.datapath.kinds import Kind
+    from hora.datapath.kinds.op import Kind
 
     assert decode(encode([ReduceOp.SUM, Kind.ALLREDUCE])) == [int(ReduceOp.SUM), "allreduce"]
 

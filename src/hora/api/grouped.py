@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from hora.calls.from_args import (
+from hora.calls.call import (
+    Call,
     allgather_call,
     allreduce_call,
     group_names,
@@ -23,9 +24,8 @@ from hora.calls.from_args import (
 )
 from hora.calls.submit import submit_many
 from hora.common.process_sets import ProcessSet, global_process_set
-from hora.datapath.compression import Compression, Compressor
-from hora.datapath.kinds import Call
 from hora.datapath.reduce_ops import ReduceOp
+from hora.datapath.wire import Compression, Compressor
 from hora.engine.handles import GroupHandle
 
 
@@ -62,7 +62,7 @@ class _GroupedAllreduceFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, calls: list[Call], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         first = calls[0]
-        ctx.op, ctx.pre, ctx.post, ctx.ps = first.op, first.prescale, first.postscale, first.ps
+        ctx.op, ctx.pre, ctx.post, ctx.ps = first.reduce_op, first.prescale, first.postscale, first.ps
         return tuple(_grouped(calls, waiting=True).wait())
 
     @staticmethod
@@ -152,7 +152,7 @@ class _GroupedReducescatterFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, calls: list[Call], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         first = calls[0]
-        ctx.scale = reducescatter_grad_scale(first.op, first.prescale, first.postscale, first.ps.size())
+        ctx.scale = reducescatter_grad_scale(first.reduce_op, first.prescale, first.postscale, first.ps.size())
         ctx.ps = first.ps
         return tuple(_grouped(calls, waiting=True).wait())
 

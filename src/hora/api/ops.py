@@ -1,12 +1,12 @@
 """Horovod's collectives on one tensor: sync, ``_async`` (a handle) and in-place ``_`` variants.
 
-Every function here builds a :class:`~hora.datapath.kinds.Call` (:mod:`hora.calls.from_args`) and submits it
+Every function here builds a :class:`~hora.calls.call.Call` (:mod:`hora.calls.call`) and submits it
 (:func:`hora.calls.submit.submit`); the sync forms of ops on tensors that record autograd history go through
 an autograd Function whose backward is again a collective. Grouped variants are in :mod:`hora.api.grouped`,
 ``sparse_allreduce_async`` in :mod:`hora.api.sparse`. Ops are matched across ranks by ``name``; leave it out
 and a per-process-set sequence name is used, so ordinary SPMD code needs none (a call rejected on one rank
 still takes its number, and ranks that reach a number from different lines of code are told so: see
-:mod:`hora.diagnostics.callsite`). Signatures and defaults are Horovod's (see COMPAT.md).
+:mod:`hora.calls.call`). Signatures and defaults are Horovod's (see COMPAT.md).
 
 Example:
     >>> avg = hvd.allreduce(torch.tensor([float(hvd.rank())]))          # doctest: +SKIP
@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from hora.calls.from_args import (
+from hora.calls.call import (
+    Call,
     allgather_call,
     allreduce_call,
     alltoall_call,
@@ -33,9 +34,9 @@ from hora.calls.from_args import (
 from hora.calls.submit import submit
 from hora.common.names import JOIN_NAME
 from hora.common.process_sets import ProcessSet, global_process_set
-from hora.datapath.compression import Compression, Compressor
-from hora.datapath.kinds import Call, Kind
+from hora.datapath.kinds.op import Kind
 from hora.datapath.reduce_ops import ReduceOp
+from hora.datapath.wire import Compression, Compressor
 from hora.engine.handles import Handle
 from hora.runtime import lifecycle as runtime
 
@@ -65,7 +66,7 @@ class _AllreduceFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
         c = ctx.call
-        return allreduce(grad.contiguous(), op=c.op, prescale_factor=c.prescale, postscale_factor=c.postscale,
+        return allreduce(grad.contiguous(), op=c.reduce_op, prescale_factor=c.prescale, postscale_factor=c.postscale,
                          process_set=c.ps), None
 
 
@@ -102,7 +103,7 @@ class _AllgatherFn(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, ps: ProcessSet) -> torch.Tensor:  # type: ignore[override]
         handle = submit(allgather_call(tensor, name, ps), waiting=True)
         out = handle.wait()
-        ctx.rows, ctx.index, ctx.ps = handle.op.rows, ps.rank(), ps
+        ctx.rows, ctx.index, ctx.ps = handle.op.rows, ps.rank(), ps  # type: ignore[union-attr]
         return out
 
     @staticmethod
@@ -208,7 +209,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
 class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, call: Call) -> torch.Tensor:  # type: ignore[override]
-        ctx.scale = reducescatter_grad_scale(call.op, call.prescale, call.postscale, call.ps.size())
+        ctx.scale = reducescatter_grad_scale(call.reduce_op, call.prescale, call.postscale, call.ps.size())
         ctx.ps = call.ps
         return submit(call, waiting=True).wait()
 

@@ -11,12 +11,11 @@ from typing import Any
 
 import torch
 
-from hora.calls.from_args import resolved_op
+from hora.calls.call import UNKNOWN, Call, current, resolved_op
 from hora.calls.submit import submit_many
 from hora.common.process_sets import ProcessSet, global_process_set
-from hora.datapath.kinds import Call, Kind
+from hora.datapath.kinds.op import Kind
 from hora.datapath.reduce_ops import ReduceOp, average_values
-from hora.diagnostics import callsite
 from hora.engine.handles import GroupHandle
 from hora.errors import InvalidCallError
 from hora.runtime import newcomer
@@ -27,7 +26,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
     """Allreduce a sparse COO tensor by allgathering its indices and values; ``synchronize`` returns a
     coalesced sparse tensor. Average divides the values by the set's size."""
     neg = newcomer.join("hvd.sparse_allreduce_async()").negotiator
-    site = callsite.current() if neg.site_check and not name else callsite.UNKNOWN
+    site = current() if neg.site_check and not name else UNKNOWN
     rop, rejected = resolved_op(op, None)
     if rejected is None and rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         rejected = InvalidCallError(f"sparse allreduce supports Average and Sum, not {rop.name.capitalize()}")

@@ -6,8 +6,8 @@ scale the data on the CPU, before or after the wire (a large compressed one in p
 
 * out-of-place (``hvd.allreduce``): the input is copied into a fresh wire tensor;
 * compression (``fp16``/``bf16``): a cast of the float32 input down into a reused 16-bit buffer
-  (:data:`hora.datapath.compression.WIRE_BUFFERS`), and a cast of the result back up, then Average's division
-  (:func:`hora.datapath.compression.cast_scaled`): into a fresh tensor out of place, into the caller's tensor in place;
+  (:data:`hora.datapath.wire.WIRE_BUFFERS`), and a cast of the result back up, then Average's division
+  (:func:`hora.datapath.wire.cast_scaled`): into a fresh tensor out of place, into the caller's tensor in place;
 * Average, uncompressed: one multiply of the wire tensor.
 
 A fresh tensor of more than 32 MB is new memory from the kernel (glibc serves it with mmap), so the copy and the
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from hora.datapath.compression import POOL_MIN_BYTES, cast_scaled, pipeline_ranges
+from hora.datapath.wire import POOL_MIN_BYTES, cast_scaled, pipeline_ranges
 
 __all__ = ["CpuRates", "extra_seconds", "measure", "pieces", "with_wire"]
 
@@ -110,7 +110,7 @@ def extra_seconds(rates: CpuRates, nbytes: float, ranks: int, compression: str =
 
 def pieces(nbytes: float, compression: str = "none", call: str = "inplace") -> int:
     """How many pieces hora sends a compressed allreduce of ``nbytes`` (float32) in, its casts overlapping the
-    wire (:func:`hora.datapath.compression.pipeline_ranges`); 1 where the casts are serial with the wire."""
+    wire (:func:`hora.datapath.wire.pipeline_ranges`); 1 where the casts are serial with the wire."""
     if compression == "none" or call == "bucket" or nbytes / 2 < POOL_MIN_BYTES:
         return 1
     return len(pipeline_ranges(int(nbytes // 4), torch.float16, "cpu"))

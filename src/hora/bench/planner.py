@@ -37,7 +37,7 @@ from typing import Any
 
 from hora.bench.cpu import CpuRates, extra_seconds, pieces, with_wire
 from hora.bench.report import human_bytes, markdown_table
-from hora.datapath.compression import POOL_MIN_BYTES
+from hora.datapath.wire import POOL_MIN_BYTES
 from hora.errors import ConfigError
 
 __all__ = ["LinkFit", "Plan", "fit_sweep", "markdown"]

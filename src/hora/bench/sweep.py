@@ -30,7 +30,7 @@ from hora.bench import cpu
 from hora.bench.report import Progress, human_bytes, markdown_table, noise_warning, noisy_mark
 from hora.bench.timing import alternate, ratio_summary, summarize
 from hora.datapath import hierarchical
-from hora.datapath.compression import Compression, Compressor
+from hora.datapath.wire import Compression, Compressor
 from hora.runtime import lifecycle as runtime
 
 log = logging.getLogger(__name__)

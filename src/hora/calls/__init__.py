@@ -1,3 +1,3 @@
-"""From a user's call to the engine: a :class:`~hora.datapath.kinds.Call` built from Horovod's arguments
-(:mod:`.from_args`), validated, named and handed to the negotiator (:mod:`.submit`).
+"""From a user's call to the engine: a :class:`~hora.calls.call.Call` built from Horovod's arguments (:mod:`.call`),
+validated, named, prepared and handed to the negotiator (:mod:`.submit`).
 """

@@ -1,11 +1,11 @@
 """Submitting collectives: validate -> prepare -> hand to the engine. The layer between :mod:`hora.api.ops` (the
 public API) and the negotiation engine.
 
-``submit()`` validates a :class:`~hora.datapath.kinds.Call` on this rank, gives an unnamed call its sequence name,
-runs its kind's *prepare* on the caller's thread (:mod:`hora.datapath.kinds`) and hands the engine a
-:class:`~hora.engine.dispatch.LocalOp`: its request (what the peers must agree on) and its handle. Once every member
-has submitted the name, the engine runs the kind's *launch* (the c10d call); ``synchronize()`` runs its
-*finish*.
+``submit()`` validates a :class:`~hora.calls.call.Call` on this rank, gives an unnamed call its sequence name,
+runs its kind's *prepare* on the caller's thread (:mod:`hora.datapath.kinds`) and hands the engine its
+:class:`~hora.engine.table.Request` (what the peers must agree on) with the prepared
+:class:`~hora.datapath.kinds.op.Op`; the engine gives back its handle. Once every member has submitted the name,
+the engine runs the kind's *launch* (the c10d call); ``synchronize()`` runs its *finish*.
 
 Example:
     >>> call = Call(Kind.ALLREDUCE, torch.ones(3), "", global_process_set, op=ReduceOp.AVERAGE)  # doctest: +SKIP
@@ -20,14 +20,15 @@ from typing import Any
 
 import torch
 
-from hora.datapath import adasum, streams
+from hora.calls.call import UNKNOWN, Call, Site, current
 from hora.datapath.c10d import dtype_name
-from hora.datapath.compression import Compression
-from hora.datapath.kinds import KINDS, REDUCTIONS, Call, Kind, Op, Request
+from hora.datapath.kinds import KINDS, adasum
+from hora.datapath.kinds.op import REDUCTIONS, Kind, Op
 from hora.datapath.reduce_ops import ReduceOp
-from hora.diagnostics import callsite, timeline
-from hora.engine.dispatch import LocalOp
+from hora.datapath.wire import Compression
+from hora.diagnostics import timeline
 from hora.engine.handles import Handle
+from hora.engine.table import Request
 from hora.errors import InvalidCallError, UnsupportedCallError, UnsupportedDtypeError
 from hora.runtime import lifecycle as runtime
 from hora.runtime import newcomer
@@ -88,10 +89,10 @@ def _validate_device(device: torch.device, hora: torch.device | None, where: str
 
 def _validate_reduction(call: Call, where: str) -> None:
     t = call.tensor
-    if call.op == ReduceOp.ADASUM:
+    if call.reduce_op == ReduceOp.ADASUM:
         raise InvalidCallError(f"{where}: op=hvd.Adasum is defined for allreduce only; use op=hvd.Sum or hvd.Average")
-    if t.dtype == torch.bool and call.op in _ARITHMETIC_OPS:
-        raise UnsupportedDtypeError(f"{where}: {call.op.name.capitalize()} of bool tensors is not defined; "
+    if t.dtype == torch.bool and call.reduce_op in _ARITHMETIC_OPS:
+        raise UnsupportedDtypeError(f"{where}: {call.reduce_op.name.capitalize()} of bool tensors is not defined; "
                                     "use Min or Max")
     if (call.prescale != 1.0 or call.postscale != 1.0) and t.dtype == torch.bool:
         raise UnsupportedDtypeError(f"{where}: prescale/postscale factors cannot scale a bool tensor")
@@ -108,11 +109,11 @@ def _validate_adasum(call: Call, where: str) -> None:
         raise UnsupportedCallError(f"{where}: {e}") from None
 
 
-def _request(op: Op) -> Request:
-    call, t = op.call, op.wire
-    return Request(call.name, call.kind.tag, dtype_name(t.dtype), tuple(call.tensor.shape), int(call.op), call.root,
-                   float(call.prescale), float(call.postscale), tuple(call.ps.ranks), t.device.type, call.splits,
-                   call.site.fingerprint, call.site.where)
+def request_of(call: Call, wire: torch.Tensor) -> Request:
+    """What this rank tells its peers about ``call``, whose kind prepared ``wire``."""
+    return Request(call.name, call.kind.tag, dtype_name(wire.dtype), tuple(call.tensor.shape), int(call.reduce_op),
+                   call.root, float(call.prescale), float(call.postscale), tuple(call.ps.ranks), wire.device.type,
+                   call.splits, call.site.fingerprint, call.site.where)
 
 
 def submit(call: Call, waiting: bool = False) -> Handle:
@@ -132,8 +133,8 @@ def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
     rt = newcomer.join(f"hvd.{calls[0].kind.tag}()")  # a new elastic worker joins the job here
     neg = rt.negotiator
     site = None
-    if neg.site_check and not calls[0].name and calls[0].site is callsite.UNKNOWN and calls[0].kind is not Kind.BARRIER:
-        site = callsite.current()  # a barrier carries no data to mix up, and has no name= to opt out with
+    if neg.site_check and not calls[0].name and calls[0].site is UNKNOWN and calls[0].kind is not Kind.BARRIER:
+        site = current()  # a barrier carries no data to mix up, and has no name= to opt out with
     try:
         for call in calls:
             if call.rejected is not None:
@@ -142,14 +143,14 @@ def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
                 raise TypeError(f"collective names are strings, got {call.name!r}")
             _validate(call, rt.topo.rank)
         calls = [_named(call, neg, site) for call in calls]
-        ops = [_local_op(call, neg) for call in calls]
+        ops = [_prepared(call) for call in calls]
     except Exception as e:
         _announce(calls, rt, e)
         raise
     return neg.submit_many(ops, waiting)
 
 
-def _named(call: Call, neg: Any, site: callsite.Site | None) -> Call:
+def _named(call: Call, neg: Any, site: Site | None) -> Call:
     """``call`` as the engine sees it: an unnamed call gets its sequence name, and every call of an unnamed
     submission the caller's ``site`` (when the check is on). One new Call at most, none for a named call."""
     if call.name and site is None:
@@ -166,7 +167,7 @@ def _announce(calls: list[Call], rt: Any, error: Exception) -> None:
     if ranks is None or any(c.name and (not isinstance(c.name, str) or neg.in_flight(c.name)) for c in calls):
         return
     reason = f"{type(error).__name__}: {error}"
-    site = calls[0].site if calls[0].site is not callsite.UNKNOWN else callsite.current()  # for the message
+    site = calls[0].site if calls[0].site is not UNKNOWN else current()  # for the message
     reqs = []
     for call in calls:
         name = call.name or neg.unnamed(rt.process_sets.sequence_id(call.ps))
@@ -185,15 +186,13 @@ def _member_ranks(ps: Any, rt: Any) -> tuple[int, ...] | None:
     return ranks if rt.topo.rank in ranks else None
 
 
-def _local_op(call: Call, neg: Any) -> LocalOp:
+def _prepared(call: Call) -> tuple[Request, Op]:
+    """``call``'s op, prepared by its kind on this thread, and the request that announces it."""
     op = Op(call, KINDS[call.kind], members=len(call.ps.ranks))
     tl = timeline.active()
     t0 = time.perf_counter() if tl is not None else 0.0
-    op.prepare()
+    op.steps.prepare(op)
     if tl is not None and op.wire is not call.tensor:  # a copy or compression happened (diagnostics)
         phase = "copy_in" if call.compression is Compression.none else "compress"
         tl.span(call.name, phase, t0, time.perf_counter(), kind=call.kind.tag, bytes=op.wire.nbytes)
-    handle = Handle(call.name, call.kind.tag, op.finish, neg.done, neg.drive, op=op)
-    event = streams.producer_event(op.wire) if op.wire.is_cuda else None
-    fusable = op.wire if call.kind is Kind.ALLREDUCE else None
-    return LocalOp(_request(op), handle, op, wire=fusable, event=event)
+    return request_of(call, op.wire), op

@@ -1,4 +1,4 @@
-"""What a collective does to tensors, below the engine: the call record and the kinds' steps, fusion, hierarchical
-allreduce and its shared memory, Adasum, compression, the reduce ops' arithmetic, CUDA streams, and the one module
-that issues c10d calls (:mod:`.c10d`).
+"""What a collective does to tensors, below the engine: each kind's steps (:mod:`.kinds`), the wire buffer and
+compression (:mod:`.wire`), fusion's buffer, hierarchical allreduce and its shared memory, the reduce ops'
+arithmetic, CUDA streams, and the one module that issues c10d calls (:mod:`.c10d`).
 """

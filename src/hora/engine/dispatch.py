@@ -1,9 +1,13 @@
 """Running what a negotiation round decided: every ready op this rank takes part in is issued here, in the
 order the round agreed, by whichever thread ran the round.
 
-Tiny allreduces whose data came with the round are reduced locally; small allreduces ready together are
-fused into one reused buffer; everything else is one c10d call (``LocalOp.launch``). A rank that has joined
-takes part with zeros. Failures to start an op are reported on its handle; negotiation goes on.
+Tiny allreduces whose data came with the round (:func:`inline_bytes`) are reduced locally
+(:func:`reduce_inline`); small allreduces ready together are fused into one reused buffer (:func:`plan_batches`
+groups them, :class:`hora.datapath.fusion.FusionBuffers` runs them); everything else is one launch of its kind's
+steps. Both decisions are made from what the members agreed on alone (the requests of a round, never local
+state), so every rank, including a rank that has joined and only contributes zeros, issues exactly the same
+c10d calls. A rank that has joined takes part with zeros. Failures to start an op are reported on its handle;
+negotiation goes on.
 
 With a CUDA device, every launch runs on hora's device and launch stream, after the event each op recorded on
 the stream that produced its tensor (:mod:`hora.datapath.streams`), whichever thread runs the round.
@@ -13,31 +17,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hora.datapath import fusion, kinds, streams
-from hora.datapath.kinds import Op, Peers
+from hora.datapath.c10d import to_dtype, wire_op
+from hora.datapath.kinds.op import Kind, Peers
+from hora.datapath.reduce_ops import ReduceOp
 from hora.diagnostics import inflight
 from hora.diagnostics import timeline as timeline_mod
-from hora.engine.handles import Handle
+from hora.engine.pending import LocalOp
 from hora.engine.table import Entry, Request
 from hora.errors import CollectiveError
 
-
-@dataclass(eq=False)
-class LocalOp:
-    """An op this rank submitted: its request, its handle, and the op (the call and its kind's steps) to launch
-    once ready (None: nothing to launch, e.g. the engine's own shutdown request)."""
-
-    req: Request
-    handle: Handle
-    op: Op | None
-    wire: torch.Tensor | None = None  # the buffer an allreduce sends: fusion may copy it into a fused buffer
-    event: Any = None  # CUDA event recorded at submit on the stream that produced the tensor
-    submitted_at: float = 0.0
+MAX_FUSED_TENSOR_BYTES = 1 << 20  # larger tensors run alone: fusion would only add copies
+INLINE_MAX_BYTES = 64  # allreduces this small travel inside the negotiation round itself
 
 
 class Dispatcher:
@@ -73,7 +68,7 @@ class Dispatcher:
             if entry.inline and self.rank in entry.first.ps:
                 self._finish_inline(entry)
         on_wire = [e for e in ready if not e.inline]
-        for batch in fusion.plan_batches([e.first for e in on_wire], self._fused.threshold):
+        for batch in plan_batches([e.first for e in on_wire], self._fused.threshold):
             members = [on_wire[i] for i in batch if self.rank in on_wire[i].first.ps]
             if not members:
                 continue
@@ -90,7 +85,7 @@ class Dispatcher:
             return  # a joined rank: nothing to return
         t_launch = time.perf_counter()
         try:
-            op.wire.copy_(fusion.reduce_inline(entry.first, entry.inline))  # type: ignore[union-attr]
+            op.wire.copy_(reduce_inline(entry.first, entry.inline))  # type: ignore[union-attr]
         except Exception as e:  # report on the handle, keep negotiating
             op.handle.fail(CollectiveError(f"allreduce {entry.name!r} failed on rank {self.rank}: {e}"))
             return
@@ -110,7 +105,7 @@ class Dispatcher:
         try:
             self._wait_cuda(op)
             t_launch = time.perf_counter()
-            work = op.op.launch(peers) if op.op is not None else None
+            work = op.op.steps.launch(op.op, peers) if op.op is not None else None
         except Exception as e:  # report on the handle, keep negotiating
             op.handle.fail(CollectiveError(f"{kind} {entry.name!r} could not start on rank {self.rank}: {e}"))
             return
@@ -127,8 +122,10 @@ class Dispatcher:
         t_launch = time.perf_counter()
         inflight.blocking(entries, [e.first for e in entries])  # this thread waits for it below
         try:
-            self._fused.allreduce([op.wire if op is not None else None for op in ops_], [e.first for e in entries],
-                                  group)
+            first = entries[0].first
+            self._fused.allreduce([op.wire if op is not None else None for op in ops_],
+                                  [int(torch.Size(e.first.shape).numel()) for e in entries], to_dtype(first.dtype),
+                                  first.device, first.reduce_op, group)
         except Exception as e:
             err = CollectiveError(f"fused allreduce of {len(entries)} tensors failed on rank {self.rank}: {e}")
             for op in ops_:
@@ -154,7 +151,7 @@ class Dispatcher:
             return
         r = op.req
         args: dict[str, Any] = {"kind": r.kind, "dtype": r.dtype, "shape": list(r.shape),
-                                "bytes": fusion.request_nbytes(r)}
+                                "bytes": request_nbytes(r)}
         tl.span(r.name, "negotiate", op.submitted_at, t_launch, **args)
         if fused:
             args["fused"] = fused
@@ -184,3 +181,78 @@ class Dispatcher:
         """The current stream (the launch stream) waits for the stream that produced the op's tensor."""
         if op.event is not None:
             torch.cuda.current_stream().wait_event(op.event)
+
+
+# --- what a round's requests say: tiny allreduces inline, small ones fused -------------------------------------
+def request_nbytes(req: Request) -> int:
+    """Bytes of the tensor a request describes (0 for requests without a tensor, e.g. shutdown)."""
+    dtype = getattr(torch, req.dtype, None) if req.dtype else None
+    if not isinstance(dtype, torch.dtype):
+        return 0
+    return int(torch.Size(req.shape).numel()) * dtype.itemsize
+
+
+def _fusion_key(req: Request, threshold: int) -> tuple[object, ...] | None:
+    if req.kind != Kind.ALLREDUCE or threshold <= 0 or request_nbytes(req) > min(threshold, MAX_FUSED_TENSOR_BYTES):
+        return None
+    return (req.dtype, int(wire_op(req.reduce_op)), req.ps, req.device)
+
+
+def plan_batches(ready: Sequence[Request], threshold: int) -> list[list[int]]:
+    """Group consecutive fusable allreduces (same dtype, wire op, process set, device) up to ``threshold``
+    bytes; everything else is a batch of one. Order is kept; each batch is the indices of its requests."""
+    if len(ready) < 2:  # the steady state of a synchronous loop: nothing to fuse
+        return [[0]] if ready else []
+    batches: list[list[int]] = []
+    current: list[int] = []
+    current_key: tuple[object, ...] | None = None
+    current_bytes = 0
+    for i, req in enumerate(ready):
+        key = _fusion_key(req, threshold)
+        size = request_nbytes(req) if key is not None else 0
+        if key is not None and key == current_key and current_bytes + size <= threshold:
+            current.append(i)
+            current_bytes += size
+            continue
+        if current:
+            batches.append(current)
+        current, current_key, current_bytes = [i], key, size
+    if current:
+        batches.append(current)
+    return batches
+
+
+def inline_bytes(req: Request, wire: torch.Tensor | None) -> bytes | None:
+    """The data of a tiny CPU allreduce, to send with its request (None when it goes on the data plane)."""
+    if wire is None or req.kind != Kind.ALLREDUCE or req.device != "cpu":
+        return None
+    size = wire.numel() * wire.element_size()
+    if size > INLINE_MAX_BYTES:
+        return None
+    return wire.reshape(-1).view(torch.uint8).numpy().tobytes() if size else b""
+
+
+def reduce_inline(req: Request, inline: Mapping[int, bytes]) -> torch.Tensor:
+    """Reduce the members' inline data (rank -> bytes) in rank order (the same arithmetic on every rank); a
+    joined member contributes zeros, as it does on the data plane."""
+    dtype = to_dtype(req.dtype)
+    if torch.Size(req.shape).numel() == 0:
+        return torch.empty(req.shape, dtype=dtype)
+    zeros = torch.zeros(req.shape, dtype=dtype).reshape(-1)  # what a joined member contributes
+    parts = [torch.frombuffer(bytearray(inline[r]), dtype=torch.uint8).view(dtype) if r in inline
+             else zeros for r in req.ps]
+    stacked = torch.stack(parts) if parts else torch.zeros((1, 0), dtype=dtype)
+    op = ReduceOp(req.reduce_op)
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        out = stacked[0].clone()
+        for part in stacked[1:]:
+            out += part
+    elif op == ReduceOp.PRODUCT:
+        out = stacked[0].clone()
+        for part in stacked[1:]:
+            out *= part
+    elif op == ReduceOp.MIN:
+        out = stacked.amin(0)
+    else:
+        out = stacked.amax(0)
+    return out.reshape(req.shape)

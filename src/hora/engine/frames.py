@@ -27,7 +27,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hora.datapath.kinds import Kind
+from hora.datapath.kinds.op import Kind
 from hora.engine import codec
 from hora.engine.codec import FrameError
 from hora.engine.notices import NOTICE, PASSED
@@ -132,7 +132,7 @@ _REQUEST_CHECKS: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("kind", lambda v: v in _KINDS if type(v) is str else False),
     ("dtype", lambda v: type(v) is str),
     ("shape", _ints),
-    ("op", lambda v: type(v) is int),
+    ("reduce_op", lambda v: type(v) is int),
     ("root", lambda v: type(v) is int),
     ("prescale", _number),
     ("postscale", _number),

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hora.datapath.kinds.op import Op
 from hora.diagnostics import inflight, timeline, where
 from hora.errors import CollectiveError
 
@@ -65,17 +66,17 @@ class Latch:
 class Handle:
     """One submitted collective. Thread-safe: launched by the negotiator, finished by the user's thread."""
 
-    __slots__ = ("_drive", "_error", "_finish", "_gate", "_lock", "_on_done", "_result", "_work", "kind", "name", "op")
+    __slots__ = ("_drive", "_error", "_gate", "_lock", "_on_done", "_result", "_work", "kind", "name", "op")
 
-    def __init__(self, name: str, kind: str, finish: Callable[[], Any], on_done: Callable[[Handle], None],
-                 drive: Callable[[Handle], None] | None = None, op: Any = None) -> None:
+    def __init__(self, name: str, kind: str, op: Op | None, on_done: Callable[[Handle], None],
+                 drive: Callable[[Handle], None] | None = None) -> None:
         self.name = name
         self.kind = kind
-        self.op = op  # the op it finishes: what its kind computed (an allgather's rows) is there after wait()
+        self.op = op  # the op it finishes (None: nothing to finish, the engine's own shutdown request); what its
+        # kind computed (an allgather's rows) is there after wait()
         self._gate = Latch()  # opens once the op is launched or failed
         self._work: Any = None
         self._error: BaseException | None = None
-        self._finish = finish
         self._result: Any = _UNSET
         self._on_done = on_done
         self._drive = drive  # runs the negotiation round on the waiting thread when it can (Negotiator.drive)
@@ -126,7 +127,8 @@ class Handle:
                     raise self._error
                 tl = timeline.active()
                 t0 = time.perf_counter() if tl is not None else 0.0
-                self._result = self._finish()
+                op = self.op
+                self._result = op.steps.finish(op) if op is not None else None
                 if tl is not None:  # scale, decompress, copy out (diagnostics)
                     tl.span(self.name, "copy_out", t0, time.perf_counter(), kind=self.kind)
                 return self._result

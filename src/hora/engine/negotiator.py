@@ -36,16 +36,16 @@ from typing import Any
 import torch
 
 from hora.common.names import SHUTDOWN_NAME
+from hora.datapath.kinds.op import Op
 from hora.diagnostics import inflight
 from hora.engine import codec
 from hora.engine.context import EngineContext
 from hora.engine.death_watch import death_watch
-from hora.engine.dispatch import LocalOp
 from hora.engine.gloo_plane import make_control_plane
 from hora.engine.handles import Handle
 from hora.engine.mesh import Mesh
 from hora.engine.notices import NOTICE, Notices
-from hora.engine.pending import Pending
+from hora.engine.pending import LocalOp, Pending, local_op
 from hora.engine.phases import ACTIVE, NEXT, Phase
 from hora.engine.rounds import Rounds, record_lost
 from hora.engine.table import SHUTDOWN, Request, Table
@@ -179,11 +179,16 @@ class Negotiator:
             self._pending.rejected.extend(reqs)
             self._ring_if_parked()
 
-    def submit_many(self, ops: list[LocalOp], waiting: bool = False) -> list[Handle]:
-        """Queue ops for the next round, all in the same round (grouped ops stay together).
+    def submit_many(self, ops: list[tuple[Request, Op]], waiting: bool = False) -> list[Handle]:
+        """Queue ``(request, op)`` pairs for the next round, all in the same round (grouped ops stay together);
+        each op's kind has prepared it. Returns their handles.
 
         ``waiting``: the caller synchronizes at once, so on the mesh its ``wait()`` runs the round itself
         (``drive``) and the negotiator thread is not woken for it."""
+        return self._queue([local_op(req, op, Handle(req.name, req.kind, op, self.done, self.drive))
+                            for req, op in ops], waiting)
+
+    def _queue(self, ops: list[LocalOp], waiting: bool) -> list[Handle]:
         with self._lock:
             if self._phase in (Phase.BROKEN, Phase.STOPPED):
                 error = self.error or CollectiveError("hora has shut down")
@@ -296,10 +301,10 @@ class Negotiator:
                     "async handles before hvd.shutdown())"))
 
     def _negotiate_shutdown(self, timeout: float) -> None:
-        h = Handle(SHUTDOWN_NAME, SHUTDOWN, lambda: None, self.done)
+        h = Handle(SHUTDOWN_NAME, SHUTDOWN, None, self.done)
         req = Request(SHUTDOWN_NAME, SHUTDOWN, "", (), ps=tuple(range(self.size)))
         try:
-            self.submit_many([LocalOp(req, h, None)])
+            self._queue([local_op(req, None, h)], waiting=False)
         except CollectiveError:
             return
         deadline = time.monotonic() + timeout

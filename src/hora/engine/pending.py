@@ -7,11 +7,39 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from hora.common.names import parse_unnamed, unnamed
-from hora.engine.dispatch import LocalOp
+from hora.datapath import streams
+from hora.datapath.kinds.op import Kind, Op
+from hora.engine.handles import Handle
 from hora.engine.table import Request
+
+
+@dataclass(eq=False)
+class LocalOp:
+    """An op this rank submitted: its request, its handle, and the op (the call and its kind's steps) to launch
+    once ready (None: nothing to launch, e.g. the engine's own shutdown request). Built by :func:`local_op`."""
+
+    req: Request
+    handle: Handle
+    op: Op | None
+    wire: torch.Tensor | None = None  # the buffer an allreduce sends: fusion may copy it into a fused buffer
+    event: Any = None  # CUDA event recorded at submit on the stream that produced the tensor
+    submitted_at: float = 0.0
+
+
+def local_op(req: Request, op: Op | None, handle: Handle) -> LocalOp:
+    """The engine's record of an op this rank submits: an allreduce's wire may be fused or sent inline, and a
+    CUDA wire's producing stream is recorded so the launch waits for it."""
+    if op is None:
+        return LocalOp(req, handle, None)
+    wire = op.wire
+    event = streams.producer_event(wire) if wire.is_cuda else None
+    return LocalOp(req, handle, op, wire=wire if req.kind == Kind.ALLREDUCE else None, event=event)
 
 
 class Pending:

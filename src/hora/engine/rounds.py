@@ -17,12 +17,11 @@ import time
 from typing import Any
 
 from hora.common.names import JOIN_NAME, SHUTDOWN_NAME
-from hora.datapath import fusion
 from hora.diagnostics import stall_report as stall_mod
 from hora.diagnostics import timeline as timeline_mod
 from hora.engine.codec import FrameError
 from hora.engine.context import EngineContext
-from hora.engine.dispatch import Dispatcher
+from hora.engine.dispatch import Dispatcher, inline_bytes
 from hora.engine.frames import decode_round, encode_round
 from hora.engine.gloo_plane import ControlPlane
 from hora.engine.mesh import BadFrame, PeerLost
@@ -65,7 +64,7 @@ class Rounds:
         round_no = self.number
         self.number += 1
         outgoing, flags, rejected = self.pending.take_outgoing()
-        inline = [fusion.inline_bytes(op.req, op.wire) for op in outgoing]
+        inline = [inline_bytes(op.req, op.wire) for op in outgoing]
         sent: list[Any] = [self.cache.encode(op.req) for op in outgoing]
         if rejected:  # never cached: they travel in full, once
             sent += rejected

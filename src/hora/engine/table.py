@@ -1,6 +1,7 @@
 """The negotiation table: pure, deterministic logic every rank runs on the same inputs.
 
-Each round, every rank contributes the requests it submitted since the last round. Every rank adds all of
+A :class:`Request` is what a rank says about one op it submitted, the record the negotiation is about. Each
+round, every rank contributes the requests it submitted since the last round. Every rank adds all of
 them to its :class:`Table` in the same order, so every rank reaches the same :class:`Decision`: which names
 are ready (every member of the process set has submitted them, or joined), which failed because ranks
 disagree on their metadata, and in which order to run them. No I/O here: the negotiator does that.
@@ -11,12 +12,38 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 from hora.common.names import JOIN_NAME, SHUTDOWN_NAME, UNNAMED_PREFIX
-from hora.datapath.kinds import Kind, Request
+from hora.datapath.kinds.op import Kind
 from hora.datapath.reduce_ops import ReduceOp
 from hora.diagnostics.where import describe_op
 from hora.errors import CollectiveError, CollectiveMismatchError, HoraError, PeerRejectedCallError
+
+
+class Request(NamedTuple):
+    """What a rank says about one op it submitted. Every field up to ``device`` must agree across ranks
+    (for allgather/alltoall only the trailing dimensions of ``shape`` must agree), and so must ``site``
+    where every rank sent one (unnamed ops; 0 = not checked).
+
+    A request with ``error`` set announces a call this rank rejected before sending anything (a
+    non-contiguous tensor, a bad root...): it still takes its place, and the op fails on every member."""
+
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    reduce_op: int = 0
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    ps: tuple[int, ...] = ()  # member ranks of the process set
+    device: str = "cpu"
+    splits: tuple[int, ...] | None = None
+    site: int = 0  # call-site fingerprint of an unnamed op (hora.calls.call.current); 0: not checked
+    where: str = ""  # that call site as file:line, for messages
+    error: str = ""  # set: this rank rejected the call (the reason)
+
 
 JOIN = Kind.JOIN
 SHUTDOWN = Kind.SHUTDOWN
@@ -36,14 +63,14 @@ _REDUCTIONS = frozenset({Kind.ALLREDUCE, Kind.ADASUM, Kind.REDUCESCATTER})  # de
 def signature(req: Request) -> tuple[object, ...]:
     """The part of a request that must be identical on every rank."""
     shape = req.shape[1:] if req.kind in _ROWS_MAY_DIFFER else req.shape
-    return (req.kind, req.dtype, shape, req.op, req.root, req.prescale, req.postscale, req.ps, req.device)
+    return (req.kind, req.dtype, shape, req.reduce_op, req.root, req.prescale, req.postscale, req.ps, req.device)
 
 
 def describe(req: Request) -> str:
     """A request as a user would read it in an error message."""
     parts = [req.kind, f"dtype={req.dtype}", f"shape={list(req.shape)}"]
     if req.kind in _REDUCTIONS:
-        parts.append(f"op={ReduceOp(req.op).name.capitalize()}")
+        parts.append(f"op={ReduceOp(req.reduce_op).name.capitalize()}")
         if req.prescale != 1.0 or req.postscale != 1.0:
             parts.append(f"prescale={req.prescale} postscale={req.postscale}")
     if req.kind == Kind.BROADCAST:

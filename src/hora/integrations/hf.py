@@ -47,7 +47,7 @@ require("transformers", "hf", "hora.integrations.hf")
 import transformers  # noqa: E402
 
 from hora.api.functions import broadcast_parameters  # noqa: E402
-from hora.datapath.compression import Compression, Compressor  # noqa: E402
+from hora.datapath.wire import Compression, Compressor  # noqa: E402
 from hora.errors import ConfigError, NotInitializedError  # noqa: E402
 from hora.runtime import lifecycle as runtime  # noqa: E402
 from hora.sharded_checkpoint import restore_sharded, save_sharded, sharded_checkpoints  # noqa: E402

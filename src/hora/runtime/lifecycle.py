@@ -35,7 +35,8 @@ from hora.common import rendezvous
 from hora.common.env import WorkerEnv
 from hora.common.knobs import Knobs, ignored_horovod_variables
 from hora.common.process_sets import ProcessSet, ProcessSetTable, global_process_set
-from hora.datapath import adasum, hierarchical
+from hora.datapath import hierarchical
+from hora.datapath.kinds import adasum
 from hora.diagnostics import timeline, user_errors
 from hora.diagnostics.board import Board
 from hora.engine.context import EngineContext

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from hora.calls import submit as collectives
-from hora.datapath.compression import Compressor
-from hora.datapath.kinds import Call, Kind
+from hora.calls.call import Call
+from hora.calls.submit import submit
+from hora.datapath.kinds.op import Kind
 from hora.datapath.reduce_ops import Adasum, ReduceOp
+from hora.datapath.wire import Compressor
 from hora.errors import UnsupportedCallError
 from hora.training.buckets import FlatBucket
 from hora.training.reducer import GradientReducer
@@ -67,7 +68,7 @@ class AdasumReducer(GradientReducer):
         p.copy_(start)  # unchanged until synchronize() adds the combined update
 
     def _launch(self, name: str, wire: torch.Tensor) -> Any:
-        return collectives.submit(Call(Kind.ADASUM, wire, name, self.process_set, op=ReduceOp.ADASUM, inplace=True))
+        return submit(Call(Kind.ADASUM, wire, name, self.process_set, reduce_op=ReduceOp.ADASUM, inplace=True))
 
     @torch.no_grad()
     def _write_back(self, bucket: FlatBucket, out: torch.Tensor) -> None:

@@ -28,8 +28,8 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from hora.common.process_sets import global_process_set
-from hora.datapath.compression import Compression, Compressor
 from hora.datapath.reduce_ops import Adasum, Average, Sum
+from hora.datapath.wire import Compression, Compressor
 from hora.training.adasum_reducer import AdasumReducer
 from hora.training.buckets import split_groups
 from hora.training.reducer import GradientReducer

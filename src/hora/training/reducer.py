@@ -36,10 +36,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from hora.api.sparse import sparse_allreduce_async
-from hora.calls import submit as collectives
-from hora.datapath.compression import CastCompressor, Compressor, NoneCompressor, cast_scaled, wire_dtype
-from hora.datapath.kinds import Call, Kind
+from hora.calls.call import Call
+from hora.calls.submit import submit
+from hora.datapath.kinds.op import Kind
 from hora.datapath.reduce_ops import ReduceOp, Sum, bucket_scales
+from hora.datapath.wire import CastCompressor, Compressor, NoneCompressor, cast_scaled, wire_dtype
 from hora.diagnostics import timeline
 from hora.engine import handles
 from hora.runtime import lifecycle as runtime
@@ -242,7 +243,7 @@ class GradientReducer:
     def _launch(self, name: str, wire: torch.Tensor) -> Any:
         """Start the bucket's collective. Average's division is folded into the copies in and out
         (scale_in, scale_out): a plain in-place sum here."""
-        return collectives.submit(Call(Kind.ALLREDUCE, wire, name, self.process_set, op=ReduceOp.SUM, inplace=True))
+        return submit(Call(Kind.ALLREDUCE, wire, name, self.process_set, reduce_op=ReduceOp.SUM, inplace=True))
 
     def _submit_sparse(self, index: int, grad: torch.Tensor) -> None:
         self.sparse[index] = sparse_allreduce_async(

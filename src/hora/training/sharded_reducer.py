@@ -33,10 +33,11 @@ from typing import Any
 
 import torch
 
-from hora.calls import submit as collectives
-from hora.datapath.compression import cast_scaled, wire_dtype
-from hora.datapath.kinds import Call, Kind
+from hora.calls.call import Call
+from hora.calls.submit import submit
+from hora.datapath.kinds.op import Kind
 from hora.datapath.reduce_ops import ReduceOp
+from hora.datapath.wire import cast_scaled, wire_dtype
 from hora.engine import handles
 from hora.errors import ConfigError
 from hora.runtime import lifecycle as runtime
@@ -249,8 +250,8 @@ class ShardedGradientReducer(GradientReducer):
             wire, bucket.ctx = self.compression.compress(wire)
         bucket.wire = wire
         kind = Kind.REDUCESCATTER if bucket.scatter else Kind.ALLREDUCE
-        bucket.handle = collectives.submit(Call(kind, wire, bucket.name, self.process_set, op=ReduceOp.SUM,
-                                                inplace=not bucket.scatter))
+        bucket.handle = submit(Call(kind, wire, bucket.name, self.process_set, reduce_op=ReduceOp.SUM,
+                                    inplace=not bucket.scatter))
         bucket.sent = True
         self._in_flight.append(bucket)
 

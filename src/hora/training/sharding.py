@@ -33,8 +33,9 @@ from typing import Any
 import torch
 
 from hora.api import ops
-from hora.calls import submit as collectives
-from hora.datapath.kinds import Call, Kind
+from hora.calls.call import Call
+from hora.calls.submit import submit_many
+from hora.datapath.kinds.op import Kind
 from hora.datapath.reduce_ops import ReduceOp
 from hora.engine import handles
 from hora.errors import ShardStateLostError
@@ -107,7 +108,7 @@ class ParamFlat:
         """Broadcast every member's segment from that member, in place (one negotiation round)."""
         calls = [Call(Kind.BROADCAST, self.flat[start:stop], f"{self.name}.{m}", ps, root=ranks[m], inplace=True)
                  for m, (start, stop) in enumerate(self.layout.segments) if stop > start]
-        return collectives.submit_many(calls)
+        return submit_many(calls)
 
 
 class Distribution:

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from hora.datapath.compression import Compression, Compressor, NoneCompressor  # noqa: F401
+from hora.datapath.wire import Compression, Compressor, NoneCompressor  # noqa: F401
 
 FP16Compressor = Compression.fp16  # Horovod's class of static methods; hora's instance answers the same calls

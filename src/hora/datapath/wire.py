@@ -1,8 +1,12 @@
-"""Gradient compression: a compressor is any object with ``compress`` and ``decompress``.
+"""The wire buffer: what a collective sends and receives in place of the caller's tensor.
 
-``compress(tensor) -> (compressed, ctx)`` and ``decompress(compressed, ctx) -> tensor``. hora ships
-``Compression.none``, ``Compression.fp16`` (Horovod's) and ``Compression.bf16`` (hora's; same range as
-fp32, so no overflow on large gradients).
+A call's wire is its tensor, or a copy of it when the caller's tensor must stay untouched, or a cast of it:
+for a dtype the backends lack (:func:`to_wire`, cast back by :func:`from_wire`), for an integer Average (summed
+wide), or for compression. :func:`copy_out` gives an in-place call's result back in the caller's tensor.
+
+Compression: a compressor is any object with ``compress(tensor) -> (compressed, ctx)`` and
+``decompress(compressed, ctx) -> tensor``. hora ships ``Compression.none``, ``Compression.fp16`` (Horovod's)
+and ``Compression.bf16`` (hora's; same range as fp32, so no overflow on large gradients).
 
 The built-in casts of large CPU tensors (>= 1 MiB on the wire) do not allocate a 16-bit tensor per call: the
 wire is a buffer taken from :data:`WIRE_BUFFERS` and given back when the op finishes, so a training loop's
@@ -25,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from hora.datapath import c10d as dataplane
+from hora.datapath.reduce_ops import AVERAGE_WIRE, ReduceOp
 
 
 @runtime_checkable
@@ -101,6 +106,43 @@ def wire_dtype(compression: Compressor, dtype: torch.dtype) -> torch.dtype:
     if isinstance(compression, CastCompressor) and dtype.is_floating_point:
         return compression.wire_dtype
     return dtype
+
+
+# --- the wire of a call ---------------------------------------------------------------------------------------
+# dtypes the backends lack travel as a wider type and are cast back when the op finishes
+WIRE_CAST = {torch.int16: torch.int32}
+
+
+def to_wire(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    """``t`` as the collective sends it: its own storage, a copy (``copy``), or a wider type the backends have."""
+    t = t.detach()  # same storage; autograd is handled by hora.api.ops' Functions, never on the wire
+    cast = WIRE_CAST.get(t.dtype)
+    if cast is not None:
+        return t.to(cast)
+    return t.clone() if copy else t
+
+
+def from_wire(result: torch.Tensor, dtype: torch.dtype, reduce_op: ReduceOp) -> torch.Tensor:
+    """A result in the caller's ``dtype`` again when the wire had widened it (:data:`WIRE_CAST`, an integer
+    Average); any other difference is the compressor's to undo."""
+    if result.dtype == dtype:
+        return result
+    widened = dtype in WIRE_CAST or (reduce_op == ReduceOp.AVERAGE and dtype in AVERAGE_WIRE)
+    return result.to(dtype) if widened else result
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` is ``b``'s storage seen through another tensor object (e.g. ``b.detach()``)."""
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+
+
+def copy_out(result: torch.Tensor, tensor: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """The user's result: ``result``, or for an in-place call the caller's ``tensor`` holding it."""
+    if not inplace:
+        return result
+    if not same_memory(result, tensor):  # the wire was a copy (cast, compression)
+        tensor.copy_(result)
+    return tensor
 
 
 # --- reused wire buffers ---------------------------------------------------------------------------------------

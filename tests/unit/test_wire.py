@@ -1,12 +1,12 @@
-"""The built-in casts' reused wire buffers, their pieces and the cast back (hora.datapath.compression)."""
+"""The built-in casts' reused wire buffers, their pieces and the cast back (hora.datapath.wire)."""
 
 from __future__ import annotations
 
 import torch
 
 import hora as hvd
-from hora.datapath import compression
-from hora.datapath.compression import CastCompressor, WireBuffers, cast_scaled, lease_wire, pipeline_ranges
+from hora.datapath import wire
+from hora.datapath.wire import CastCompressor, WireBuffers, cast_scaled, lease_wire, pipeline_ranges
 
 
 def test_buffers_are_reused_and_bounded() -> None:
@@ -28,7 +28,7 @@ def test_buffers_are_reused_and_bounded() -> None:
 
 
 def test_only_large_contiguous_cpu_floats_under_a_built_in_cast_lease_a_buffer() -> None:
-    big = torch.zeros(compression.POOL_MIN_BYTES // 2)  # compression.POOL_MIN_BYTES on a 16-bit wire
+    big = torch.zeros(wire.POOL_MIN_BYTES // 2)  # wire.POOL_MIN_BYTES on a 16-bit wire
     assert lease_wire(hvd.Compression.fp16, big) is not None
     assert lease_wire(hvd.Compression.bf16, big).dtype == torch.bfloat16  # type: ignore[union-attr]
     assert lease_wire(hvd.Compression.fp16, big[:-1]) is None  # one element short
@@ -48,7 +48,7 @@ def test_pieces_cover_the_tensor_in_order() -> None:
         ranges = pipeline_ranges(numel, torch.float16, "cpu")
         assert ranges[0][0] == 0 and ranges[-1][1] == numel
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-        assert 1 <= len(ranges) <= compression.PIPELINE_MAX
+        assert 1 <= len(ranges) <= wire.PIPELINE_MAX
         assert len(ranges) == 1 or min(b - a for a, b in ranges) * 2 >= 2 << 20
     assert len(pipeline_ranges(50 * 2**20, torch.float32, "cpu")) == 1  # only 16-bit wires go in pieces
     assert len(pipeline_ranges(50 * 2**20, torch.float16, "cuda")) == 1

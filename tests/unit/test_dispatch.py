@@ -1,17 +1,17 @@
-"""Fusion planning (hora.datapath.fusion): which allreduces travel together, and the inline reduction every
+"""Fusion planning (hora.engine.dispatch): which allreduces travel together, and the inline reduction every
 rank computes on the same bytes; pure logic every rank runs on the same inputs."""
 
 from __future__ import annotations
 
 import torch
 
-from hora.datapath.fusion import inline_bytes, plan_batches, reduce_inline
 from hora.datapath.reduce_ops import ReduceOp
+from hora.engine.dispatch import inline_bytes, plan_batches, reduce_inline
 from hora.engine.table import Entry, Request
 
 
 def _request(name: str, nbytes: int, op: int = 1, dtype: str = "float32") -> Request:
-    return Request(name, "allreduce", dtype, (nbytes // 4,), op=op, ps=(0, 1))
+    return Request(name, "allreduce", dtype, (nbytes // 4,), reduce_op=op, ps=(0, 1))
 
 
 def test_fusion_groups_consecutive_small_compatible_allreduces_only() -> None:
@@ -23,7 +23,7 @@ def test_fusion_groups_consecutive_small_compatible_allreduces_only() -> None:
 
 
 def test_inline_reduction_is_the_same_arithmetic_on_every_rank() -> None:
-    r = Request("x", "allreduce", "float32", (2,), op=int(ReduceOp.SUM), ps=(0, 1, 2))
+    r = Request("x", "allreduce", "float32", (2,), reduce_op=int(ReduceOp.SUM), ps=(0, 1, 2))
     entry = Entry("x", {0: r, 1: r, 2: r}, 0, 0.0)
     for rank in range(3):
         entry.inline[rank] = inline_bytes(r, torch.tensor([rank + 1.0, -rank]))  # type: ignore[assignment]

@@ -1,4 +1,7 @@
-"""Adasum (Maleki et al., 2020): combine gradients so that orthogonal ones add and parallel ones average.
+"""The Adasum kind (``allreduce(op=hvd.Adasum)``): the combination, its vector halving and distance doubling,
+and the kind's steps (:class:`Adasum`).
+
+Adasum (Maleki et al., 2020): combine gradients so that orthogonal ones add and parallel ones average.
 
 For two vectors::
 
@@ -10,7 +13,7 @@ then summed. Only float64 vectors whose values are all below about 1e-77 (or zer
 smallest normal float16, bfloat16 and float32 numbers square to far more. Over ``2^k`` ranks the pairs
 combine as a binary tree: ranks differing in bit 0 first, then in bit 1, and so on.
 
-``hvd.allreduce(t, op=hvd.Adasum)`` (:class:`hora.datapath.kinds.Adasum`) runs it as Horovod 0.28.1 does
+``hvd.allreduce(t, op=hvd.Adasum)`` (:class:`Adasum`) runs it as Horovod 0.28.1 does
 (horovod/common/ops/adasum/adasum.h, ``FusedAllreduce``): vector halving, distance doubling (:func:`vhdd`).
 At level ``L = 1, 2, 4, ...`` each rank swaps half of the part it holds with rank ``r ^ L`` and combines
 the half it keeps, the dot product and norms of the two whole vectors summed over the ``2L`` ranks that hold
@@ -40,6 +43,10 @@ from typing import Any
 import torch
 
 from hora.datapath import c10d as dataplane
+from hora.datapath import streams
+from hora.datapath.c10d import Work
+from hora.datapath.kinds.op import Op, Peers
+from hora.datapath.wire import copy_out, to_wire
 from hora.errors import UnsupportedCallError
 
 # Horovod 0.28.1 (common/ops/adasum/adasum.h) skips the rescaling of a vector whose squared norm is below the
@@ -166,3 +173,46 @@ def vhdd(flat: torch.Tensor, members: Sequence[int], rank: int, group: Any, summ
 def _wait(works: list[Any]) -> None:
     for work in works:
         work.wait()
+
+
+class Adasum:
+    """The steps of ``allreduce(op=hvd.Adasum)``: the members combine their flattened tensors in place by
+    :func:`vhdd`, as Horovod does; on CUDA tensors of the whole job a host's ranks average theirs first
+    (Horovod's GPU Adasum: summed, then divided by the ranks per host). Runs entirely at launch, in the agreed
+    order; ``op.ctx``: the summed levels."""
+
+    @staticmethod
+    def prepare(op: Op) -> None:
+        call = op.call
+        flat = call.tensor.detach().reshape(-1)
+        if call.prescale != 1.0:
+            flat = flat * call.prescale
+        op.wire = to_wire(flat, copy=not call.inplace and call.prescale == 1.0)  # combined in place
+
+    @staticmethod
+    def launch(op: Op, peers: Peers) -> Work:
+        ranks = peers.agreed.ps
+        cuda = op.wire.is_cuda
+        try:
+            op.ctx = summed = summed_levels(ranks, cuda)
+            vhdd(op.wire, ranks, peers.rank, peers.group, summed)
+        except Exception as e:  # noqa: BLE001 - a peer lost mid-way (the backend's error): reported at wait()
+            return dataplane.done_work(e)
+        # on CUDA every step was issued on the launch stream, which each step's Work was waited on
+        return streams.EventWork(torch.cuda.current_stream(op.wire.device)) if cuda else dataplane.done_work()
+
+    @staticmethod
+    def launch_joined(peers: Peers) -> None:
+        return None  # never runs: the negotiation table fails Adasum while a rank has joined (table.JOIN_OK)
+
+    @staticmethod
+    def finish(op: Op) -> torch.Tensor:
+        call = op.call
+        result = op.wire.view(call.tensor.shape)
+        if op.ctx:  # a host's ranks were summed: Horovod divides by the ranks per host (its postscale)
+            result.div_(1 << op.ctx) if result.is_floating_point() else result.floor_divide_(1 << op.ctx)
+        if result.dtype != call.tensor.dtype:
+            result = result.to(call.tensor.dtype)
+        if call.postscale != 1.0:
+            result.mul_(call.postscale)
+        return copy_out(result, call.tensor, call.inplace)
