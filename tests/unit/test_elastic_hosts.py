@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,8 @@ from hora.launcher.elastic.hosts import (
     run_discovery,
 )
 from hora.launcher.hosts import HostSpec, parse_hosts
+from tests.launcher.helpers import alive
+from tests.polling import wait_until
 
 
 def test_discovery_output_lines() -> None:
@@ -43,19 +44,8 @@ def test_run_discovery_reports_a_failing_script(tmp_path: Path) -> None:
         run_discovery("sleep 5", None, timeout=0.2)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def _wait_gone(pid: int) -> bool:
-    deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return not _alive(pid)
+    return wait_until(lambda: not alive(pid), timeout=10)
 
 
 def test_a_discovery_script_that_times_out_is_killed_with_every_process_it_started(tmp_path: Path) -> None:
@@ -81,10 +71,7 @@ def test_a_discovery_run_in_progress_is_killed_when_the_job_ends(tmp_path: Path)
 
     runner = threading.Thread(target=run)
     runner.start()
-    deadline = time.monotonic() + 10
-    while not pid_file.exists() or not pid_file.read_text().strip():
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    assert wait_until(lambda: pid_file.exists() and pid_file.read_text().strip(), timeout=10)
     discovery.stop()
     runner.join(10)
     assert not runner.is_alive() and failed and "exit code -9" in failed[0]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import sys
 import threading
-import time
 
 import pytest
 from torch.distributed import HashStore
@@ -34,7 +34,6 @@ class Transfer:
 def _post(store: HashStore, rank: int = 0) -> dict[str, object] | None:
     key = protocol.board_key("job", protocol.INFLIGHT, rank=rank)
     return json.loads(store.get(key)) if store.check([key]) else None
-
 
 
 
@@ -65,22 +64,50 @@ def test_a_transfer_past_the_deadlines_is_posted_then_withdrawn_when_it_finishes
     assert wait_until(lambda: (_post(store) or {}).get("ops") == [])
 
 
-def test_a_synchronized_op_is_forgotten_and_nothing_is_posted(store: HashStore) -> None:
+def _watchdog() -> threading.Thread | None:
+    """The watch's thread, by the name a user sees in a stack dump (it exists only while ops are in flight)."""
+    return next((th for th in threading.enumerate() if th.name == "hora-inflight-watch"), None)
+
+
+def _asleep_between_checks(thread: threading.Thread) -> bool:
+    """True while ``thread`` waits for its next tick (in an Event's wait, under its loop)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return "wait" in names and "_watch" in names
+
+
+def test_a_synchronized_op_is_forgotten_and_nothing_is_posted(store: HashStore,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
     inflight.configure(Board(store, "job", 0), 0, StallPolicy(warning_s=0.2))
     handle = object()
-    inflight.launched(handle, (Request("x", "allreduce", "float32", (4,), ps=(0, 1)),), Transfer())
-    inflight.finished(handle)
-    time.sleep(0.5)
-    assert _post(store) is None
+    with caplog.at_level(logging.WARNING, logger="hora.diagnostics.inflight"):
+        inflight.launched(handle, (Request("x", "allreduce", "float32", (4,), ps=(0, 1)),), Transfer())
+        watchdog = _watchdog()
+        assert watchdog is not None  # the op is watched...
+        inflight.finished(handle)
+        # ...until it is forgotten: with nothing in flight the watch ends (an op it still held would be posted
+        # at the warning time and keep it running)
+        watchdog.join(10)
+        assert not watchdog.is_alive()
+    assert _post(store) is None and "hora stall" not in caplog.text
 
 
 def test_time_this_rank_spent_frozen_does_not_count_against_its_own_transfers(store: HashStore) -> None:
-    inflight.configure(Board(store, "job", 0), 0, StallPolicy(warning_s=0.4))
+    """A native call holds the GIL for longer than the warning time while this rank's op is on the wire: the
+    watch cannot run meanwhile, then wakes to an op launched long ago. That time was the rank's own, not a
+    peer's: the op is posted only once it has been in flight for the warning time outside the freeze, with
+    that age."""
+    frozen_s = 1.5
+    inflight.configure(Board(store, "job", 0), 0, StallPolicy(warning_s=0.2))
     work = Transfer()
     inflight.launched(object(), (Request("big", "allreduce", "float32", (4,), ps=(0, 1)),), work)
-    time.sleep(0.05)
-    # a native call that holds the GIL for 1 s: the watchdog cannot run, then wakes to an op 1 s old
-    ctypes.PyDLL(None).usleep(1_000_000)
-    time.sleep(0.25)
-    assert _post(store) is None
+    watchdog = _watchdog()
+    assert watchdog is not None and wait_until(lambda: _asleep_between_checks(watchdog))
+    ctypes.PyDLL(None).usleep(int(frozen_s * 1e6))  # holds the GIL: the watch's tick cannot run
+    assert wait_until(lambda: (_post(store) or {}).get("ops"))
+    post = _post(store)
+    assert post is not None and post["ops"][0]["age"] < frozen_s, post  # type: ignore[index]
     work.done.set()

@@ -21,6 +21,7 @@ from hora.engine.mesh import _HEAD, LOSS, ROUND, BadFrame, Mesh, PeerLost, conne
 from hora.engine.seal import TAG_BYTES
 from hora.errors import CollectiveError, ConfigError
 from hora.protocol.jobsecret import JobSecret
+from tests.polling import wait_until
 
 SECRET = JobSecret.generate()
 
@@ -128,9 +129,7 @@ def test_wait_wakes_on_a_ring_or_a_peer_frame_and_only_the_round_consumes_frames
         sender = threading.Thread(target=a.allgather, args=(b"hello",))
         sender.start()
         assert b.wait(0, 5.0)  # a's frame is the bell
-        deadline = time.monotonic() + 5
-        while not b.peek() and time.monotonic() < deadline:
-            b.receive_ready()
+        assert wait_until(lambda: _read(b), timeout=5)  # the bell may ring before the whole frame is in
         assert b.has_input() and b.peek() == {0: b"hello"}
         assert not b.wait(0, 0.2)  # read already: no busy wake-ups while b defers its answer
         assert b.peek() == {0: b"hello"}  # peeking does not consume
@@ -365,16 +364,25 @@ def test_doubling_ranks_wait_in_the_store_only_for_their_partners_addresses() ->
         _close(meshes)
 
 
+def _read(mesh: Mesh) -> dict[int, bytes]:
+    """Read what the peers sent so far (without blocking) and return what is waiting for the next round."""
+    mesh.receive_ready()
+    return mesh.peek()
+
+
 def _until_lost(rank: int, mesh: Mesh) -> PeerLost:
-    """What an idle rank learns, reading whatever wakes it, until a loss reaches it."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+    """What an idle rank learns, reading whatever wakes it (its bell: ``wait``), until a loss reaches it."""
+    def lost() -> PeerLost | None:
         mesh.wait(0, 1.0)
         try:
             mesh.receive_ready()
         except PeerLost as e:
             return e
-    raise AssertionError(f"rank {rank} never learned of the loss")
+        return None
+
+    loss = wait_until(lost, timeout=20, step=0)
+    assert loss is not None, f"rank {rank} never learned of the loss"
+    return loss
 
 
 @pytest.mark.parametrize("size", [8, 5])

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from hora.diagnostics import timeline as T
+from tests.polling import wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -116,9 +117,7 @@ def test_valid_json_after_sigkill_mid_run(tmp_path):
         finally:
             os._exit(1)
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (not os.path.exists(path) or os.path.getsize(path) < 200_000):
-            time.sleep(0.01)
+        wait_until(lambda: os.path.exists(path) and os.path.getsize(path) >= 200_000, timeout=10)
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
