@@ -37,7 +37,7 @@ from hora.errors import (  # noqa: F401
 # --- compression --------------------------------------------------------------------------------------
 from hora.datapath.wire import Compression, Compressor  # noqa: F401
 
-# --- lifecycle, topology, process sets (runtime.py, process_sets.py, build.py) ------------------------
+# --- lifecycle, topology, process sets, what torch was built with -------------------------------------
 from hora.api.build_info import (  # noqa: F401
     ccl_built,
     cuda_built,
@@ -66,7 +66,7 @@ from hora.runtime.lifecycle import (  # noqa: F401
     size,
 )
 
-# --- collectives (ops.py, grouped.py, sparse.py, handles.py, reduce_ops.py) ------------------------------
+# --- collectives, their handles and reduce ops -------------------------------------------------------
 from hora.datapath.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from hora.engine.handles import Handle, poll, synchronize  # noqa: F401
 from hora.api.ops import (  # noqa: F401
@@ -99,7 +99,7 @@ from hora.api.grouped import (  # noqa: F401
 )
 from hora.api.sparse import sparse_allreduce_async  # noqa: F401
 
-# --- helpers, optimizer, SyncBatchNorm (functions.py, optimizer.py, sync_batch_norm.py) ---------------
+# --- helpers, optimizer, SyncBatchNorm ---------------------------------------------------------------
 from hora.api.functions import (  # noqa: F401
     allgather_object,
     broadcast_object,
@@ -109,8 +109,8 @@ from hora.api.functions import (  # noqa: F401
 from hora.training.optimizer import DistributedOptimizer  # noqa: F401
 from hora.training.sync_batch_norm import SyncBatchNorm  # noqa: F401
 
-# --- diagnostics (diagnostics/) ------------------------------------------------------------------------
+# --- diagnostics ---------------------------------------------------------------------------------------
 from hora.diagnostics import start_timeline, stop_timeline  # noqa: F401
 
-# --- launching from Python (launch/) -------------------------------------------------------------------
+# --- launching from Python -----------------------------------------------------------------------------
 from hora.launcher.pyfunc.run import run  # noqa: F401

@@ -1,10 +1,11 @@
-"""Bucket planning for DistributedOptimizer (pure: no process group)."""
+"""Bucket planning and bucket names for DistributedOptimizer (hora.training.buckets; pure: no process group);
+names from what every rank shares, never from how many optimizers a process built."""
 
 from __future__ import annotations
 
 import torch
 
-from hora.training.buckets import FlatBucket, ParamSpec, plan_buckets, split_groups
+from hora.training.buckets import BucketNames, FlatBucket, ParamSpec, fingerprint, plan_buckets, split_groups
 
 CPU = torch.device("cpu")
 
@@ -62,3 +63,21 @@ def test_flat_bucket_views_are_slices_of_one_buffer():
     bucket.views[1].fill_(2.0)
     assert bucket.buffer.dtype == torch.float16
     assert bucket.buffer.tolist() == [1.0, 1.0, 2.0, 2.0, 2.0]  # param 1 first (reverse order), then 0
+
+
+
+def test_the_fingerprint_depends_on_parameter_names_and_ranks_only() -> None:
+    assert fingerprint(["a", "b"], [0, 1]) == fingerprint(["a", "b"], [0, 1])
+    assert fingerprint(["a", "b"], [0, 1]) != fingerprint(["b", "a"], [0, 1])
+    assert fingerprint(["a", "b"], [0, 1]) != fingerprint(["a", "b"], [0, 2])
+
+
+def test_only_optimizers_that_step_claim_a_name_in_the_order_of_their_first_step() -> None:
+    names = ["unit.test.w", "unit.test.b"]
+    built_never_used = BucketNames(names, lambda: [0, 1])
+    first, second = BucketNames(names, lambda: [0, 1]), BucketNames(names, lambda: [0, 1])
+    digest = fingerprint(names, [0, 1])
+    assert first.bucket(0, 2) == f"hora.opt.{digest}.g0.bucket.2"
+    assert second.bucket(1, 0) == f"hora.opt.{digest}.1.g1.bucket.0"  # a second copy of the same model
+    assert first.prefix == f"hora.opt.{digest}"  # fixed once claimed
+    assert built_never_used is not None

@@ -18,7 +18,7 @@ from hora.diagnostics.board import Board
 from hora.protocol.jobsecret import JobSecret
 from hora.protocol.signedstore import SignedStore
 
-if TYPE_CHECKING:  # a process set only needs its ranks and group here; its module is a layer above
+if TYPE_CHECKING:  # the engine only reads a process set's ranks and group; the type is for the checker
     from hora.common.process_sets import ProcessSet
 
 

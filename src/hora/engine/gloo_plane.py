@@ -222,11 +222,13 @@ class ControlPlane(Protocol):
     thread may run (``inline_rounds``: the mesh, the local plane) also let it look at peers' frames before
     answering (``receive_ready``, ``has_input``, ``peek``) and silence peers' wake-ups (``quiet``). ``plan``
     is a round's schedule: whom this rank exchanges frames with (every other rank, but for the mesh's
-    recursive doubling)."""
+    recursive doubling). ``on_wait`` is called while a round waits for peers (who, for how long) by the planes
+    that wait in ticks (the mesh); the others never call it."""
 
     watches_peers: bool
     inline_rounds: bool
     plan: Schedule
+    on_wait: Callable[[list[int], float], None] | None
 
     def ring(self, round_no: int) -> None: ...
     def wake(self) -> None: ...
@@ -243,6 +245,8 @@ class ControlPlane(Protocol):
 class _UnreadPlane:
     """A plane whose peers' frames exist only inside its allgather: nothing to look at, read or silence
     between rounds, so every woken rank answers at once."""
+
+    on_wait: Callable[[list[int], float], None] | None = None  # never called: its waits have no ticks
 
     def peek(self) -> dict[int, bytes]:
         return {}

@@ -43,7 +43,6 @@ from hora.engine.context import EngineContext
 from hora.engine.death_watch import death_watch
 from hora.engine.gloo_plane import make_control_plane
 from hora.engine.handles import Handle
-from hora.engine.mesh import Mesh
 from hora.engine.notices import NOTICE, Notices
 from hora.engine.pending import LocalOp, Pending, local_op
 from hora.engine.phases import ACTIVE, NEXT, Phase
@@ -96,8 +95,7 @@ class Negotiator:
         self._notices = Notices(self._pending, wake=self._ring_if_parked)
         self._rounds = Rounds(ctx, self._pending, self._plane, self._notices)
         inflight.configure(ctx.board, self.rank, self._rounds.stall.policy)  # transfers a frozen peer holds up
-        if isinstance(self._plane, Mesh):
-            self._plane.on_wait = self._rounds.on_wait
+        self._plane.on_wait = self._rounds.on_wait
         # how long a rank may hold back its answer to a round it cannot advance; well under the stall
         # warning time, so stall reports are not delayed noticeably
         self._defer_s = min(_DEFER_MAX_S, ctx.knobs.stall_check_time_seconds / 4)

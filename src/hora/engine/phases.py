@@ -37,7 +37,6 @@ class Phase(enum.Enum):
     STOPPED = "stopped"
 
 
-PARKED = (Phase.IDLE, Phase.DEFERRING)
 ACTIVE = (Phase.ROUND, Phase.IDLE, Phase.DEFERRING)  # before shutdown and before any failure
 NEXT: dict[Phase, tuple[Phase, ...]] = {
     Phase.ROUND: (Phase.IDLE, Phase.DEFERRING, Phase.CLOSING, Phase.BROKEN),

@@ -451,8 +451,6 @@ atexit.register(_shutdown_at_exit)
 
 
 # --- bootstrap: what init() builds before a runtime exists ---------------------------------------------------------
-log = logging.getLogger(__name__)
-
 _GLOO_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's own default for a Gloo group
 _HOW_TO_SECRET = (f"give every process of the job the same secret file: `hora secret /shared/dir/job.secret` once, "
                   f"then {ENV_SECRET_FILE}=/shared/dir/job.secret for torchrun, srun or mpirun (Kubernetes: mount a "

@@ -5,8 +5,9 @@ Per step, in three visible phases:
 
 1. **fill** (during backward): a post-accumulate-grad hook copies each gradient into its slice of a
    preallocated flat bucket (casting on the copy when compression is a cast); the moment a bucket's last
-   gradient arrives its async allreduce is submitted under a fixed name (:mod:`hora.training.bucket_names`), which the
-   negotiator matches across ranks and caches after the first step.
+   gradient arrives its async allreduce is submitted under a fixed name
+   (:class:`hora.training.buckets.BucketNames`), which the negotiator matches across ranks and caches after the
+   first step.
 2. **finish** (``synchronize()``): buckets that never filled (parameters without a gradient this step) are
    completed with zeros or whatever ``p.grad`` holds, as Horovod does, and submitted; then every handle is
    waited on.
@@ -45,8 +46,7 @@ from hora.diagnostics import timeline
 from hora.engine import handles
 from hora.runtime import lifecycle as runtime
 from hora.training import autotune
-from hora.training.bucket_names import BucketNames
-from hora.training.buckets import FlatBucket, ParamSpec, plan_buckets
+from hora.training.buckets import BucketNames, FlatBucket, ParamSpec, plan_buckets
 
 log = logging.getLogger(__name__)
 
@@ -427,8 +427,6 @@ class GradientReducer:
 
 
 # --- DDP: noticing a model also wrapped in DistributedDataParallel -------------------------------------------------
-log = logging.getLogger(__name__)
-
 
 class DdpWatch:
     """Collects the DDP modules that run forward until :meth:`stop`."""

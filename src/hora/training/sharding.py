@@ -41,8 +41,7 @@ from hora.engine import handles
 from hora.errors import ShardStateLostError
 from hora.runtime import lifecycle as runtime
 from hora.training import state_exchange
-from hora.training.bucket_names import BucketNames
-from hora.training.buckets import ParamSpec, plan_buckets
+from hora.training.buckets import BucketNames, ParamSpec, plan_buckets
 from hora.training.shard_plan import ShardLayout, assign_owners, layout
 
 log = logging.getLogger(__name__)
