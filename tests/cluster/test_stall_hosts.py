@@ -10,30 +10,13 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import jobs, netns
+from tests.stalled_job import write_stalled_script
 
 pytestmark = pytest.mark.cluster
 
-SCRIPT = """
-import time
-import torch
-import hora as hvd
-
-
-def stuck_in_data_loader():
-    time.sleep(600)
-
-
-hvd.init()
-hvd.allreduce(torch.ones(2), name="warmup")
-if hvd.rank() == 2:
-    stuck_in_data_loader()
-hvd.allreduce(torch.ones(2), name="loss")
-"""
-
 
 def test_rank_stuck_on_another_host_is_named_and_the_job_stopped(hosts: netns.Cluster, tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script = write_stalled_script(tmp_path, stuck_rank=2)
     trace = tmp_path / "trace.json"
     spec = ",".join(f"{h.addr}:1" for h in hosts.hosts)
     flags = [

@@ -9,29 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.stalled_job import write_stalled_script
+
 HORA = str(Path(sys.executable).parent / "hora")
-
-SCRIPT = '''
-import time
-import torch
-import hora as hvd
-
-
-def stuck_in_data_loader():
-    time.sleep(600)
-
-
-hvd.init()
-hvd.allreduce(torch.ones(2), name="warmup")
-if hvd.rank() == 1:
-    stuck_in_data_loader()
-hvd.allreduce(torch.ones(2), name="loss")
-'''
 
 
 def test_stalled_job_is_reported_once_stopped_and_its_timeline_merged(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    script = write_stalled_script(tmp_path, stuck_rank=1)
     trace = tmp_path / "trace.json"
     done = subprocess.run(
         [HORA, "run", "-np", "2", "--stall-check-warning-time-seconds", "1",
