@@ -15,6 +15,7 @@ import torch
 
 from hora import checkpoint
 from tests.distributed.harness import run_ranks
+from tests.polling import wait_until
 
 
 def _save_steps(rank: int, size: int, directory: str) -> list[str | None]:
@@ -114,10 +115,8 @@ def test_temporary_files_of_dead_writers_are_cleared_and_live_ones_kept(tmp_path
     folder, mid_save = tmp_path / "ckpt", tmp_path / "mid_save"
     writer = subprocess.Popen([sys.executable, "-c", SAVER_KILLED_MID_SAVE, str(folder), str(mid_save)])
     try:
-        deadline = time.monotonic() + 60
-        while not mid_save.exists() and writer.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert mid_save.exists(), "the writer never reached its save"
+        assert wait_until(mid_save.exists, timeout=60, step=0.05, unless=lambda: writer.poll() is not None), (
+            "the writer never reached its save")
     finally:
         writer.kill()  # SIGKILL mid-save: its temporary file stays behind
         writer.wait()

@@ -31,6 +31,7 @@ from hora.elastic import notifications
 from hora.protocol.signedstore import SignedStore
 from hora.runtime import lifecycle as runtime
 from tests.distributed.harness import run_ranks
+from tests.polling import wait_until
 
 SAMPLES = 24
 BATCH = 2  # per rank
@@ -128,12 +129,13 @@ class _Driver:
         self.updates = 0
 
     def wait_ready(self, workers: list[str], last_gen: int, timeout: float = 60.0) -> None:
+        def ready(key: str) -> bool:
+            return bool(self.store.check([key])) and self.store.get(key).decode() == str(last_gen)
+
         deadline = time.monotonic() + timeout
         for w in workers:
-            key = f"{self.base}ready/{w}"
-            while not (self.store.check([key]) and self.store.get(key).decode() == str(last_gen)):
-                assert time.monotonic() < deadline, f"{w} never posted ready after world {last_gen}"
-                time.sleep(0.01)
+            assert wait_until(lambda w=w: ready(f"{self.base}ready/{w}"), timeout=deadline - time.monotonic(),
+                              step=0.01), f"{w} never posted ready after world {last_gen}"
 
     def publish(self, gen: int, workers: list[str]) -> None:
         members = {w: {"rank": r, "local_rank": 0, "local_size": 1, "cross_rank": r, "cross_size": len(workers),
@@ -147,10 +149,7 @@ class _Driver:
         self.updates += 1
 
     def wait_key(self, key: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.store.check([key]):
-            assert time.monotonic() < deadline, f"no {key}"
-            time.sleep(0.01)
+        assert wait_until(lambda: self.store.check([key]), timeout=timeout, step=0.01), f"no {key}"
 
 
 @dataclass(frozen=True)
@@ -235,10 +234,9 @@ def _signal_and_wait(at_step: int) -> Callable[[Any], None]:
         if state.steps == at_step and hvd.rank() == 0 and runtime.world_generation() == 1:
             store = runtime.state().job_store
             store.set(_key("at"), "1")
-            while not store.check([_key("go")]):
-                time.sleep(0.01)
-            while notifications.watch.announced < 1:
-                time.sleep(0.01)
+            assert wait_until(lambda: store.check([_key("go")]), timeout=60, step=0.01), "the driver never acted"
+            assert wait_until(lambda: notifications.watch.announced >= 1, timeout=60, step=0.01), (
+                "the update watcher never announced the update")
     return hook
 
 
@@ -403,17 +401,15 @@ def _slow_builder(rank: int, size: int, first: str, plan: str) -> Any:
     if worker == "h3:0":  # starts while world 1 trains, with the place the launcher planned for it
         names = ("HORA_RANK", "HORA_SIZE", "HORA_LOCAL_RANK", "HORA_LOCAL_SIZE", "HORA_CROSS_RANK", "HORA_CROSS_SIZE")
         os.environ.update({n: str(v) for n, v in zip(names, PLANNED[plan], strict=True)})
-        while int(store.add(_key("steps"), 0)) < 1:
-            time.sleep(0.01)
+        assert wait_until(lambda: int(store.add(_key("steps"), 0)) >= 1, timeout=60, step=0.01), (
+            "world 1 never stepped")
         hvd.init()
         out["shown"] = (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
                         hvd.cross_size(), runtime.is_alone())
         begun = int(store.add(_key("steps"), 0))
-        deadline = time.monotonic() + 60
-        while int(store.add(_key("steps"), 0)) < begun + BUILD_STEPS:  # a slow build: the members go on
-            if time.monotonic() > deadline:
-                return "the members stopped stepping while the newcomer built"
-            time.sleep(0.01)
+        # a slow build: the members go on
+        if not wait_until(lambda: int(store.add(_key("steps"), 0)) >= begun + BUILD_STEPS, timeout=60, step=0.01):
+            return "the members stopped stepping while the newcomer built"
     else:
         hvd.init()
     model = _model()

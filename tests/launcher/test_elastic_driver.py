@@ -9,72 +9,33 @@ hora.elastic's worker side. The multi-host ones with ssh and the hora.elastic AP
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.elastic_job import ElasticJob
 from tests.launcher.helpers import HORA, PYTHON, alive
 
 WORKER = str(Path(__file__).with_name("elastic_protocol_worker.py"))
 WAIT_S = 120.0  # a loaded 2-core machine imports torch in 10-20 s; nothing here is timed
 
 
-@dataclass
-class Elastic:
-    """One elastic ``hora run`` in the background, its workers writing to ``out``."""
-
-    proc: subprocess.Popen[str]
-    out: Path
-    log: Path
-
-    def steps(self) -> list[dict[str, Any]]:
-        path = self.out / "steps.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-    def wait_for(self, what: str, predicate: Callable[[list[dict[str, Any]]], bool]) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            steps = self.steps()
-            if predicate(steps):
-                return steps
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"never saw {what}; launcher output:\n{self.log.read_text()}")
+class Elastic(ElasticJob):
+    """One elastic ``hora run`` in the background, its workers (elastic_protocol_worker.py) writing to ``out``."""
 
     def world(self, gen: int) -> dict[str, tuple[int, int]]:
         """wid -> (rank, size) of the workers that stepped in world ``gen``."""
         return {s["wid"]: (s["rank"], s["size"]) for s in self.steps() if s["event"] == "step" and s["gen"] == gen}
 
     def wait_world(self, gen: int, size: int) -> dict[str, tuple[int, int]]:
-        self.wait_for(f"world {gen} of {size} stepping",
-                      lambda steps: len({s["wid"] for s in steps if s["event"] == "step" and s["gen"] == gen}) == size)
+        self.wait_steps(f"world {gen} of {size} stepping",
+                        lambda steps: len({s["wid"] for s in steps if s["event"] == "step" and s["gen"] == gen})
+                        == size)
         return self.world(gen)
 
     def inject(self, kind: str, wid: str) -> None:
         (self.out / f"{kind}.{wid}").touch()
-
-    def finish(self) -> tuple[int, str]:
-        (self.out / "stop").touch()
-        try:
-            code = self.proc.wait(timeout=WAIT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise
-        return code, self.log.read_text()
-
-    def pids(self) -> set[int]:
-        return {s["pid"] for s in self.steps()}
 
 
 @pytest.fixture
@@ -83,21 +44,12 @@ def elastic(tmp_path: Path) -> Iterator[Callable[..., Elastic]]:
 
     def start(*flags: str, command: list[str] | None = None) -> Elastic:
         out = tmp_path / "out"
-        out.mkdir(exist_ok=True)
-        log = tmp_path / "launcher.log"
-        argv = [*HORA, "run", *flags, *(command or [PYTHON, WORKER, str(out)])]
-        with log.open("w") as fh:  # the child keeps its own descriptor; ours is closed at once
-            proc = subprocess.Popen(argv, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)
-        job = Elastic(proc, out, log)
-        started.append(job)
-        return job
+        started.append(Elastic(tmp_path, [*HORA, "run", *flags, *(command or [PYTHON, WORKER, str(out)])], WAIT_S))
+        return started[-1]
 
     yield start
     for job in started:
-        if job.proc.poll() is None:
-            os.killpg(job.proc.pid, signal.SIGKILL)
-            job.proc.wait()
+        job.kill()
 
 
 def _no_orphans(job: Elastic) -> None:
@@ -118,9 +70,9 @@ def test_discovery_grows_and_shrinks_the_world(elastic: Callable[..., Elastic], 
     assert starts["127.0.0.2:1"] == (3, "127.0.0.2")  # HOROVOD_RANK: the rank it started for; HOSTNAME as named
     hosts.write_text("127.0.0.1:2\n")
     assert job.wait_world(3, 2) == {"127.0.0.1:0": (0, 2), "127.0.0.1:1": (1, 2)}
-    job.wait_for("the removed workers leaving", lambda steps: {s["wid"] for s in steps if s["event"] == "removed"}
+    job.wait_steps("the removed workers leaving", lambda steps: {s["wid"] for s in steps if s["event"] == "removed"}
                  == {"127.0.0.2:0", "127.0.0.2:1"})
-    code, log = job.finish()
+    code, log = job.finish(stop=True)
     assert code == 0, log
     assert "hosts added: 127.0.0.2" in log and "hosts removed: 127.0.0.2" in log
     assert "world 3: 2 workers on 127.0.0.1; left: 127.0.0.2:0, 127.0.0.2:1" in log
@@ -144,7 +96,7 @@ def test_a_failed_worker_blacklists_its_host_for_new_workers_only_and_it_comes_b
     job.inject("kill", "127.0.0.1:0")  # SIGKILL of rank 0: the next survivor in rank order becomes rank 0
     w4 = job.wait_world(4, 3)
     assert w4 == {"127.0.0.1:1": (0, 3), "127.0.0.2:0": (1, 3), "127.0.0.2:1": (2, 3)}
-    code, log = job.finish()
+    code, log = job.finish(stop=True)
     assert code == 0, log  # 3 resets: within --reset-limit 3
     assert "RuntimeError: 127.0.0.2:1: injected failure" in log  # the failed worker's traceback is shown
     assert "host 127.0.0.2 blacklisted for 2s (no new worker starts there)" in log
@@ -161,7 +113,7 @@ def test_a_recovery_is_one_line_saying_what_happened_and_that_the_job_goes_on(
     job.wait_world(1, 4)
     job.inject("kill", "127.0.0.2:1")
     job.wait_world(2, 3)
-    code, log = job.finish()
+    code, log = job.finish(stop=True)
     assert code == 0, log
     about = [line for line in log.splitlines() if "127.0.0.2:1" in line or "is gone" in line or "error" in line
              or "warning" in line or "restoring the last commit" in line]
@@ -178,8 +130,7 @@ def test_more_resets_than_the_limit_fail_the_job(elastic: Callable[..., Elastic]
     job.inject("kill", "127.0.0.3:0")
     job.wait_world(2, 2)
     job.inject("raise", "127.0.0.2:0")
-    code = job.proc.wait(timeout=WAIT_S)
-    log = job.log.read_text()
+    code, log = job.finish()
     assert code == 75, log  # the limit's exit status, not the raising worker's
     assert ("hora run: job failed: --reset-limit 1 reached: the job has reset 1 time and worker 127.0.0.2:0 failed, "
             "which needs another reset; it stops here (exit code 75)") in log, log
@@ -198,8 +149,7 @@ def test_the_reset_limit_counts_resets_and_ends_with_its_own_exit_status(elastic
     job.inject("kill", "127.0.0.2:0")
     job.wait_world(2, 1)
     hosts.write_text("127.0.0.1:1\n127.0.0.2:1\n127.0.0.3:1\n")
-    code = job.proc.wait(timeout=WAIT_S)
-    log = job.log.read_text()
+    code, log = job.finish()
     assert code == 75, log
     assert log.rstrip().endswith("hora run: job failed: --reset-limit 1 reached: the job has reset 1 time and the "
                                  "hosts changed, which needs another reset; it stops here (exit code 75)"), log
@@ -211,8 +161,7 @@ def test_fewer_than_min_np_for_the_elastic_timeout_fails_the_job(elastic: Callab
     job = elastic("-H", "127.0.0.1:1,127.0.0.2:1", "--min-np", "2", "--elastic-timeout", "3")
     job.wait_world(1, 2)
     job.inject("kill", "127.0.0.2:0")
-    code = job.proc.wait(timeout=WAIT_S)
-    log = job.log.read_text()
+    code, log = job.finish()
     assert code != 0, log
     assert "1 slot available, fewer than the 2 of --min-np; waiting up to --elastic-timeout 3s" in log
     assert "job failed: fewer than 2 slots (--min-np) for --elastic-timeout 3s: 1 available" in log
@@ -223,8 +172,7 @@ def test_fewer_than_min_np_for_the_elastic_timeout_fails_the_job(elastic: Callab
 def test_every_worker_failing_blacklists_every_host_and_ends_the_job(elastic: Callable[..., Elastic]) -> None:
     job = elastic("-H", "127.0.0.1:1,127.0.0.2:2", "--min-np", "1",
                   command=[PYTHON, "-c", "import sys; print('cannot train', file=sys.stderr); sys.exit(3)"])
-    code = job.proc.wait(timeout=WAIT_S)
-    log = job.log.read_text()
+    code, log = job.finish()
     assert code == 3, log
     assert "job failed: every host is blacklisted (127.0.0.1, 127.0.0.2)" in log
     assert "cannot train" in log  # the last failure's stderr, in its report
@@ -240,13 +188,12 @@ def test_a_transient_empty_discovery_answer_stops_no_worker(elastic: Callable[..
     job = elastic("-np", "2", "--min-np", "2", "--host-discovery-script", f"cat {hosts}")
     job.wait_world(1, 2)
     hosts.write_text("")
-    job.wait_for("the empty answer seen", lambda _: "discovery lists none of the hosts" in job.log.read_text())
+    job.wait_output("discovery lists none of the hosts")
     before = len(job.steps())
-    job.wait_for("the workers training on", lambda steps: len(steps) > before + 20)
+    job.wait_steps("the workers training on", lambda steps: len(steps) > before + 20)
     hosts.write_text("127.0.0.1:1\n127.0.0.2:1\n")
-    job.wait_for("the hosts listed again",
-                 lambda _: "discovery lists 127.0.0.1, 127.0.0.2 again" in job.log.read_text())
-    code, log = job.finish()
+    job.wait_output("discovery lists 127.0.0.1, 127.0.0.2 again")
+    code, log = job.finish(stop=True)
     assert code == 0, log
     assert {s["gen"] for s in job.steps() if s["event"] == "step"} == {1}  # no reset, no worker replaced
     assert len(job.pids()) == 2
@@ -269,12 +216,12 @@ def test_a_host_missing_from_one_discovery_answer_is_not_removed(elastic: Callab
     job = elastic("-np", "2", "--min-np", "1", "--host-discovery-script", str(script))
     job.wait_world(1, 2)
     blip.touch()
-    job.wait_for("the short answer", lambda _: not blip.exists())
+    job.wait_steps("the short answer", lambda _: not blip.exists())
     seen = len(answers.read_text().splitlines())
-    job.wait_for("two more answers", lambda _: len(answers.read_text().splitlines()) >= seen + 2)
+    job.wait_steps("two more answers", lambda _: len(answers.read_text().splitlines()) >= seen + 2)
     hosts.write_text("127.0.0.1:1\n")  # now it is gone for good: removed after two answers
     assert job.wait_world(2, 1) == {"127.0.0.1:0": (0, 1)}
-    code, log = job.finish()
+    code, log = job.finish(stop=True)
     assert code == 0, log
     assert log.count("hosts removed: 127.0.0.2") == 1 and "hosts added" not in log, log
     _no_orphans(job)

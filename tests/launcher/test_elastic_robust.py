@@ -14,59 +14,33 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
+from tests.elastic_job import ElasticJob
 from tests.launcher.helpers import HORA, PYTHON, alive
 
 WORKER = str(Path(__file__).resolve().parents[2] / "benchmarks" / "elastic_worker.py")
 WAIT_S = 120.0  # a loaded 2-core machine imports torch in 10-20 s; nothing here is timed
 
 
-def _steps(out: Path) -> list[dict[str, Any]]:
-    path = out / "steps.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _wait(proc: subprocess.Popen[str], log: Path, what: str, predicate: Any) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        steps = _steps(log.parent / "out")
-        if predicate(steps):
-            return steps
-        time.sleep(0.1)
-    raise AssertionError(f"never saw {what}; launcher output:\n{log.read_text()}")
-
-
 def test_a_frozen_member_is_stopped_at_the_stall_shutdown_time_and_the_others_go_on(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    out.mkdir()
-    log = tmp_path / "launcher.log"
-    argv = [*HORA, "run", "-H", "127.0.0.1:2,127.0.0.2:1", "--min-np", "2", "--stall-check-warning-time-seconds",
-            "1", "--stall-check-shutdown-time-seconds", "3", PYTHON, WORKER, str(out), "--sleep", "0.05"]
-    with log.open("w") as fh:  # the child keeps its own descriptor; ours is closed at once
-        proc = subprocess.Popen(argv, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+    job = ElasticJob(tmp_path, [*HORA, "run", "-H", "127.0.0.1:2,127.0.0.2:1", "--min-np", "2",
+                                "--stall-check-warning-time-seconds", "1", "--stall-check-shutdown-time-seconds", "3",
+                                PYTHON, WORKER, str(out), "--sleep", "0.05"], WAIT_S)
     try:
-        steps = _wait(proc, log, "3 workers stepping",
-                      lambda steps: len({s["pid"] for s in steps if s["size"] == 3}) == 3)
+        steps = job.wait_steps("3 workers stepping",
+                               lambda steps: len({s["pid"] for s in steps if s["size"] == 3}) == 3)
         victim = next(s for s in steps if s["host"] == "127.0.0.2")
         survivors = {s["pid"] for s in steps if s["host"] == "127.0.0.1"}
         os.kill(victim["pid"], signal.SIGSTOP)
         stopped_at = time.time()
-        _wait(proc, log, "the other two stepping in a world of 2",
-              lambda steps: {s["pid"] for s in steps if s["size"] == 2 and s["t"] > stopped_at} == survivors)
-        (out / "stop").touch()
-        code = proc.wait(timeout=WAIT_S)
+        job.wait_steps("the other two stepping in a world of 2",
+                       lambda steps: {s["pid"] for s in steps if s["size"] == 2 and s["t"] > stopped_at} == survivors)
+        code, text = job.finish(stop=True)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = log.read_text()
+        job.kill()
     assert code == 0, text
     # where it froze decides which report: in a negotiation round (its peers gave up on it and reset) or in a
     # data transfer (its peers wait inside the backend and the launcher ends it)

@@ -14,14 +14,15 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.elastic_job import ElasticJob
 from tests.launcher.helpers import HORA, PYTHON, alive
+from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).with_name("elastic_sampler_worker.py"))
@@ -29,56 +30,25 @@ SAMPLES, EPOCHS = 96, 2  # as in the worker
 WAIT_S = 180.0  # a loaded 2-core machine imports torch in 10-20 s per process; nothing here is timed
 
 
-class Job:
-    def __init__(self, tmp_path: Path, flags: list[str], env: dict[str, str] | None = None) -> None:
-        self.out = tmp_path / "out"
-        self.out.mkdir(exist_ok=True)  # a test may put the workers' knobs in it first
-        self.log = tmp_path / "launcher.log"
-        with self.log.open("w") as fh:  # the child keeps its own descriptor; ours is closed at once
-            self.proc = subprocess.Popen([*HORA, "run", *flags, PYTHON, WORKER, str(self.out)], cwd=tmp_path,
-                                         stdout=fh, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                         env={**os.environ, **(env or {})})
+class Job(ElasticJob):
+    """``hora run <flags>`` of elastic_sampler_worker.py in the background, writing to ``tmp_path/out``."""
 
-    def steps(self) -> list[dict[str, Any]]:
-        path = self.out / "steps.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [json.loads(line) for line in lines if line.endswith("}")]
+    def __init__(self, tmp_path: Path, flags: list[str], env: dict[str, str] | None = None) -> None:
+        super().__init__(tmp_path, [*HORA, "run", *flags, PYTHON, WORKER, str(tmp_path / "out")], WAIT_S, env)
 
     def wait_size(self, size: int, since: int = 0) -> set[str]:
         """Wait until ``size`` workers stepped together in a world of that size (after step ``since``)."""
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            wids = {s["wid"] for s in self.steps() if s["size"] == size and s["step"] > since}
-            if len(wids) == size:
-                return wids
-            time.sleep(0.1)
-        raise AssertionError(f"never saw {size} workers stepping together; launcher output:\n{self.log.read_text()}")
+        def stepping(steps: list[dict[str, Any]]) -> set[str]:
+            return {s["wid"] for s in steps if s["size"] == size and s["step"] > since}
+
+        return stepping(self.wait_steps(f"{size} workers stepping together",
+                                        lambda steps: len(stepping(steps)) == size))
 
     def hold(self) -> None:
         (self.out / "hold").touch()
 
     def release(self) -> None:
         (self.out / "hold").unlink()
-
-    def wait_log(self, text: str) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while text not in self.log.read_text():
-            assert time.monotonic() < deadline and self.proc.poll() is None, self.log.read_text()
-            time.sleep(0.1)
-
-    def wait_file(self, *names: str) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not all((self.out / n).exists() for n in names):
-            assert time.monotonic() < deadline and self.proc.poll() is None, self.log.read_text()
-            time.sleep(0.1)
-
-    def finish(self) -> tuple[int, str]:
-        try:
-            code = self.proc.wait(timeout=WAIT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise
-        return code, self.log.read_text()
 
     def results(self) -> list[dict[str, Any]]:
         return sorted((json.loads(p.read_text()) for p in self.out.glob("final.*.json")), key=lambda r: r["rank"])
@@ -94,9 +64,7 @@ def job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
 
     yield start
     for j in started:
-        if j.proc.poll() is None:
-            os.killpg(j.proc.pid, signal.SIGKILL)
-            j.proc.wait()
+        j.kill()
 
 
 def _check(j: Job, code: int, log: str, survivors: int, sizes: set[int] | None) -> None:
@@ -131,14 +99,14 @@ def test_a_horovod_elastic_script_grows_and_shrinks_with_the_discovery_script(jo
     j.wait_size(2)
     j.hold()  # the new host's workers start (import torch...) while the others wait at a commit
     hosts.write_text("127.0.0.1:2\n127.0.0.2:2\n")
-    j.wait_log("host update 1 announced by the launcher")  # they posted ready in train(state); rank 0 read it
+    j.wait_output("host update 1 announced by the launcher")  # they posted ready in train(state); rank 0 read it
     j.release()
     grown = j.wait_size(4)
     assert grown == {"127.0.0.1:0", "127.0.0.1:1", "127.0.0.2:0", "127.0.0.2:1"}
     last = max(s["step"] for s in j.steps())
     j.hold()
     hosts.write_text("127.0.0.1:2\n")
-    j.wait_log("hosts removed: 127.0.0.2")  # the launcher read the hosts and announces the removal
+    j.wait_output("hosts removed: 127.0.0.2")  # the launcher read the hosts and announces the removal
     j.release()
     assert j.wait_size(2, since=last) == {"127.0.0.1:0", "127.0.0.1:1"}
     code, log = j.finish()
@@ -174,10 +142,10 @@ def test_the_only_host_replaced_by_a_slow_newcomer_hands_it_the_state_as_in_horo
     j.wait_size(1)
     j.hold()  # A waits at its next commit while the hosts change
     hosts.write_text("127.0.0.1:1\n127.0.0.2:1\n")
-    j.wait_file("started.127.0.0.2:0")  # B's process runs, and sleeps 5 s before hvd.init()
+    j.wait_files("started.127.0.0.2:0")  # B's process runs, and sleeps 5 s before hvd.init()
     hosts.write_text("127.0.0.2:1\n")
-    j.wait_log("hosts removed: 127.0.0.1")
-    j.wait_log("announced by the launcher")  # rank 0 read the removal: A's next commit takes it
+    j.wait_output("hosts removed: 127.0.0.1")
+    j.wait_output("announced by the launcher")  # rank 0 read the removal: A's next commit takes it
     j.release()
     code, log = j.finish()
     _check(j, code, log, survivors=1, sizes=None)
@@ -225,10 +193,9 @@ def test_the_documented_elastic_example_survives_a_sigkill_on_one_machine(tmp_pa
             "--step-sleep", "0.02"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + WAIT_S
-        while "epoch 0:" not in log.read_text():  # rank 0 finished an epoch on 2 ranks
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
-            time.sleep(0.1)
+        # rank 0 finished an epoch on 2 ranks
+        assert wait_until(lambda: "epoch 0:" in log.read_text(), timeout=WAIT_S, step=0.1,
+                          unless=lambda: proc.poll() is not None), log.read_text()
         victim = _worker_pid(proc.pid, "localhost:1")
         assert victim is not None, log.read_text()
         os.kill(victim, signal.SIGKILL)

@@ -10,7 +10,6 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 from hora.protocol.network import interface_addresses
 from tests.launcher.helpers import PYTHON, hora_run
+from tests.polling import wait_until
 
 SSHD = "/usr/sbin/sshd"
 
@@ -48,13 +48,14 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int, P
         "StrictModes no\nUsePAM no\n")
     os.makedirs("/run/sshd", exist_ok=True)
     proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    def listening() -> bool:
         try:
             socket.create_connection((addr, port), timeout=1).close()
-            break
         except OSError:
-            time.sleep(0.05)
+            return False
+        return True
+
+    wait_until(listening, timeout=10, step=0.05)  # a test that needs it fails naming the ssh connection
     yield addr, port, d / "user_key"
     proc.kill()
     proc.wait()

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.polling import wait_until
 
 GRACE_S = 10.0  # a process already told to stop gets this long to go (polled: no cost when none is left);
 # the ini option leak_grace_s overrides it
@@ -92,14 +93,15 @@ def _helper(proc: Proc) -> bool:
 
 def new_processes(before: dict[tuple[int, int], Proc], grace_s: float = GRACE_S) -> list[Proc]:
     """Descendants not in ``before`` (nor session helpers), after waiting up to ``grace_s`` for them to end."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        left = [p for key, p in descendants().items() if key not in before and not _helper(p)]
-        if not left or time.monotonic() >= deadline:
-            return left
-        if all(p.state == "Z" for p in left):  # only a wait() ends those, and nobody is going to call it
-            return left
-        time.sleep(0.05)
+    left: list[Proc] = []
+
+    def settled() -> bool:
+        left[:] = [p for key, p in descendants().items() if key not in before and not _helper(p)]
+        # zombies: only a wait() ends those, and nobody is going to call it
+        return all(p.state == "Z" for p in left)
+
+    wait_until(settled, timeout=grace_s, step=0.05)
+    return left
 
 
 def kill(procs: list[Proc]) -> None:
