@@ -12,13 +12,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tests.cluster.netns import Cluster, Host, Proc
+from tests.polling import wait_until
 
 HORA = [str(Path(sys.executable).parent / "hora")]
 PYTHON = sys.executable
@@ -115,14 +115,12 @@ def worker_reports(text: str) -> list[dict[str, Any]]:
 
 def wait_ready(job: Job, ready_dir: Path, ranks: int, timeout: float = 120) -> dict[int, dict[str, Any]]:
     """Wait until every rank of a ``loop`` job finished its first allreduce; return their reports."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        files = sorted(ready_dir.glob("ready.*[0-9]"))
-        if len(files) == ranks:
-            return {int(p.name.split(".")[1]): json.loads(p.read_text()) for p in files}
-        if job.proc.poll() is not None:
-            raise AssertionError(f"the job ended ({job.proc.returncode}) before all ranks were ready\n{job.describe()}")
-        time.sleep(0.1)
+    files = wait_until(lambda: len(found := sorted(ready_dir.glob("ready.*[0-9]"))) == ranks and found,
+                       timeout=timeout, step=0.1, unless=lambda: job.proc.poll() is not None)
+    if files:
+        return {int(p.name.split(".")[1]): json.loads(p.read_text()) for p in files}
+    if job.proc.poll() is not None:
+        raise AssertionError(f"the job ended ({job.proc.returncode}) before all ranks were ready\n{job.describe()}")
     job.kill()
     raise AssertionError(
         f"only {len(list(ready_dir.glob('ready.*[0-9]')))} of {ranks} ranks ready after {timeout:g}s\n{job.describe()}"
@@ -140,12 +138,11 @@ def job_processes(host: Host, ignore_sshd: bool = False) -> list[Proc]:
 
 def leftovers(cluster: Cluster, within: float, ignore_sshd: bool = False) -> dict[str, list[str]]:
     """Poll every host until none has a job process left or ``within`` seconds pass; return what is left."""
-    deadline = time.monotonic() + within
-    while True:
-        left = {
+    def left() -> dict[str, list[str]]:
+        found = {
             h.hostname: [f"{p.pid} {p.cmdline[:120]}" for p in job_processes(h, ignore_sshd)] for h in cluster.hosts
         }
-        left = {name: procs for name, procs in left.items() if procs}
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
+        return {name: procs for name, procs in found.items() if procs}
+
+    wait_until(lambda: not left(), timeout=within, step=0.2)
+    return left()

@@ -12,13 +12,13 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.cluster import jobs, netns
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -37,10 +37,7 @@ def on_path(hosts: netns.Cluster, tmp_path: Path) -> Iterator[Path]:
                      stdout=subprocess.DEVNULL, stderr=open(where / "relay.err", "w"))  # noqa: SIM115
     redirects = [["-s", N3, "-d", N2], ["-s", N2, "-d", N3]]
     try:
-        deadline = time.monotonic() + 30
-        while not (where / "relaying").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert (where / "relaying").exists(), (where / "relay.err").read_text()
+        assert wait_until((where / "relaying").exists, timeout=30, step=0.05), (where / "relay.err").read_text()
         for rule in redirects:
             n4.run(["iptables", "-t", "nat", "-A", "PREROUTING", "-p", "tcp", *rule, "-j", "REDIRECT", "--to-ports",
                     str(RELAY_PORT)], check=True)

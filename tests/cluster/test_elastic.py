@@ -14,11 +14,11 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.cluster import jobs, netns
+from tests.elastic_job import Steps, read_steps, wait_steps
 
 pytestmark = pytest.mark.cluster
 
@@ -27,28 +27,17 @@ WAIT_S = 180.0  # torch imports on a loaded 2-core machine; nothing here is time
 N3, N4 = "10.78.0.3", "10.78.0.4"
 
 
-def _steps(out: Path) -> list[dict[str, Any]]:
-    path = out / "steps.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _wait(job: jobs.Job, out: Path, what: str, predicate: Callable[[list[dict[str, Any]]], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        if predicate(_steps(out)):
-            return
-        if job.proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    job.kill()
-    raise AssertionError(f"never saw {what}\n{job.describe()}")
+def _wait(job: jobs.Job, out: Path, what: str, predicate: Callable[[Steps], bool]) -> None:
+    try:
+        wait_steps(out, what, predicate, WAIT_S, ended=lambda: job.proc.poll() is not None, describe=job.describe)
+    except AssertionError:
+        job.kill()
+        raise
 
 
 def _world(out: Path, size: int, since: float = 0.0) -> dict[str, tuple[int, int]]:
     """wid -> (rank, pid) of the workers that stepped in a world of ``size`` after ``since``."""
-    return {s["wid"]: (s["rank"], s["pid"]) for s in _steps(out) if s["size"] == size and s["t"] > since}
+    return {s["wid"]: (s["rank"], s["pid"]) for s in read_steps(out) if s["size"] == size and s["t"] > since}
 
 
 def _wait_world(job: jobs.Job, out: Path, size: int, since: float = 0.0) -> dict[str, tuple[int, int]]:

@@ -12,7 +12,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 from hora.engine.listener import HANDSHAKE_S
 from hora.protocol.jobsecret import JobSecret
 from tests.cluster import jobs, netns
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -37,10 +37,8 @@ def sniffer(hosts: netns.Cluster, tmp_path: Path) -> Iterator[subprocess.Popen[b
                              "10.78.0.3", str(tmp_path)], stdin=subprocess.DEVNULL)
     try:
         started = tmp_path / "sniffing"
-        deadline = time.monotonic() + 30
-        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert started.exists(), f"the sniffer did not start (exit {proc.poll()})"
+        assert wait_until(started.exists, timeout=30, step=0.05, unless=lambda: proc.poll() is not None), (
+            f"the sniffer did not start (exit {proc.poll()})")
         yield proc
     finally:
         proc.kill()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
-import time
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import jobs, netns
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -143,10 +143,8 @@ def test_ssh_connections_dropped_by_a_busy_sshd_are_retried_then_name_max_startu
         assert "<stdout>" not in job.stdout + job.stderr, job.describe()  # nothing started
 
         job = jobs.start_job(hosts, flags, jobs.worker("report"), tmp_path)  # busy for a moment
-        deadline = time.monotonic() + 60
-        while "trying again" not in job.stderr and job.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "trying again" in job.stderr, job.describe()
+        assert wait_until(lambda: "trying again" in job.stderr, timeout=60, step=0.05,
+                          unless=lambda: job.proc.poll() is not None), job.describe()
     finally:
         assert hold.stdin is not None
         hold.stdin.close()

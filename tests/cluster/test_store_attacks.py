@@ -21,6 +21,7 @@ import pytest
 
 from tests.cluster import jobs, netns
 from tests.cluster import test_elastic as elastic
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -36,15 +37,17 @@ REFUSED = (r"the value of store key '{key}' on the rendezvous store at 10\.78\.0
 def _store_address(host: netns.Host, pid: int, timeout: float = 60) -> tuple[str, int]:
     """Where process ``pid`` on ``host`` listens for other hosts (the launcher: its store), as the attacker would
     find it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = host.run(["ss", "-ltnpH"]).stdout
+    listing = [""]
+
+    def listened() -> re.Match[str] | None:
+        listing[0] = host.run(["ss", "-ltnpH"]).stdout
         # not torch's own server of the store, on the loopback interface behind the guard: no other host sees it
-        found = re.search(rf"\s(?!127\.0\.0\.1:)(\S+):(\d+)\s+\S+\s+users:\(\(\"[^\"]*\",pid={pid},", out)
-        if found:
-            return found.group(1).strip("[]"), int(found.group(2))
-        time.sleep(0.02)
-    raise AssertionError(f"process {pid} never listened on {host.hostname}:\n{out}")
+        return re.search(rf"\s(?!127\.0\.0\.1:)(\S+):(\d+)\s+\S+\s+users:\(\(\"[^\"]*\",pid={pid},", listing[0])
+
+    found = wait_until(listened, timeout=timeout, step=0.02)
+    if found is None:
+        raise AssertionError(f"process {pid} never listened on {host.hostname}:\n{listing[0]}")
+    return found.group(1).strip("[]"), int(found.group(2))
 
 
 @contextmanager
@@ -236,9 +239,7 @@ def test_a_stranger_flooding_the_store_is_cut_off_and_the_launcher_stays_bounded
         _, port = _store_address(hosts.host(2), job.proc.pid)
         before = _rss_mb(hosts.host(2), job.proc.pid)
         (where / "store").write_text(f"10.78.0.2:{port}")
-        deadline = time.monotonic() + 120
-        while not (where / "flood.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until((where / "flood.json").exists, timeout=120, step=0.05)  # read below: missing, the test fails
         after = _rss_mb(hosts.host(2), job.proc.pid)  # the ranks wait for attacker.ready: the job still runs
         code = job.wait(180)
     flood = json.loads((where / "flood.json").read_text())
@@ -271,10 +272,7 @@ def test_an_older_elastic_gen_put_back_by_a_stranger_delays_no_worker(hosts: net
         _, port = _store_address(hosts.host(2), job.proc.pid)
         (where / "store").write_text(f"10.78.0.2:{port}")
         first = elastic._wait_world(job, out, 3)
-        deadline = time.monotonic() + 60
-        while not (where / "gen.captured").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert (where / "gen.captured").exists(), "the attacker never read elastic/gen"
+        assert wait_until((where / "gen.captured").exists, timeout=60, step=0.05), "the attacker never read elastic/gen"
         lost = time.time()
         os.kill(first["10.78.0.4:0"][1], signal.SIGKILL)  # the hosts share this machine's process ids
         elastic._wait_world(job, out, 2, since=lost)
