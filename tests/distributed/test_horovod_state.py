@@ -84,7 +84,7 @@ def _pending_at_shutdown(rank: int, size: int) -> list[str]:
         assert wait_until(lambda: SHUTDOWN_NAME in neg.snapshot().entries)  # rank 1's shutdown reached this rank
         # make this rank's op and its own shutdown travel in one round (a busy rank's usual case): hold the
         # round while both are queued
-        with neg._round_lock:
+        with neg.rounds_held():
             mine = hvd.allreduce_async(torch.ones(4), name="only-on-0")
             leaving = threading.Thread(target=hvd.shutdown)
             leaving.start()

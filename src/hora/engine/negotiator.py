@@ -25,11 +25,12 @@ caller's thread (``_listen_after_round``). Each is kept because ``benchmarks/op_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,8 +128,15 @@ class Negotiator:
         return self._rounds.number
 
     @property
-    def table(self) -> Table:  # read it under the round lock
+    def table(self) -> Table:  # read it under rounds_held()
         return self._rounds.table
+
+    @contextlib.contextmanager
+    def rounds_held(self) -> Iterator[None]:
+        """No round starts on this rank while inside: what is submitted meanwhile travels in the next round
+        together (how a busy rank's ops meet in one round, made certain for a test or a debugger)."""
+        with self._round_lock:
+            yield
 
     def snapshot(self) -> EngineSnapshot:
         """What this rank's engine holds now, as plain values, for tests and debugging: the phase, the unnamed
