@@ -94,7 +94,7 @@ def _micro(rank: int, size: int, pending: int, calls: int) -> dict[str, float]:
     import time
 
     import hora as hvd
-    from hora.engine.table import Entry, Request
+    from hora.engine.scheduling.table import Entry, Request
     from hora.runtime import lifecycle as runtime
 
     hvd.init()

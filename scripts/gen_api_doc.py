@@ -28,7 +28,7 @@ SECTIONS: dict[str, str] = {
     "hora.api.ops": "Collectives",
     "hora.api.grouped": "Grouped collectives",
     "hora.api.sparse": "Sparse allreduce",
-    "hora.engine.handles": "Asynchronous handles",
+    "hora.engine.scheduling.handles": "Asynchronous handles",
     "hora.datapath.reduce_ops": "Reduction operations",
     "hora.training.optimizer": "DistributedOptimizer",
     "hora.api.functions": "Broadcast and gather helpers",

@@ -68,7 +68,7 @@ from hora.runtime.lifecycle import (  # noqa: F401
 
 # --- collectives, their handles and reduce ops -------------------------------------------------------
 from hora.datapath.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
-from hora.engine.handles import Handle, poll, synchronize  # noqa: F401
+from hora.engine.scheduling.handles import Handle, poll, synchronize  # noqa: F401
 from hora.api.ops import (  # noqa: F401
     allgather,
     allgather_async,

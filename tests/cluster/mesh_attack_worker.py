@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 import hora as hvd
-from hora.engine import gloo_plane as control
-from hora.engine import handshake
+from hora.engine.auth import handshake
+from hora.engine.transport import gloo_plane as control
 
 
 def _wait_for(path: Path, limit_s: float) -> bool:

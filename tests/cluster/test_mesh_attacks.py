@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hora.engine.listener import HANDSHAKE_S
+from hora.engine.auth.listener import HANDSHAKE_S
 from hora.protocol.jobsecret import JobSecret
 from tests.cluster import jobs, netns
 from tests.polling import wait_until

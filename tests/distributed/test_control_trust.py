@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hora as hvd
-from hora.engine import gloo_plane as control
+from hora.engine.auth import handshake
 from hora.protocol.jobsecret import ENV_SECRET, JobSecret
 from tests.distributed.harness import run_ranks
 
@@ -35,7 +35,7 @@ def _init_with(rank: int, size: int, changes: dict[int, dict[str, Any]]) -> str:
     if "secret" in mine:
         os.environ[ENV_SECRET] = mine["secret"]
     if "code" in mine:
-        control.code_fingerprint = lambda: mine["code"]  # type: ignore[assignment]  # this forked rank only
+        handshake.code_fingerprint = lambda: mine["code"]  # type: ignore[assignment]  # this forked rank only
     try:
         hvd.init()
     except Exception as e:  # noqa: BLE001 - the test looks at what the user would read
@@ -49,7 +49,7 @@ def test_a_rank_running_other_hora_code_is_refused_at_init_naming_both_builds(pl
     other = "e" * 64
     results = run_ranks(_init_with, 2, {1: {"code": other}}, init=False, timeout=90,
                         env={"HORA_CONTROL_PLANE": plane, "HORA_START_TIMEOUT": "30"})
-    mine = control.code_fingerprint()[:12]
+    mine = handshake.code_fingerprint()[:12]
     for message in results:
         assert message.startswith("IncompatiblePeer: rank "), message
         assert f"(code {other[:12]})" in message and f"(code {mine})" in message, message

@@ -1,5 +1,5 @@
-"""Notices (hora.engine.notices): a value any rank announces comes out at the same notice point on every rank,
-however far apart the ranks' notice points are when it is announced."""
+"""Notices (hora.engine.scheduling.notices): a value any rank announces comes out at the same notice point on every
+rank, however far apart the ranks' notice points are when it is announced."""
 
 from __future__ import annotations
 

@@ -202,7 +202,7 @@ def test_every_class_attribute_and_hora_path_the_prose_gives_exists() -> None:
 
 def test_the_name_readers_read_what_the_map_says() -> None:
     assert ("calls/call.py", "Call") in listed_names()
-    assert ("engine/table.py", "Request") in listed_names()
+    assert ("engine/scheduling/table.py", "Request") in listed_names()
     assert ("launcher/config.py", "RunConfig") in listed_names()
-    assert ("engine/table.py", "Request") in prose_names()
+    assert ("engine/scheduling/table.py", "Request") in prose_names()
     assert "Negotiator._ring_if_parked" in dotted_names()

@@ -14,7 +14,7 @@ import pytest
 from hora.datapath.reduce_ops import ReduceOp
 from hora.engine import codec
 from hora.engine.codec import MAX_DEPTH, WIRE_VERSION, FrameError, decode, encode
-from hora.engine.frames import decode_round
+from hora.engine.scheduling.frames import decode_round
 
 VALUES: list[Any] = [
     None, True, False, 0, -1, (1 << 63) - 1, -(1 << 63), 1.5, float("inf"), "", "ünïcode", b"", b"\x00\xff",

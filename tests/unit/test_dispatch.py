@@ -1,4 +1,4 @@
-"""Fusion planning (hora.engine.dispatch): which allreduces travel together, and the inline reduction every
+"""Fusion planning (hora.engine.scheduling.dispatch): which allreduces travel together, and the inline reduction every
 rank computes on the same bytes; pure logic every rank runs on the same inputs."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from hora.datapath.reduce_ops import ReduceOp
-from hora.engine.dispatch import inline_bytes, plan_batches, reduce_inline
-from hora.engine.table import Entry, Request
+from hora.engine.scheduling.dispatch import inline_bytes, plan_batches, reduce_inline
+from hora.engine.scheduling.table import Entry, Request
 
 
 def _request(name: str, nbytes: int, op: int = 1, dtype: str = "float32") -> Request:

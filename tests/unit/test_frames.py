@@ -1,4 +1,4 @@
-"""The round frame (hora.engine.frames): every form of request, inline data and flags round-trip; a steady
+"""The round frame (hora.engine.scheduling.frames): every form of request, inline data and flags round-trip; a steady
 state frame is a few bytes an op; another wire version, a truncation, a wrong field type, unknown flags or a
 count beyond the frame are each a FrameError."""
 
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from hora.engine import frames
 from hora.engine.codec import WIRE_VERSION, FrameError, encode
-from hora.engine.frames import decode_round, encode_round
-from hora.engine.table import Request
+from hora.engine.scheduling import frames
+from hora.engine.scheduling.frames import decode_round, encode_round
+from hora.engine.scheduling.table import Request
 
 REQ = Request("grad.0", "allreduce", "float32", (4, 2), 1, -1, 1.0, 0.5, (0, 1, 2), "cpu", None, 1234, "t.py:3")
 REJECTED = Request("noname.ps0.3", "broadcast", "", (), ps=(0, 1), site=7, where="t.py:9", error="TypeError: bad")

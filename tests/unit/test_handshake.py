@@ -1,5 +1,5 @@
-"""The control connections' handshake (hora.engine.handshake) against a real listener
-(hora.engine.listener) on loopback: who may connect, what a stranger, a replay or another hora gets."""
+"""The control connections' handshake (hora.engine.auth.handshake) against a real listener
+(hora.engine.auth.listener) on loopback: who may connect, what a stranger, a replay or another hora gets."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from hora.engine import codec, handshake
-from hora.engine.handshake import HandshakeFailed, Identity, IncompatiblePeer
-from hora.engine.listener import PeerListener
+from hora.engine import codec
+from hora.engine.auth import handshake
+from hora.engine.auth.handshake import HandshakeFailed, Identity, IncompatiblePeer
+from hora.engine.auth.listener import PeerListener
 from hora.errors import CollectiveError
 from hora.protocol.jobsecret import JobSecret
 
@@ -93,7 +94,7 @@ def test_a_replayed_handshake_fails_and_the_real_rank_still_connects(caplog: pyt
         first.close()
     again = PeerListener(me(0), [1], "127.0.0.1")  # the same rank and world, waiting for rank 1 again
     try:
-        with caplog.at_level(logging.WARNING, logger="hora.engine.listener"), connect(again) as attacker:
+        with caplog.at_level(logging.WARNING, logger="hora.engine.auth.listener"), connect(again) as attacker:
             attacker.sendall(recorded)  # the captured HELLO and PROOF, byte for byte
             attacker.settimeout(5)
             answer = b""

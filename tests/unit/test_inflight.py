@@ -16,7 +16,7 @@ from torch.distributed import HashStore
 from hora.diagnostics import inflight
 from hora.diagnostics.board import Board
 from hora.diagnostics.stall_report import StallPolicy
-from hora.engine.table import Request
+from hora.engine.scheduling.table import Request
 from hora.protocol import messages as protocol
 from tests.polling import wait_until
 

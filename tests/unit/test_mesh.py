@@ -13,12 +13,13 @@ import pytest
 import torch.distributed as dist
 
 from hora.common.knobs import Knobs
-from hora.engine import handshake
+from hora.engine.auth import handshake
+from hora.engine.auth.handshake import Identity
+from hora.engine.auth.seal import TAG_BYTES
 from hora.engine.codec import MAX_FRAME_BYTES
-from hora.engine.gloo_plane import make_control_plane
-from hora.engine.handshake import Identity
-from hora.engine.mesh import _HEAD, LOSS, ROUND, BadFrame, Mesh, PeerLost, connect_mesh
-from hora.engine.seal import TAG_BYTES
+from hora.engine.transport.faults import BadFrame, PeerLost
+from hora.engine.transport.mesh import _HEAD, LOSS, ROUND, Mesh, connect_mesh
+from hora.engine.transport.plane import make_control_plane
 from hora.errors import CollectiveError, ConfigError
 from hora.protocol.jobsecret import JobSecret
 from tests.polling import wait_until

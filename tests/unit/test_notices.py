@@ -3,8 +3,8 @@ number), and a channel's listener gets it in the round that carried it."""
 
 from __future__ import annotations
 
-from hora.engine.notices import Notices
-from hora.engine.pending import Pending
+from hora.engine.scheduling.notices import Notices
+from hora.engine.scheduling.pending import Pending
 
 
 def _agree(notices: Notices, pending: Pending, *values: list[object]) -> None:

@@ -16,10 +16,10 @@ from hora.common.process_sets import global_process_set
 from hora.datapath.kinds import KINDS
 from hora.datapath.kinds.op import Kind, Op, Peers
 from hora.datapath.reduce_ops import ReduceOp
-from hora.engine.dispatch import Dispatcher
-from hora.engine.handles import Handle
-from hora.engine.pending import local_op
-from hora.engine.table import Entry, Request
+from hora.engine.scheduling.dispatch import Dispatcher
+from hora.engine.scheduling.handles import Handle
+from hora.engine.scheduling.pending import local_op
+from hora.engine.scheduling.table import Entry, Request
 from hora.errors import CollectiveError
 
 
@@ -90,7 +90,7 @@ def test_a_launch_failure_reaches_the_handle_and_the_stack_names_the_kinds_step(
         handle.wait()
     hora = [f.name for f in _Failing.stack if "/src/hora/" in f.filename]
     assert [f.name for f in _Failing.stack[-2:]] == ["_launch_one", "launch"] and "<lambda>" not in hora
-    assert _Failing.stack[-2].filename.endswith("engine/dispatch.py")
+    assert _Failing.stack[-2].filename.endswith("engine/scheduling/dispatch.py")
 
 
 def test_peers_show_each_members_rows_not_the_table() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hora.engine.round_schedule import Schedule, doubling, full, schedule
+from hora.engine.transport.round_schedule import Schedule, doubling, full, schedule
 
 
 def _simulate(plans: list[Schedule], starter: int) -> list[set[int]]:

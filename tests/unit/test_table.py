@@ -1,9 +1,9 @@
-"""The negotiation table (hora.engine.table): when a name is ready, mismatches, joined ranks, rejected calls;
+"""The negotiation table (hora.engine.scheduling.table): when a name is ready, mismatches, joined ranks, rejected calls;
 pure logic every rank runs on the same inputs."""
 
 from __future__ import annotations
 
-from hora.engine.table import Decision, Request, Table, last_joined
+from hora.engine.scheduling.table import Decision, Request, Table, last_joined
 from hora.errors import CollectiveError, CollectiveMismatchError, PeerRejectedCallError
 
 ALL = (0, 1, 2)

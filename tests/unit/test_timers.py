@@ -1,5 +1,5 @@
-"""The negotiator's timer thread (hora.engine.timers): a timer fires its armed deadline once it passes, follows
-re-arming to an earlier or a later deadline, never fires when disarmed, and several timers share one thread."""
+"""The negotiator's timer thread (hora.engine.scheduling.timers): a timer fires its armed deadline once it passes,
+follows re-arming to an earlier or a later deadline, never fires when disarmed, and several timers share one thread."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from hora.engine.timers import Timer, TimerThread
+from hora.engine.scheduling.timers import Timer, TimerThread
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import torch
 from hora.api import ops, param_layout
 from hora.api.object_wire import ObjectWire, encode
 from hora.common.process_sets import ProcessSet, global_process_set
-from hora.engine.handles import synchronize
+from hora.engine.scheduling.handles import synchronize
 from hora.errors import ModelMismatchError, ObjectAuthError
 from hora.runtime import lifecycle as runtime
 

@@ -26,7 +26,7 @@ from hora.calls.submit import submit_many
 from hora.common.process_sets import ProcessSet, global_process_set
 from hora.datapath.reduce_ops import ReduceOp
 from hora.datapath.wire import Compression, Compressor
-from hora.engine.handles import GroupHandle
+from hora.engine.scheduling.handles import GroupHandle
 
 
 def _grouped(calls: list[Call], waiting: bool = False) -> GroupHandle:

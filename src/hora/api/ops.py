@@ -37,7 +37,7 @@ from hora.common.process_sets import ProcessSet, global_process_set
 from hora.datapath.kinds.op import Kind
 from hora.datapath.reduce_ops import ReduceOp
 from hora.datapath.wire import Compression, Compressor
-from hora.engine.handles import Handle
+from hora.engine.scheduling.handles import Handle
 from hora.runtime import lifecycle as runtime
 
 

@@ -16,7 +16,7 @@ from hora.calls.submit import submit_many
 from hora.common.process_sets import ProcessSet, global_process_set
 from hora.datapath.kinds.op import Kind
 from hora.datapath.reduce_ops import ReduceOp, average_values
-from hora.engine.handles import GroupHandle
+from hora.engine.scheduling.handles import GroupHandle
 from hora.errors import InvalidCallError
 from hora.runtime import newcomer
 

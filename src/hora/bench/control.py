@@ -61,7 +61,7 @@ import hora
 from hora.bench.control_ranks import elastic_rank, fixed_rank
 from hora.bench.control_report import summarize_elastic, summarize_fixed
 from hora.bench.store_server import COST_CLIENTS, Job, StoreServer, measure_costs
-from hora.engine.gloo_plane import CONTROL_PLANES
+from hora.engine.transport.plane import CONTROL_PLANES
 from hora.errors import ConfigError
 from hora.launcher.elastic.driver import TICK
 from hora.testing import run_ranks

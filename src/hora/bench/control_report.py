@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hora.bench.report import markdown_table
-from hora.engine.gloo_plane import AUTO_PLANE
+from hora.engine.transport.plane import AUTO_PLANE
 
 __all__ = ["at", "compact", "markdown", "plot", "summarize_elastic", "summarize_fixed"]
 

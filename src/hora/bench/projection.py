@@ -38,7 +38,7 @@ from typing import Any
 from hora.bench.control_report import at
 from hora.bench.planner import LinkFit, Plan
 from hora.bench.report import markdown_table
-from hora.engine.gloo_plane import AUTO_PLANE
+from hora.engine.transport.plane import AUTO_PLANE
 
 __all__ = ["Fit", "markdown", "project"]
 

@@ -12,8 +12,8 @@ sequence of unnamed ops and the peers are told (see ``submit_many``).
 skips or adds a collective (a rank-dependent branch, an exception caught around one call) would pair its later
 ops with the wrong ones; the fingerprint of the call site (:func:`current`) travels with each unnamed request,
 and ranks that reach the same place in the sequence from different lines are told so
-(:func:`hora.engine.table.differing_fields`). The call site is the first frame outside hora and torch: the user's
-line, also when the op is submitted by a hora helper or from inside an autograd Function. The walk is cached by
+(:func:`hora.engine.scheduling.table.differing_fields`). The call site is the first frame outside hora and torch: the
+user's line, also when the op is submitted by a hora helper or from inside an autograd Function. The walk is cached by
 code object, and the result by (code object, instruction), so a call costs a few dictionary lookups; the
 fingerprint is a CRC of the module name and line, the same on every rank whatever path the script has on each
 host.

@@ -3,7 +3,7 @@ public API) and the negotiation engine.
 
 ``submit()`` validates a :class:`~hora.calls.call.Call` on this rank, gives an unnamed call its sequence name,
 runs its kind's *prepare* on the caller's thread (:mod:`hora.datapath.kinds`) and hands the engine its
-:class:`~hora.engine.table.Request` (what the peers must agree on) with the prepared
+:class:`~hora.engine.scheduling.table.Request` (what the peers must agree on) with the prepared
 :class:`~hora.datapath.kinds.op.Op`; the engine gives back its handle. Once every member has submitted the name,
 the engine runs the kind's *launch* (the c10d call); ``synchronize()`` runs its *finish*.
 
@@ -27,8 +27,8 @@ from hora.datapath.kinds.op import REDUCTIONS, Kind, Op
 from hora.datapath.reduce_ops import ReduceOp
 from hora.datapath.wire import Compression
 from hora.diagnostics import timeline
-from hora.engine.handles import Handle
-from hora.engine.table import Request
+from hora.engine.scheduling.handles import Handle
+from hora.engine.scheduling.table import Request
 from hora.errors import InvalidCallError, UnsupportedCallError, UnsupportedDtypeError
 from hora.runtime import lifecycle as runtime
 from hora.runtime import newcomer

@@ -35,7 +35,7 @@ _WIRE_OPS = {
 # (``all_gather_single`` and ``reduce_scatter_single`` where present, else the ``*_tensor`` forms), and
 # ``AllreduceOptions.asyncOp`` exists only in recent releases
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # also the Gloo
-# control plane's allgather of frames (engine/gloo_plane.py): the one place torch's name for it is chosen
+# control plane's allgather of frames (engine/transport/gloo_plane.py): the one place torch's name for it is chosen
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _HAS_ASYNC_OP = hasattr(dist.AllreduceOptions(), "asyncOp")
 

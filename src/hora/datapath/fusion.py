@@ -1,6 +1,6 @@
 """Tensor fusion's buffer: small allreduces that became ready together run as one, in a reused flat buffer.
 
-Which allreduces go together is the engine's decision (:func:`hora.engine.dispatch.plan_batches`), made from
+Which allreduces go together is the engine's decision (:func:`hora.engine.scheduling.dispatch.plan_batches`), made from
 what the members agreed on alone, so every rank, including a rank that has joined and only contributes zeros,
 issues exactly the same c10d calls. A fused buffer is allreduced as one single allreduce is
 (:func:`hora.datapath.kinds.reductions.allreduce_flat`).

@@ -9,7 +9,8 @@ records read in order until one is missing, each checked against the job's secre
   The thread announces a new count through the negotiator (``Negotiator.announce``); every
   ``check_host_updates()`` is a notice point (a lock and a counter), and the engine hands the
   announcement out at the same notice point on every rank, agreed in two negotiation rounds
-  (:mod:`hora.engine.notices` has the proof), so every rank raises ``HostsUpdatedInterrupt`` at the same check.
+  (:mod:`hora.engine.scheduling.notices` has the proof), so every rank raises ``HostsUpdatedInterrupt`` at the same
+  check.
 * host discoveries (``discovered/<n>``): every change of the hosts the launcher found, as soon as it found it. The
   thread tells the states that ``hvd.elastic.run`` runs (Horovod's ``notification_manager``), whose
   ``on_hosts_updated(timestamp, HostUpdateResult)`` queues it in ``state._host_messages``, as Horovod's

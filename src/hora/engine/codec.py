@@ -20,8 +20,8 @@ tuple       ``t``  4-byte count, the items
 dict        ``m``  4-byte count, then key and value of each pair (keys: str or int)
 ==========  =====  ==============================================================
 
-:data:`WIRE_VERSION` numbers this format and every frame layout built on it (:mod:`hora.engine.frames`, the
-handshake of :mod:`hora.engine.handshake`): a change to any of them takes a new number, and peers of
+:data:`WIRE_VERSION` numbers this format and every frame layout built on it (:mod:`hora.engine.scheduling.frames`, the
+handshake of :mod:`hora.engine.auth.handshake`): a change to any of them takes a new number, and peers of
 different numbers refuse each other at connect, naming both.
 
 Example:

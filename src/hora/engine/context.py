@@ -1,7 +1,7 @@
 """What the negotiation engine needs from the runtime that built it, and nothing more.
 
 :func:`hora.runtime.lifecycle.init` fills one :class:`EngineContext` per ``init()`` and hands it to
-:class:`~hora.engine.negotiator.Negotiator`; no module of the engine imports the runtime.
+:class:`~hora.engine.scheduling.negotiator.Negotiator`; no module of the engine imports the runtime.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Two hosts can both say "hora 0.1.0" and run different code (an editable checkout
 patched copy, a build from another commit); their ranks then disagree on what a frame means. The fingerprint
 is a SHA-256 over every ``.py`` file of the ``hora`` package (its path inside the package and its bytes, in
 sorted order), computed once per process. ``hora run``'s preflight compares it across hosts, and ranks
-compare it when their control connections meet (:mod:`hora.engine.handshake`).
+compare it when their control connections meet (:mod:`hora.engine.auth.handshake`).
 
 This module imports only the standard library and nothing of hora, because preflight runs its source on
 each remote host (:data:`hora.launcher.remote.preflight.PROBE`) without importing hora there.

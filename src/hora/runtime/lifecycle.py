@@ -40,7 +40,7 @@ from hora.datapath.kinds import adasum
 from hora.diagnostics import timeline, user_errors
 from hora.diagnostics.board import Board
 from hora.engine.context import EngineContext
-from hora.engine.negotiator import Negotiator
+from hora.engine.scheduling.negotiator import Negotiator
 from hora.errors import CollectiveError, ConfigError, NotInitializedError, WorldMemberLostError
 from hora.protocol.jobsecret import ENV_SECRET_FILE, JobSecret
 from hora.protocol.signedstore import SignedStore

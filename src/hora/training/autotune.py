@@ -16,8 +16,8 @@ sample's score is the median of ``HORA_AUTOTUNE_STEPS_PER_SAMPLE`` steps'. The f
 ``HORA_AUTOTUNE_BAYES_OPT_MAX_SAMPLES`` samples.
 
 How every rank switches together: rank 0 announces each new setting on the negotiator's ``autotune`` notice
-channel (:mod:`hora.engine.notices`). The fusion threshold and the hierarchical switch change in the round that
-carries the announcement, on the round thread (the same round on every rank); the bucket size at the same
+channel (:mod:`hora.engine.scheduling.notices`). The fusion threshold and the hierarchical switch change in the round
+that carries the announcement, on the round thread (the same round on every rank); the bucket size at the same
 step boundary on every rank (a notice point every rank passes in ``step()``), where each optimizer's reducer
 replans its buckets under a new generation of names. Rank 0 measures the next sample from that step on.
 

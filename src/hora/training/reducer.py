@@ -43,7 +43,7 @@ from hora.datapath.kinds.op import Kind
 from hora.datapath.reduce_ops import ReduceOp, Sum, bucket_scales
 from hora.datapath.wire import CastCompressor, Compressor, NoneCompressor, cast_scaled, wire_dtype
 from hora.diagnostics import timeline
-from hora.engine import handles
+from hora.engine.scheduling import handles
 from hora.runtime import lifecycle as runtime
 from hora.training import autotune
 from hora.training.buckets import BucketNames, FlatBucket, ParamSpec, plan_buckets

@@ -38,7 +38,7 @@ from hora.calls.submit import submit
 from hora.datapath.kinds.op import Kind
 from hora.datapath.reduce_ops import ReduceOp
 from hora.datapath.wire import cast_scaled, wire_dtype
-from hora.engine import handles
+from hora.engine.scheduling import handles
 from hora.errors import ConfigError
 from hora.runtime import lifecycle as runtime
 from hora.training.reducer import GradientReducer, Step

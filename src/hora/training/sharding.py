@@ -37,7 +37,7 @@ from hora.calls.call import Call
 from hora.calls.submit import submit_many
 from hora.datapath.kinds.op import Kind
 from hora.datapath.reduce_ops import ReduceOp
-from hora.engine import handles
+from hora.engine.scheduling import handles
 from hora.errors import ShardStateLostError
 from hora.runtime import lifecycle as runtime
 from hora.training import state_exchange

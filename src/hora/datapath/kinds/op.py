@@ -13,8 +13,8 @@ A kind's four steps (:class:`Steps`; each kind's in its own module of this packa
   decompress, copy out; returns what the user gets.
 
 The steps read the call (:class:`CallInputs`: :class:`hora.calls.call.Call` is one) and the members' agreed
-request (:class:`Agreed`: :class:`hora.engine.table.Request` is one) through the fields named here, so the data
-path imports neither layer above it. Nothing here negotiates or knows about other calls: the engine decides
+request (:class:`Agreed`: :class:`hora.engine.scheduling.table.Request` is one) through the fields named here, so the
+data path imports neither layer above it. Nothing here negotiates or knows about other calls: the engine decides
 when ``launch`` runs.
 """
 
@@ -89,7 +89,7 @@ class CallInputs(Protocol):
 
 
 class Agreed(Protocol):
-    """What a launch reads of a member's request (:class:`hora.engine.table.Request`)."""
+    """What a launch reads of a member's request (:class:`hora.engine.scheduling.table.Request`)."""
 
     @property
     def kind(self) -> str: ...

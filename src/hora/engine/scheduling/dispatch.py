@@ -27,8 +27,8 @@ from hora.datapath.kinds.op import Kind, Peers
 from hora.datapath.reduce_ops import ReduceOp
 from hora.diagnostics import inflight
 from hora.diagnostics import timeline as timeline_mod
-from hora.engine.pending import LocalOp
-from hora.engine.table import Entry, Request
+from hora.engine.scheduling.pending import LocalOp
+from hora.engine.scheduling.table import Entry, Request
 from hora.errors import CollectiveError
 
 MAX_FUSED_TENSOR_BYTES = 1 << 20  # larger tensors run alone: fusion would only add copies

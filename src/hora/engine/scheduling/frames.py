@@ -10,11 +10,11 @@ field's type, so a frame either yields exactly what a hora rank could have sent 
     frame   := version:u16  count:u32  entry*count  flags
     entry   := form:u8  id:u32  [name_len:u32 name]  [request]  [data_len:u32 data]
     form    :  0 cached id, 1 cached id + name (an unnamed op), 2 request in full (a plain-value tuple of
-               :class:`~hora.engine.table.Request`'s fields); +0x80 when inline data follows
+               :class:`~hora.engine.scheduling.table.Request`'s fields); +0x80 when inline data follows
     flags   := a plain-value dict (see ``_FLAG_CHECKS``)
 
 Example:
-    >>> from hora.engine.table import Request
+    >>> from hora.engine.scheduling.table import Request
     >>> req = Request("grad.0", "allreduce", "float32", (4,))
     >>> items, inline, flags = decode_round(encode_round([req, 3, (5, "noname.ps0.7")], [None, b"ab", None], {}))
     >>> items == [req, 3, (5, "noname.ps0.7")], inline, flags
@@ -30,8 +30,8 @@ from typing import Any
 from hora.datapath.kinds.op import Kind
 from hora.engine import codec
 from hora.engine.codec import FrameError
-from hora.engine.notices import NOTICE, PASSED
-from hora.engine.table import Request
+from hora.engine.scheduling.notices import NOTICE, PASSED
+from hora.engine.scheduling.table import Request
 
 Item = Request | int | tuple[int, str]  # a request as the response cache puts it on the wire
 
@@ -163,7 +163,7 @@ def _str_dict(value: Any) -> bool:
 
 
 # the flags a round may carry, each with the check its value must pass (who sets and reads them: rounds.py,
-# negotiator.py, notices.py, engine/stall_inspector.py)
+# negotiator.py, notices.py, engine/scheduling/stall_inspector.py)
 _FLAG_CHECKS: dict[str, Callable[[Any], bool]] = {
     "stall_query": lambda v: type(v) is list and all(_str_pair(q) for q in v),
     "where": lambda v: type(v) is tuple and len(v) == 2 and type(v[0]) is str and _str_dict(v[1]),

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
 from hora.engine import codec
+from hora.engine.context import EngineContext
 from hora.errors import CollectiveError
-from hora.protocol.code_fingerprint import short
+from hora.protocol.code_fingerprint import code_fingerprint, installed_version, short
 from hora.protocol.jobsecret import JobSecret
 
 MAGIC = b"HoRa"
@@ -77,6 +78,12 @@ class Identity:
             return b""
         key = self.secret.derive("control-handshake")  # a key of its own: its MACs never pass for the store's
         return key.mac(side, self.world.encode(), self.purpose.encode(), hello_c, hello_l)
+
+
+def identity(ctx: EngineContext, purpose: str) -> Identity:
+    """How this rank presents itself on its control connections for ``purpose``."""
+    return Identity(rank=ctx.rank, world=ctx.world, purpose=purpose, secret=ctx.secret, code=code_fingerprint(),
+                    hora=installed_version(), host=ctx.hostname(ctx.rank))
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """The listening side of the control connections: serves every connecting process at once.
 
 A listener waits for a known set of ranks (the higher ranks of the mesh, a death watch's predecessor). Each
-accepted connection runs its handshake (:mod:`hora.engine.handshake`) on a thread of its own with a short
+accepted connection runs its handshake (:mod:`hora.engine.auth.handshake`) on a thread of its own with a short
 deadline, so a connection that never speaks (a port scanner, a half-open attack) costs a thread for a few
 seconds and delays nobody. A connection that fails the handshake is closed and logged on one line naming its
 address; the listener keeps waiting for the real rank. A rank of this job running other hora code
-(it proved who it is) ends the wait with :class:`~hora.engine.handshake.IncompatiblePeer`.
+(it proved who it is) ends the wait with :class:`~hora.engine.auth.handshake.IncompatiblePeer`.
 
 The listener binds to the address this rank advertises (its address on the route to the rendezvous host),
 not every interface, where the platform allows it.
@@ -20,8 +20,8 @@ import threading
 import time
 from collections.abc import Iterable
 
-from hora.engine import handshake
-from hora.engine.handshake import HandshakeFailed, Identity, IncompatiblePeer, Peer
+from hora.engine.auth import handshake
+from hora.engine.auth.handshake import HandshakeFailed, Identity, IncompatiblePeer, Peer
 from hora.errors import CollectiveError
 from hora.protocol.network import listen_on
 

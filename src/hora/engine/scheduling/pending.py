@@ -15,8 +15,8 @@ import torch
 from hora.common.names import parse_unnamed, unnamed
 from hora.datapath import streams
 from hora.datapath.kinds.op import Kind, Op
-from hora.engine.handles import Handle
-from hora.engine.table import Request
+from hora.engine.scheduling.handles import Handle
+from hora.engine.scheduling.table import Request
 
 
 @dataclass(eq=False)

@@ -1,13 +1,13 @@
 """One negotiation round, without scheduling: outbox -> frame -> allgather -> table -> decision -> dispatch.
 
 Whoever holds the negotiator's round lock calls :meth:`Rounds.run`; when and why a round runs is
-:mod:`hora.engine.negotiator`'s business. Every rank adds every rank's requests to the same
-:class:`~hora.engine.table.Table` in rank order, so every rank reaches the same decision; this rank then
-launches, in the agreed order, what it takes part in (:class:`~hora.engine.dispatch.Dispatcher`).
+:mod:`hora.engine.scheduling.negotiator`'s business. Every rank adds every rank's requests to the same
+:class:`~hora.engine.scheduling.table.Table` in rank order, so every rank reaches the same decision; this rank then
+launches, in the agreed order, what it takes part in (:class:`~hora.engine.scheduling.dispatch.Dispatcher`).
 
 A name seen before with identical metadata travels as a small integer (the response cache), so
 steady-state frames are a few bytes. Stall queries and answers, and notices (values every rank gets at the
-same notice point, :mod:`hora.engine.notices`), ride in the frames' flags.
+same notice point, :mod:`hora.engine.scheduling.notices`), ride in the frames' flags.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from hora.diagnostics import stall_report as stall_mod
 from hora.diagnostics import timeline as timeline_mod
 from hora.engine.codec import FrameError
 from hora.engine.context import EngineContext
-from hora.engine.dispatch import Dispatcher, inline_bytes
-from hora.engine.frames import decode_round, encode_round
-from hora.engine.gloo_plane import ControlPlane
-from hora.engine.mesh import BadFrame, PeerLost
-from hora.engine.notices import Notices
-from hora.engine.pending import Pending
-from hora.engine.response_cache import ResponseCache
-from hora.engine.round_schedule import FULL
-from hora.engine.stall_inspector import StallInspector
-from hora.engine.table import JOIN, SHUTDOWN, UNNAMED, Decision, Request, Table
+from hora.engine.scheduling.dispatch import Dispatcher, inline_bytes
+from hora.engine.scheduling.frames import decode_round, encode_round
+from hora.engine.scheduling.notices import Notices
+from hora.engine.scheduling.pending import Pending
+from hora.engine.scheduling.response_cache import ResponseCache
+from hora.engine.scheduling.stall_inspector import StallInspector
+from hora.engine.scheduling.table import JOIN, SHUTDOWN, UNNAMED, Decision, Request, Table
+from hora.engine.transport.faults import BadFrame, PeerLost
+from hora.engine.transport.plane import ControlPlane
+from hora.engine.transport.round_schedule import FULL
 from hora.errors import CollectiveError, CollectiveTimeoutError, PeerLostError, StoreAuthError
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class Rounds:
                 self.pending.advance_sequence(entry.name)
 
     def _handle_flags(self, gathered: list[Any]) -> None:
-        """Stall queries and answers, and notices (:mod:`hora.engine.notices`), travel as round flags (most
+        """Stall queries and answers, and notices (:mod:`hora.engine.scheduling.notices`), travel as round flags (most
         rounds carry none)."""
         flags = [f for _, _, f in gathered]
         self.notices.on_round(flags)

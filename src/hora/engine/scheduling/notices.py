@@ -33,7 +33,7 @@ meanwhile, it raises the negotiator's error.
 
 Example:
     >>> import threading
-    >>> from hora.engine.pending import Pending
+    >>> from hora.engine.scheduling.pending import Pending
     >>> pending = Pending(0)
     >>> notices = Notices(pending, wake=lambda: None)
     >>> notices.on_round([{"notice": [["elastic", "hello"]]}])   # round A: rank 0's announcement; this rank arms
@@ -52,7 +52,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from hora.engine.pending import Pending
+from hora.engine.scheduling.pending import Pending
 from hora.errors import CollectiveError
 
 NOTICE = "notice"  # round flag: [channel, value] pairs this rank announces

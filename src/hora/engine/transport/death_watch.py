@@ -2,7 +2,7 @@
 
 The TCP mesh notices a dead peer by itself (its connection closes); the Gloo plane does not, so each rank
 watches its successor over a TCP connection of its own. The connection opens with the mesh's handshake
-(:mod:`hora.engine.handshake`, purpose ``"watch"``), so only the real successor can answer it and only the
+(:mod:`hora.engine.auth.handshake`, purpose ``"watch"``), so only the real successor can answer it and only the
 real predecessor can hold it; nothing is ever sent on it.
 """
 
@@ -15,11 +15,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from hora.engine import handshake
+from hora.engine.auth import handshake
+from hora.engine.auth.handshake import Identity, identity
+from hora.engine.auth.listener import HANDSHAKE_S, PeerListener
 from hora.engine.context import EngineContext
-from hora.engine.gloo_plane import ControlPlane, identity
-from hora.engine.handshake import Identity
-from hora.engine.listener import HANDSHAKE_S, PeerListener
+from hora.engine.transport.plane import ControlPlane
 from hora.protocol.network import advertised_address
 from hora.protocol.signedstore import SignedStore
 

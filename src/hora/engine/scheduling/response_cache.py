@@ -8,7 +8,7 @@ steady state a round of the optimizer's bucket allreduces carries a few bytes pe
 
 from __future__ import annotations
 
-from hora.engine.table import JOIN, SHUTDOWN, UNNAMED, Entry, Request
+from hora.engine.scheduling.table import JOIN, SHUTDOWN, UNNAMED, Entry, Request
 
 CAPACITY = 4096  # distinct requests remembered; later ones travel in full
 

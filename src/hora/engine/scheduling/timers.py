@@ -1,6 +1,6 @@
 """The negotiator's one timer thread: re-armable deadlines kept in a heap, callbacks run on that thread.
 
-Two deadlines use it (see :mod:`hora.engine.negotiator`): the stall check (fires while this rank is idle and
+Two deadlines use it (see :mod:`hora.engine.scheduling.negotiator`): the stall check (fires while this rank is idle and
 a collective it waits in is overdue) and the listen timer (ends the short deaf spell after a round ran on a
 caller's thread). Each is a :class:`Timer` with at most one deadline armed at a time; arming it again
 replaces that deadline. Nothing runs while nothing is armed.

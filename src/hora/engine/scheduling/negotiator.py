@@ -1,19 +1,19 @@
 """The negotiator: matches collectives across ranks by name, then runs them in one agreed order.
 
 In each *round* every rank sends the requests it submitted since the last round, in one allgather on the
-control plane (:mod:`hora.engine.mesh`, or :class:`hora.engine.gloo_plane.GlooPlane` for very large jobs),
-and every rank reaches the same decision (:mod:`hora.engine.rounds`, the round itself). This module is
+control plane (:mod:`hora.engine.transport.mesh`, or :class:`hora.engine.transport.gloo_plane.GlooPlane` for very large
+jobs), and every rank reaches the same decision (:mod:`hora.engine.scheduling.rounds`, the round itself). This module is
 the *scheduling*: who runs the next round, when, and why.
 
-States: :class:`~hora.engine.phases.Phase` (ROUND, IDLE, DEFERRING, CLOSING, BROKEN, STOPPED), changed only
-under the negotiator's lock; :mod:`hora.engine.phases` says what each means and which moves are allowed.
+States: :class:`~hora.engine.scheduling.phases.Phase` (ROUND, IDLE, DEFERRING, CLOSING, BROKEN, STOPPED), changed only
+under the negotiator's lock; :mod:`hora.engine.scheduling.phases` says what each means and which moves are allowed.
 
 Besides ops, a round carries flags: stall queries and answers, and notices (``announce`` / ``notice_point``,
-:mod:`hora.engine.notices`: a value every rank gets at the same notice point, agreed in two rounds).
+:mod:`hora.engine.scheduling.notices`: a value every rank gets at the same notice point, agreed in two rounds).
 
 A round also runs on a caller's thread (``drive``, mesh only) while the negotiator thread stays parked;
 rounds run on one thread at a time (the round lock). Threads: the negotiator's, one timer thread
-(:mod:`hora.engine.timers`: stall check, listen timer), and on the Gloo plane the death watch and rank 0's
+(:mod:`hora.engine.scheduling.timers`: stall check, listen timer), and on the Gloo plane the death watch and rank 0's
 bell janitor.
 
 Latency tricks, for tiny synchronous ops: ``drive`` (a round on the caller's thread, no hand-off to this
@@ -41,15 +41,15 @@ from hora.datapath.kinds.op import Op
 from hora.diagnostics import inflight
 from hora.engine import codec
 from hora.engine.context import EngineContext
-from hora.engine.death_watch import death_watch
-from hora.engine.gloo_plane import make_control_plane
-from hora.engine.handles import Handle
-from hora.engine.notices import NOTICE, Notices
-from hora.engine.pending import LocalOp, Pending, local_op
-from hora.engine.phases import ACTIVE, NEXT, Phase
-from hora.engine.rounds import Rounds, record_lost
-from hora.engine.table import SHUTDOWN, Request, Table
-from hora.engine.timers import TimerThread
+from hora.engine.scheduling.handles import Handle
+from hora.engine.scheduling.notices import NOTICE, Notices
+from hora.engine.scheduling.pending import LocalOp, Pending, local_op
+from hora.engine.scheduling.phases import ACTIVE, NEXT, Phase
+from hora.engine.scheduling.rounds import Rounds, record_lost
+from hora.engine.scheduling.table import SHUTDOWN, Request, Table
+from hora.engine.scheduling.timers import TimerThread
+from hora.engine.transport.death_watch import death_watch
+from hora.engine.transport.plane import make_control_plane
 from hora.errors import CollectiveError, PeerLostError
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ class Negotiator:
 
     def announce(self, value: Any, channel: str = "elastic") -> None:
         """Give ``value`` to every rank at the same notice point of ``channel`` (:meth:`notice_point`,
-        :mod:`hora.engine.notices`): it goes out in this rank's next round. Any thread; does nothing once
+        :mod:`hora.engine.scheduling.notices`): it goes out in this rank's next round. Any thread; does nothing once
         negotiation is over.
 
         Raises:
@@ -225,7 +225,7 @@ class Negotiator:
     def notice_point(self, channel: str = "elastic") -> list[Any]:
         """Pass one notice point of ``channel``: every rank makes the same notice points; an announced value
         comes out at the same call on every rank (usually []: no message, no wait). See
-        :mod:`hora.engine.notices`."""
+        :mod:`hora.engine.scheduling.notices`."""
         return self._notices.notice_point(channel)
 
     def listen(self, channel: str, listener: Callable[[Any], None] | None) -> None:

@@ -1,16 +1,12 @@
-"""The negotiator's control plane: the per-round allgather and the bell idle negotiators wait on. Plumbing
-only; the logic is in negotiator.py and rounds.py.
-
-Two control planes share one interface (:class:`ControlPlane`): the TCP mesh (:mod:`hora.engine.mesh`, the
-default at every size: one round trip per round up to ``HORA_MESH_FULL_UPTO`` ranks, recursive doubling over
-about log2 n connections per rank above) and :class:`GlooPlane` (``HORA_CONTROL_PLANE=gloo`` only: an
-allgather on a Gloo group, idle ranks woken through a store key, peers watched by
-:mod:`hora.engine.death_watch`).
+"""The Gloo control plane (``HORA_CONTROL_PLANE=gloo`` only): a round is an allgather on a Gloo group, idle
+ranks are woken through a store key (:class:`StoreBell`), peers are watched by
+:mod:`hora.engine.transport.death_watch`. What every plane offers, and which one a job gets:
+:mod:`hora.engine.transport.plane`.
 
 Both planes follow the same trust rules (docs/security.md, "The control mesh"): their frames are plain values
-(:mod:`hora.engine.frames`), never pickles, and carry their sender's tag (:mod:`hora.engine.seal`), checked
-before a frame is read. The Gloo plane's first allgather is a hello in which every rank checks every other's
-wire version, hora code and job secret (through the hello's tag)."""
+(:mod:`hora.engine.scheduling.frames`), never pickles, and carry their sender's tag (:mod:`hora.engine.auth.seal`),
+checked before a frame is read. The Gloo plane's first allgather is a hello in which every rank checks every
+other's wire version, hora code and job secret (through the hello's tag)."""
 
 from __future__ import annotations
 
@@ -20,33 +16,27 @@ import queue
 import struct
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hora.datapath.c10d import all_gather_into
 from hora.engine import codec
+from hora.engine.auth.handshake import Identity, IncompatiblePeer, identity
+from hora.engine.auth.seal import FrameSeal
 from hora.engine.context import EngineContext
-from hora.engine.handshake import Identity, IncompatiblePeer
-from hora.engine.mesh import BadFrame, connect_mesh
-from hora.engine.round_schedule import Schedule, full
-from hora.engine.seal import FrameSeal
-from hora.errors import CollectiveError, ConfigError
-from hora.protocol.code_fingerprint import code_fingerprint, installed_version, short
-from hora.protocol.network import advertised_address
+from hora.engine.transport.faults import BadFrame
+from hora.engine.transport.local_plane import UnreadPlane
+from hora.engine.transport.round_schedule import full
+from hora.errors import CollectiveError
+from hora.protocol.code_fingerprint import short
 
 log = logging.getLogger(__name__)
 
 _SLOT = 256  # bytes per rank in the first control allgather of a round (one new op fits); more takes a second
 _SLOT_HEAD = struct.Struct("<IB")  # payload length, tag length (0: the sender has no job secret)
 _SEQ = struct.Struct("<Q")
-
-
-def identity(ctx: EngineContext, purpose: str) -> Identity:
-    """How this rank presents itself on its control connections for ``purpose``."""
-    return Identity(rank=ctx.rank, world=ctx.world, purpose=purpose, secret=ctx.secret, code=code_fingerprint(),
-                    hora=installed_version(), host=ctx.hostname(ctx.rank))
 
 
 class Exchange:
@@ -217,54 +207,10 @@ class StoreBell:
                 return
 
 
-class ControlPlane(Protocol):
-    """What the negotiator needs: a bell for idle rounds and a per-round allgather. Planes whose rounds any
-    thread may run (``inline_rounds``: the mesh, the local plane) also let it look at peers' frames before
-    answering (``receive_ready``, ``has_input``, ``peek``) and silence peers' wake-ups (``quiet``). ``plan``
-    is a round's schedule: whom this rank exchanges frames with (every other rank, but for the mesh's
-    recursive doubling). ``on_wait`` is called while a round waits for peers (who, for how long) by the planes
-    that wait in ticks (the mesh); the others never call it."""
-
-    watches_peers: bool
-    inline_rounds: bool
-    plan: Schedule
-    on_wait: Callable[[list[int], float], None] | None
-
-    def ring(self, round_no: int) -> None: ...
-    def wake(self) -> None: ...
-    def wait(self, round_no: int, timeout: float) -> bool: ...
-    def clear(self, round_no: int) -> None: ...
-    def allgather(self, payload: bytes) -> list[bytes]: ...
-    def peek(self) -> dict[int, bytes]: ...
-    def receive_ready(self) -> None: ...
-    def has_input(self) -> bool: ...
-    def quiet(self, on: bool) -> None: ...
-    def close(self) -> None: ...
-
-
-class _UnreadPlane:
-    """A plane whose peers' frames exist only inside its allgather: nothing to look at, read or silence
-    between rounds, so every woken rank answers at once."""
-
-    on_wait: Callable[[list[int], float], None] | None = None  # never called: its waits have no ticks
-
-    def peek(self) -> dict[int, bytes]:
-        return {}
-
-    def receive_ready(self) -> None:
-        pass
-
-    def has_input(self) -> bool:
-        return False
-
-    def quiet(self, on: bool) -> None:
-        pass
-
-
-class GlooPlane(_UnreadPlane):
+class GlooPlane(UnreadPlane):
     """The allgather on the control Gloo group, and a bell in the store (or in memory for one process)."""
 
-    watches_peers = False  # a dead peer is noticed by hora.engine.death_watch, not by this plane
+    watches_peers = False  # a dead peer is noticed by hora.engine.transport.death_watch, not by this plane
     inline_rounds = False  # every rank joins every rung round on its negotiator thread
 
     def __init__(self, ctx: EngineContext) -> None:
@@ -295,59 +241,3 @@ class GlooPlane(_UnreadPlane):
 
     def close(self) -> None:
         self._bell.close()
-
-
-class LocalPlane(_UnreadPlane):
-    """The control plane of a single-process job: a round is local, so it runs on whichever thread needs it
-    (no peers to read, no Gloo call, no store)."""
-
-    watches_peers = True  # no peers
-    inline_rounds = True
-
-    def __init__(self) -> None:
-        self.plan = full(0, 1)
-        self._cond = threading.Condition()
-        self._rung = False
-
-    def ring(self, round_no: int) -> None:
-        with self._cond:
-            self._rung = True
-            self._cond.notify()
-
-    def wake(self) -> None:
-        self.ring(0)
-
-    def wait(self, round_no: int, timeout: float) -> bool:
-        with self._cond:
-            rung = self._cond.wait_for(lambda: self._rung, timeout)
-            self._rung = False
-            return rung
-
-    def allgather(self, payload: bytes) -> list[bytes]:
-        return [payload]
-
-    def clear(self, round_no: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-CONTROL_PLANES = ("auto", "tcp", "gloo")
-AUTO_PLANE = "tcp"  # what "auto" picks, at every size: the mesh's rounds cost O(log n) frames and connections per
-# rank above HORA_MESH_FULL_UPTO ranks, against the Gloo plane's n-1 steps and a store wake-up per round
-
-
-def make_control_plane(ctx: EngineContext) -> ControlPlane:
-    """The control plane ``HORA_CONTROL_PLANE`` asks for (a mesh, or :class:`GlooPlane`)."""
-    choice = ctx.knobs.control_plane.strip().lower()
-    if choice not in CONTROL_PLANES:
-        raise ConfigError(f"HORA_CONTROL_PLANE={ctx.knobs.control_plane!r}: use one of {', '.join(CONTROL_PLANES)}")
-    if ctx.size == 1:
-        return LocalPlane()
-    if choice == "gloo":
-        return GlooPlane(ctx)
-    # no fixed round timeout: a peer that does not answer is the stall inspector's (Rounds.on_wait), on the
-    # deadlines of --stall-check-warning-time-seconds / --stall-check-shutdown-time-seconds
-    return connect_mesh(identity(ctx, "mesh"), ctx.size, ctx.store, advertised_address(ctx.store_addr),
-                        ctx.knobs.start_timeout, full_upto=ctx.knobs.mesh_full_upto)

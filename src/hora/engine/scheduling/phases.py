@@ -1,4 +1,4 @@
-"""The negotiator's states (:class:`Phase`) and the moves between them (:mod:`hora.engine.negotiator`
+"""The negotiator's states (:class:`Phase`) and the moves between them (:mod:`hora.engine.scheduling.negotiator`
 changes its phase only under its lock, and only along ``NEXT``).
 
 States (:class:`Phase`, changed only under the negotiator's lock)::

@@ -1,7 +1,7 @@
 """The TCP control mesh: authenticated connections between ranks, carrying negotiation rounds.
 
 A round is an allgather of small payloads: every rank ends it holding every rank's payload of that round.
-Who sends what to whom is the round's schedule (:mod:`hora.engine.round_schedule`): up to
+Who sends what to whom is the round's schedule (:mod:`hora.engine.transport.round_schedule`): up to
 ``HORA_MESH_FULL_UPTO`` ranks, each rank sends its frame to every other and reads one from each (one network
 round trip, n-1 connections per rank); above, recursive doubling, in which each rank talks to log2(n) partners
 only, each frame carrying the payloads its sender holds so far. Either costs one round trip per step instead
@@ -20,15 +20,15 @@ arrive early (a fast peer is already in the next round) and wait in a per-peer b
 non-blocking and a round sends and receives together, so two ranks exchanging large first-round payloads
 never deadlock on full socket buffers.
 
-Trust: a connection is used only after both ends proved who they are (:mod:`hora.engine.handshake`, run by
-:func:`connect_mesh` and :class:`~hora.engine.listener.PeerListener`). After that every frame is
+Trust: a connection is used only after both ends proved who they are (:mod:`hora.engine.auth.handshake`, run by
+:func:`connect_mesh` and :class:`~hora.engine.auth.listener.PeerListener`). After that every frame is
 ``seq:u64 length:u32 kind:u8 payload tag``: the number of the frame on its connection, the payload's length
 (at most :data:`~hora.engine.codec.MAX_FRAME_BYTES` per rank it carries, checked before the payload is read),
-whether it is a round's frame or a loss notice, and the sender's tag (:mod:`hora.engine.seal`) over all of
+whether it is a round's frame or a loss notice, and the sender's tag (:mod:`hora.engine.auth.seal`) over all of
 it. A frame that fails any check fails the round, naming the peer. A round's frame holds the payloads the
 schedule says it must, each length-prefixed when it holds several: a peer relays others' payloads only
 inside its own sealed frame. Payloads are round frames in the plain-value wire format
-(:mod:`hora.engine.frames`), never pickles.
+(:mod:`hora.engine.scheduling.frames`), never pickles.
 """
 
 from __future__ import annotations
@@ -46,12 +46,13 @@ from collections.abc import Callable
 from typing import Any
 
 from hora.common.knobs import Knobs
-from hora.engine import handshake
+from hora.engine.auth import handshake
+from hora.engine.auth.handshake import HandshakeFailed, Identity, Peer
+from hora.engine.auth.listener import HANDSHAKE_S, PeerListener
+from hora.engine.auth.seal import FrameSeal
 from hora.engine.codec import MAX_FRAME_BYTES
-from hora.engine.handshake import HandshakeFailed, Identity, Peer
-from hora.engine.listener import HANDSHAKE_S, PeerListener
-from hora.engine.round_schedule import Schedule, Transfer, full, schedule
-from hora.engine.seal import FrameSeal
+from hora.engine.transport.faults import BadFrame, PeerLost
+from hora.engine.transport.round_schedule import Schedule, Transfer, full, schedule
 from hora.errors import CollectiveError
 
 log = logging.getLogger(__name__)
@@ -64,25 +65,6 @@ _RING = b"!"
 WAIT_TICK_S = 1.0  # how often a round waiting for peers calls Mesh.on_wait
 NOTICE_S = 2.0  # how long a loss notice may wait for room in a peer's socket buffer
 _READ = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
-
-
-class PeerLost(CollectiveError):
-    """A rank is gone: its control connection closed or broke (its process ended or its link went down), or
-    a peer's loss notice said so."""
-
-    def __init__(self, peer: int, why: str) -> None:
-        super().__init__(f"rank {peer}'s control connection {why}")
-        self.peer = peer
-
-
-class BadFrame(CollectiveError):
-    """A peer's control frame failed a check (its tag, its number, its size): the connection was tampered
-    with, or the peer is broken. The round fails on this rank, naming the peer."""
-
-    def __init__(self, rank: int, peer: int, where: str, why: str) -> None:
-        super().__init__(f"rank {rank}: the control connection from rank {peer} ({where}) {why}; the job cannot "
-                         "trust its negotiation any more")
-        self.peer = peer
 
 
 class Mesh:
@@ -451,10 +433,10 @@ def connect_mesh(me: Identity, size: int, store: Any, advertise: str, timeout: f
                  round_timeout: float = math.inf, full_upto: int | None = None) -> Mesh:
     """Connect each rank to the peers its rounds exchange frames with (collective: every rank calls it):
     every other rank up to ``full_upto`` ranks (default: ``HORA_MESH_FULL_UPTO``'s), its recursive-doubling
-    partners above (:func:`hora.engine.round_schedule.schedule`). A rank with higher peers listens and
+    partners above (:func:`hora.engine.transport.round_schedule.schedule`). A rank with higher peers listens and
     publishes its address in the store; it dials its lower peers (waiting in the store for their addresses
     only) and accepts its higher ones, each connection opened by the handshake of
-    :mod:`hora.engine.handshake`. Rounds' frames are then sealed with ``me.secret``.
+    :mod:`hora.engine.auth.handshake`. Rounds' frames are then sealed with ``me.secret``.
 
     Raises:
         IncompatiblePeer: a rank runs another wire version or other hora code.

@@ -16,7 +16,7 @@ from typing import Any
 
 from hora.diagnostics import where
 from hora.diagnostics.stall_report import StallAction, StallPolicy, format_stall_report
-from hora.engine.table import JOIN, SHUTDOWN, Entry, Table
+from hora.engine.scheduling.table import JOIN, SHUTDOWN, Entry, Table
 from hora.errors import CollectiveTimeoutError
 
 log = logging.getLogger(__name__)
