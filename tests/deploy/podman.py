@@ -22,11 +22,12 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+from tests.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,15 +121,18 @@ class Container:
         podman("rm", "-f", "-v", "-t", "0", self.name, check=False)
 
     def wait_for_log(self, text: str, timeout: float = 120) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
+        def state() -> str:
+            return podman("inspect", "--format", "{{.State.Status}}", self.name, check=False).stdout.strip()
+
+        def logged() -> str:
             logs = self.logs()
-            if text in logs:
-                return logs
-            state = podman("inspect", "--format", "{{.State.Status}}", self.name, check=False).stdout.strip()
-            if state not in ("running", "created", "configured") or time.monotonic() > deadline:
-                raise AssertionError(f"{self.name} ({state}) never logged {text!r}:\n{logs[-3000:]}")
-            time.sleep(0.5)
+            return logs if text in logs else ""
+
+        logs = wait_until(logged, timeout=timeout, step=0.5,
+                          unless=lambda: state() not in ("running", "created", "configured"))
+        if not logs:
+            raise AssertionError(f"{self.name} ({state()}) never logged {text!r}:\n{self.logs()[-3000:]}")
+        return logs
 
 
 def run_container(name: str, image: str, args: Sequence[str], *, network: str | None = None,

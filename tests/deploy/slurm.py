@@ -19,9 +19,11 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from tests.polling import wait_until
 
 TOOLS = ("slurmctld", "slurmd", "sbatch", "sinfo", "munged", "ip", "nsenter", "unshare")
 NODES = ("node1", "node2", "node3", "lost1")
@@ -161,16 +163,16 @@ KillWait=5
                      "--propagation", "private", "sh", "-c", script], own / "slurmd.out")
 
     def _wait_idle(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
+        shown: dict[str, Any] = {}
+
+        def idle() -> bool:
             out = _sh("sinfo", "-h", "-N", "-o", "%N %t", check=False, env=self.env())
-            states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
-            if len(states) == len(NODES) and all(s == "idle" for s in states.values()):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Slurm nodes not idle after {timeout} s: {states or out.stderr}\n"
-                                   f"{self.logs()}")
-            time.sleep(0.3)
+            shown.update(states=dict(line.split() for line in out.stdout.splitlines() if line.strip()), err=out.stderr)
+            return len(shown["states"]) == len(NODES) and all(s == "idle" for s in shown["states"].values())
+
+        if not wait_until(idle, timeout=timeout, step=0.3):
+            raise RuntimeError(f"Slurm nodes not idle after {timeout} s: {shown['states'] or shown['err']}\n"
+                               f"{self.logs()}")
 
     def logs(self) -> str:
         parts = []
@@ -188,18 +190,19 @@ KillWait=5
         if submitted.returncode != 0:
             return submitted
         job = submitted.stdout.strip().split(";")[0]
-        deadline = time.monotonic() + timeout
-        while True:
-            shown = _sh("scontrol", "show", "job", "-o", job, check=False, env=self.env()).stdout
-            state = re.search(r"\bJobState=(\S+)", shown)
-            if state is not None and state.group(1) not in _UNFINISHED:
-                code = re.search(r"\bExitCode=(\d+):(\d+)", shown)
-                status, signal = (int(code.group(1)), int(code.group(2))) if code else (1, 0)
-                return subprocess.CompletedProcess(["sbatch", *args], status or (128 + signal if signal else 0),
-                                                   submitted.stdout, submitted.stderr)
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(["sbatch", *args], timeout, shown)
-            time.sleep(0.5)
+        shown = [""]
+
+        def ended() -> bool:
+            shown[0] = _sh("scontrol", "show", "job", "-o", job, check=False, env=self.env()).stdout
+            state = re.search(r"\bJobState=(\S+)", shown[0])
+            return state is not None and state.group(1) not in _UNFINISHED
+
+        if not wait_until(ended, timeout=timeout, step=0.5):
+            raise subprocess.TimeoutExpired(["sbatch", *args], timeout, shown[0])
+        code = re.search(r"\bExitCode=(\d+):(\d+)", shown[0])
+        status, signal = (int(code.group(1)), int(code.group(2))) if code else (1, 0)
+        return subprocess.CompletedProcess(["sbatch", *args], status or (128 + signal if signal else 0),
+                                           submitted.stdout, submitted.stderr)
 
     def close(self) -> None:
         for proc in self.procs:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 
 from tests.deploy import podman as pm
 from tests.deploy.podman import Pair
+from tests.polling import wait_until
 
 pytestmark = pytest.mark.containers
 
@@ -72,10 +72,8 @@ def _wait_until_reachable(node: pm.Container, host: str, port: int, timeout: flo
     """Wait until ``node`` resolves ``host`` and connects to its port: a container that has just started can
     log "Server listening" before the network's DNS answers for its name (hora run then fails preflight)."""
     probe = f"import socket; socket.create_connection(({host!r}, {port}), 2).close()"
-    deadline = time.monotonic() + timeout
-    while not _probe(node, probe):
-        assert time.monotonic() < deadline, f"{node.name} cannot reach {host}:{port} after {timeout:.0f} s"
-        time.sleep(0.5)
+    assert wait_until(lambda: _probe(node, probe), timeout=timeout, step=0.5), (
+        f"{node.name} cannot reach {host}:{port} after {timeout:.0f} s")
 
 
 def _probe(node: pm.Container, probe: str) -> bool:
@@ -96,13 +94,11 @@ def test_killed_container_is_reported_with_its_host(image: str, pair: Pair) -> N
         job = subprocess.Popen([*pm.PODMAN, "exec", pair.nodes[0].name, "hora", "run", "-np", "2", "-H",
                                 "node1:1,node3:1", "-p", "2222", "python", "/data/loop.py"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 240
-        while not all((pair.data / f"ready-{r}").exists() for r in (0, 1)):
-            if job.poll() is not None or time.monotonic() > deadline:
-                job.kill()
-                output, _ = job.communicate(timeout=60)
-                raise AssertionError(f"the job never got going (exit {job.returncode}):\n{output[-3000:]}")
-            time.sleep(0.5)
+        if not wait_until(lambda: all((pair.data / f"ready-{r}").exists() for r in (0, 1)), timeout=240, step=0.5,
+                          unless=lambda: job.poll() is not None):
+            job.kill()
+            output, _ = job.communicate(timeout=60)
+            raise AssertionError(f"the job never got going (exit {job.returncode}):\n{output[-3000:]}")
         pm.podman("kill", victim.name)
         output, _ = job.communicate(timeout=180)
     finally:
@@ -171,10 +167,7 @@ def test_pid1_reaps_orphans_and_forwards_signals(image: str, tmp_path: Path) -> 
     tmp_path.chmod(0o777)
     box = pm.run_container("pid1", image, ["bash", "-c", TRAP], volumes=[f"{tmp_path}:/data"])
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "states").exists():
-            assert time.monotonic() < deadline
-            time.sleep(0.3)
+        assert wait_until((tmp_path / "states").exists, timeout=120, step=0.3), "the container never wrote its states"
         assert not any(s.startswith("Z") for s in (tmp_path / "states").read_text().split()), "a zombie was left"
         pm.podman("stop", "-t", "60", box.name, timeout=120)
         code = pm.podman("inspect", "--format", "{{.State.ExitCode}}", box.name).stdout.strip()

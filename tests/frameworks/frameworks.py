@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from tests.polling import wait_until
+
 HERE = Path(__file__).resolve().parent
 TRAINING = (HERE / "training.py").read_text()
 
@@ -60,12 +62,8 @@ def run_driver(script: str, tmp: Path, timeout: float,
 
 def gone(pids: list[int], within: float) -> list[int]:
     """The pids still alive after waiting up to ``within`` seconds for them to end."""
-    deadline = time.monotonic() + within
-    while True:
-        alive = [p for p in pids if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
+    wait_until(lambda: not any(_alive(p) for p in pids), timeout=within, step=0.1)
+    return [p for p in pids if _alive(p)]
 
 
 def _state(pid: int) -> str:
@@ -135,9 +133,7 @@ class Keeper:
         except OSError:
             pass
         if self.pid:
-            deadline = time.monotonic() + timeout
-            while _alive(self.pid) and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_until(lambda: not _alive(self.pid), timeout=timeout, step=0.2)
             try:
                 os.killpg(self.pid, signal.SIGKILL)  # whatever of the framework is left: it is all in this session
             except (ProcessLookupError, PermissionError):
