@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tests.polling import wait_until
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
@@ -394,21 +396,21 @@ class Cluster:
 
     def _wait_sshd(self, host: Host, deadline_s: float = 20) -> None:
         probe = ["ssh", *self.ssh_args, host.addr, "hostname"]
-        end = time.monotonic() + deadline_s
-        first = self.hosts[0]
-        while True:
-            assert host.sshd is not None
-            if host.sshd.poll() is not None:
-                raise RuntimeError(f"sshd on {host.hostname} exited: {_tail(host.workdir / 'sshd.log')}")
+        first, sshd = self.hosts[0], host.sshd
+        assert sshd is not None
+        answer = [""]
+
+        def answered() -> bool:
             out = first.run(probe, timeout=15)
-            if out.returncode == 0 and out.stdout.strip() == host.hostname:
-                return
-            if time.monotonic() > end:
-                raise RuntimeError(
-                    f"sshd on {host.hostname} ({host.addr}) not answering: {out.stderr.strip()}"
-                    f"\n{_tail(host.workdir / 'sshd.log')}"
-                )
-            time.sleep(0.1)
+            answer[0] = out.stderr.strip()
+            return out.returncode == 0 and out.stdout.strip() == host.hostname
+
+        if wait_until(answered, timeout=deadline_s, step=0.1, unless=lambda: sshd.poll() is not None):
+            return
+        if sshd.poll() is not None:
+            raise RuntimeError(f"sshd on {host.hostname} exited: {_tail(host.workdir / 'sshd.log')}")
+        raise RuntimeError(f"sshd on {host.hostname} ({host.addr}) not answering: {answer[0]}"
+                           f"\n{_tail(host.workdir / 'sshd.log')}")
 
     def close(self) -> None:
         """Tear everything down: sshds, every process in every namespace, the namespaces. Idempotent."""

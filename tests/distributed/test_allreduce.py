@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from hora.datapath.kinds.op import Kind
 from hora.datapath.wire import POOL_MIN_BYTES, WIRE_BUFFERS, CastCompressor
 from tests.distributed.expect import ALL, FLOATS, close, ops_for, rank_input, reduce
 from tests.distributed.harness import run_ranks
+from tests.polling import wait_until
 
 SHAPE = (3, 5)
 
@@ -153,8 +152,7 @@ def _variants(rank: int, size: int) -> None:
     # async + poll + synchronize, out of place and in place
     x = inputs[rank].clone()
     h = hvd.allreduce_async(x, op=hvd.Average, name="async")
-    while not hvd.poll(h):
-        time.sleep(0.001)
+    assert wait_until(lambda: hvd.poll(h), timeout=60, step=0.001), "poll() never said the allreduce is done"
     close(hvd.synchronize(h), want_avg, "allreduce_async")
     close(x, inputs[rank], "allreduce_async left its input alone")
     y = inputs[rank].clone()
