@@ -97,3 +97,21 @@ class ElasticJob:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def check_same_training(results: Sequence[Mapping[str, Any]], samples: int, epochs: int) -> None:
+    """What the survivors of an elastic job report (``params``, and ``applied``: the batches of sample indices
+    their state committed, in order) shows one training: the same parameters and batches on every rank, and
+    every sample applied exactly once per epoch, across the resizes (none lost or repeated)."""
+    first = results[0]
+    for r in results[1:]:
+        assert r["params"] == first["params"], "ranks ended with different parameters"
+        assert r["applied"] == first["applied"]
+    split: list[list[int]] = [[]]
+    for batch in first["applied"]:
+        if len(split[-1]) == samples:
+            split.append([])
+        split[-1].extend(batch)
+    assert len(split) == epochs
+    for n, seen in enumerate(split):
+        assert sorted(seen) == list(range(samples)), f"epoch {n}: samples lost or repeated"

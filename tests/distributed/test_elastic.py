@@ -31,6 +31,7 @@ from hora.elastic import notifications
 from hora.protocol.signedstore import SignedStore
 from hora.runtime import lifecycle as runtime
 from tests.distributed.harness import run_ranks
+from tests.elastic_job import check_same_training
 from tests.polling import wait_until
 
 SAMPLES = 24
@@ -242,18 +243,8 @@ def _signal_and_wait(at_step: int) -> Callable[[Any], None]:
 
 def _check_training(results: list[dict[str, Any]], sizes: list[int]) -> None:
     first = results[0]
-    for r in results[1:]:
-        assert r["params"] == first["params"], "ranks ended with different parameters"
-        assert r["applied"] == first["applied"]
+    check_same_training(results, SAMPLES, EPOCHS)
     assert sorted(set(first["sizes"])) == sorted(sizes)
-    epochs: list[list[int]] = [[]]
-    for batch in first["applied"]:
-        if len(epochs[-1]) == SAMPLES:
-            epochs.append([])
-        epochs[-1].extend(batch)
-    assert len(epochs) == EPOCHS
-    for n, samples in enumerate(epochs):  # every sample applied exactly once per epoch, across the resize
-        assert sorted(samples) == list(range(SAMPLES)), f"epoch {n}: samples lost or repeated"
     assert first["params"] == pytest.approx(_replay(list(first["applied"])), rel=1e-5, abs=1e-6)
 
 

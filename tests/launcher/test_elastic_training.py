@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.elastic_job import ElasticJob
+from tests.elastic_job import ElasticJob, check_same_training
 from tests.launcher.helpers import HORA, PYTHON, alive
 from tests.polling import wait_until
 
@@ -72,17 +72,7 @@ def _check(j: Job, code: int, log: str, survivors: int, sizes: set[int] | None) 
     results = j.results()
     assert len(results) == survivors, log
     first = results[0]
-    for r in results[1:]:
-        assert r["params"] == first["params"], "ranks ended with different parameters"
-        assert r["applied"] == first["applied"]
-    epochs: list[list[int]] = [[]]
-    for batch in first["applied"]:
-        if len(epochs[-1]) == SAMPLES:
-            epochs.append([])
-        epochs[-1].extend(batch)
-    assert len(epochs) == EPOCHS
-    for n, samples in enumerate(epochs):
-        assert sorted(samples) == list(range(SAMPLES)), f"epoch {n}: samples lost or repeated"
+    check_same_training(results, SAMPLES, EPOCHS)
     assert first["params"] == pytest.approx(first["replay"], rel=1e-5, abs=1e-6)
     if sizes is not None:
         assert {s["size"] for s in j.steps()} == sizes
