@@ -47,7 +47,7 @@ def _train(rank: int, size: int) -> dict[str, object]:
     from hora.training import autotune
 
     tuner = autotune.tuner_for(reducer)
-    fusion = lifecycle.state().negotiator._rounds.dispatch._fused.threshold
+    fusion = lifecycle.state().negotiator.snapshot().fusion_threshold
     return {"plans": plans, "exact": exact, "caps": reducer._caps(), "active": tuner.active if tuner else None,
             "fusion": fusion, "best": tuner.search.best if tuner and tuner.search else None}
 

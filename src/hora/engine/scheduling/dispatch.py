@@ -53,6 +53,11 @@ class Dispatcher:
         same round)."""
         self._fused.threshold = threshold
 
+    @property
+    def fusion_threshold(self) -> int:
+        """Bytes up to which ready allreduces are fused now."""
+        return self._fused.threshold
+
     def run(self, ready: Sequence[Entry], joined: frozenset[int]) -> None:
         """Issue ``ready`` in order: inline reductions first, then fused batches and single ops."""
         if self._launch_stream is None or not ready:

@@ -71,6 +71,7 @@ class EngineSnapshot:
     cached: int  # requests the response cache knows
     entries: list[str]  # names in the table, waiting for members
     tombstones: list[str]  # names that failed, remembered for late members
+    fusion_threshold: int  # bytes up to which ready allreduces are fused (autotune changes it)
 
 
 class Negotiator:
@@ -141,13 +142,14 @@ class Negotiator:
     def snapshot(self) -> EngineSnapshot:
         """What this rank's engine holds now, as plain values, for tests and debugging: the phase, the unnamed
         ops' sequence numbers per process set, the names submitted / in flight / queued / rejected, the
-        response cache's size, and the table's pending names and tombstones (as of the last round: a round
-        running meanwhile may change them)."""
+        response cache's size, the table's pending names and tombstones (as of the last round: a round
+        running meanwhile may change them), and the fusion threshold."""
         with self._pending.lock:
             pending = self._pending.snapshot()
         return EngineSnapshot(phase=self._phase.name, cached=len(self._rounds.cache),
                               entries=sorted(self._rounds.table.entries),
-                              tombstones=sorted(self._rounds.table.tombstones), **pending)
+                              tombstones=sorted(self._rounds.table.tombstones),
+                              fusion_threshold=self._rounds.dispatch.fusion_threshold, **pending)
 
     def _move(self, to: Phase) -> bool:
         """Change phase (lock held); True when it changed. Once CLOSING or BROKEN the thread still runs and
