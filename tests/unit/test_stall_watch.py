@@ -4,7 +4,7 @@ hosts are partitioned, which member froze in a transfer; and the silent-rank rep
 from __future__ import annotations
 
 from hora.diagnostics.stall_report import format_silent_report
-from hora.launcher.stall_watch import StallWatch
+from hora.launcher.supervision.stall_watch import StallWatch
 
 HOSTS = {0: "n2", 1: "n3", 2: "n3", 3: "n4"}
 

@@ -51,7 +51,8 @@ class SlotInfo:
     host_index: int
 
 
-def _parse_entry(entry: str, where: str) -> HostSpec:
+def parse_entry(entry: str, where: str) -> HostSpec:
+    """One ``host`` or ``host:slots`` entry (an IPv6 address in brackets); ``where`` names it in errors."""
     entry = entry.strip()
     if not entry:
         raise ConfigError(f"{where}: empty host entry; write host:slots entries separated by commas, "
@@ -104,7 +105,7 @@ def _check_unique(hosts: list[HostSpec], where: str) -> tuple[HostSpec, ...]:
 def parse_hosts(text: str) -> tuple[HostSpec, ...]:
     """Parse ``-H``: ``host[:slots],host[:slots],...`` (slots default to 1)."""
     where = f"-H {text!r}"
-    return _check_unique([_parse_entry(e, where) for e in text.split(",")], where)
+    return _check_unique([parse_entry(e, where) for e in text.split(",")], where)
 
 
 def parse_hostfile_text(text: str, path: str) -> tuple[HostSpec, ...]:
@@ -117,12 +118,12 @@ def parse_hostfile_text(text: str, path: str) -> tuple[HostSpec, ...]:
         where = f"hostfile {path} line {lineno}"
         fields = line.split()
         if len(fields) == 1:
-            hosts.append(_parse_entry(fields[0], where))
+            hosts.append(parse_entry(fields[0], where))
             continue
         m = re.fullmatch(r"slots\s*=\s*(\S+)", " ".join(fields[1:]))
         if not m:
             raise ConfigError(f"{where}: cannot read {line!r}; write 'host slots=N' or 'host:N'")
-        spec = _parse_entry(fields[0], where)
+        spec = parse_entry(fields[0], where)
         hosts.append(HostSpec(spec.name, _parse_slots(m.group(1), spec.name, line, where)))
     return _check_unique(hosts, f"hostfile {path}")
 

@@ -21,8 +21,6 @@ REPORT_LINES = 20  # shown when the rank printed no traceback
 # torch prefixes an uncaught exception's lines with "[rankN]:" once a process group exists
 _TRACEBACK_START = re.compile(r"^(\[rank\d+\]:\s?)?Traceback \(most recent call last\):")
 _COLLECTIVE_ERROR = re.compile(r"\b(CollectiveError|CollectiveTimeoutError|HorovodInternalError|PeerLostError)\b")
-# a rank that raised this failed because another rank was gone: a consequence, never the root cause
-_FOLLOW_ON = re.compile(r"^(\w+\.)*PeerLostError:")
 # torch's c10d logs this when a peer's address has no name (e.g. after a host was lost); it is noise, not a
 # cause, so it never takes the place of the rank's real last words in a failure report
 _TAIL_NOISE = re.compile(r"hostname of the client socket cannot be retrieved")
@@ -356,16 +354,18 @@ def traceback_of(tail: list[str]) -> list[str] | None:
 
 
 def failure_report(rank: int, host: str, how: str, tail: list[str], others: int,
-                   finished: Sequence[int] = (), same: Sequence[int] = (), followed: Sequence[int] = ()) -> list[str]:
+                   finished: Sequence[int] = (), same: Sequence[int] = (), followed: Sequence[int] = (), *,
+                   where: str | None = None, followed_by: Sequence[str] = ("PeerLostError",)) -> list[str]:
     """The root-cause report: what failed first, where, and its traceback or last stderr lines.
 
     ``same`` lists the other ranks that raised the same error (their tracebacks were held back from the
     console): one line names them, so the root cause's traceback is shown once. ``followed`` lists the ranks
-    whose collectives then failed because a rank was gone (a ``PeerLostError``, held back too): one line.
-    ``finished`` lists the ranks that had already exited with status 0: when the failure is a collective
-    that lost its peers, they most likely ran fewer steps (uneven data without ``hvd.join()``).
+    whose collectives then failed because a rank was gone (they raised the follow-on errors ``followed_by``, held
+    back too): one line. ``finished`` lists the ranks that had already exited with status 0: when the failure is
+    a collective that lost its peers, they most likely ran fewer steps (uneven data without ``hvd.join()``).
+    ``where`` says where the rank ran (default ``"host <host>"``; a cluster framework's words, e.g. a Ray node).
     """
-    lines = [f"hora run: rank {rank} on host {host} failed first: {how}"]
+    lines = [f"hora run: rank {rank} on {where or f'host {host}'} failed first: {how}"]
     if others:
         lines.append(f"hora run: stopping the other {others} rank{'s' if others != 1 else ''}")
     tb = traceback_of(tail)
@@ -386,7 +386,7 @@ def failure_report(rank: int, host: str, how: str, tail: list[str], others: int,
         ranks = ", ".join(str(r) for r in sorted(followed))
         many = len(followed) > 1
         lines.append(f"hora run: then rank{'s' if many else ''} {ranks} stopped: {'their' if many else 'its'} "
-                     f"collectives could not go on without rank {rank} (PeerLostError)")
+                     f"collectives could not go on without rank {rank} ({', '.join(followed_by)})")
     if how.startswith(OOM_KILLED):
         lines.append("hora run: hint: the rank needed more memory than its limit allows: use less per rank (a smaller "
                      "batch, fewer DataLoader workers), run fewer ranks per host, or raise the limit (a pod's "
@@ -396,19 +396,29 @@ def failure_report(rank: int, host: str, how: str, tail: list[str], others: int,
     return lines
 
 
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+_TYPE = re.compile(r"^([A-Za-z_][\w.]*)(?::|$)")
+
+
 def _error_line(tb: list[str]) -> str:
     """The ``Type: message`` line of a traceback (the first unindented line after the frames)."""
-    for text in tb[1:]:
+    for raw in tb[1:]:
+        text = _RANK_PREFIX.sub("", raw)
         if text and not text[0].isspace():
-            return re.sub(r"^\[rank\d+\]:\s?", "", text)
-    return tb[-1] if tb else ""
+            return text
+    return _RANK_PREFIX.sub("", tb[-1]) if tb else ""
 
 
-def follow_on(lines: list[str]) -> bool:
-    """``lines`` (a rank's output) end in a traceback of a ``PeerLostError``: the rank failed because another
-    rank was gone."""
+def error_type(lines: list[str]) -> str | None:
+    """The type name (without its module) of the exception whose traceback ends ``lines`` (a rank's output), or
+    None when they hold no traceback.
+
+    >>> error_type(["Traceback (most recent call last):", '  File "t.py", line 1', "hora.PeerLostError: gone"])
+    'PeerLostError'
+    """
     tb = traceback_of(lines)
-    return tb is not None and bool(_FOLLOW_ON.search(_error_line(tb)))
+    found = _TYPE.match(_error_line(tb)) if tb else None
+    return found.group(1).rsplit(".", 1)[-1] if found else None
 
 
 def same_error(lines: list[str], tb: list[str]) -> bool:
@@ -464,13 +474,7 @@ def _columns(stream: IO[str]) -> int:
     return columns if columns > 0 else 80  # a terminal that does not say its size
 
 
-_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Warning))(?::|$)")
-
-
 def exception_name(traceback: list[str] | None) -> str:
-    """``"raised CollectiveTimeoutError"`` from a traceback's last line, else ``"failed"``."""
-    for line in reversed(traceback or []):  # the message may span lines: find the line that names the type
-        found = _EXCEPTION_LINE.match(line)
-        if found:
-            return f"raised {found.group(1).rsplit('.', 1)[-1]}"
-    return "failed"
+    """``"raised CollectiveTimeoutError"`` from a traceback, else ``"failed"``."""
+    name = error_type(traceback or [])
+    return f"raised {name}" if name else "failed"

@@ -7,11 +7,11 @@ the same signed store, worlds, reset protocol, blacklist and limits. Two of its 
 * the hosts (:class:`RayHosts`): Ray's live nodes, one host per node address, with as many slots as the nodes
   have CPUs (and GPUs) for ``cpus_per_worker`` (``gpus_per_worker``); read about once a second, so nodes that
   join or leave the cluster join or leave the job;
-* the workers (:class:`RayActors`): one actor per worker process, pinned to a node of its host, its place in
-  the job and the job's secret set in its environment through a Ray call (never a command line or a log), the
-  user's function run in it. The end of that run call is the worker's end: its value, the exception it raised,
-  or Ray's word that the actor died (``ray.kill``, its process killed, its node lost). Stopping a worker kills
-  its actor.
+* the workers (:class:`~hora.ray.actors.RayActors`): one actor per worker process, pinned to a node of its
+  host, its place in the job and the job's secret set in its environment through a Ray call (never a command
+  line or a log), the user's function run in it. The end of that run call is the worker's end: its value, the
+  exception it raised, or Ray's word that the actor died (``ray.kill``, its process killed, its node lost).
+  Stopping a worker kills its actor.
 
 A worker that dies is a failed worker as under ``hora run``: its peers' collectives fail, they go back to their
 last commit (``hvd.elastic.run``) and the next world goes on without it. The job ends when the final world's
@@ -24,9 +24,8 @@ import logging
 import re
 import signal
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -36,18 +35,17 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from hora.errors import ConfigError, JobFailedError
 from hora.launcher import output
 from hora.launcher.config import ElasticConfig, RunConfig
-from hora.launcher.elastic.driver import ElasticDriver
+from hora.launcher.elastic.driver import ElasticDriver, LostMember
 from hora.launcher.elastic.hosts import DiscoveredHosts, HostDiscovery
 from hora.launcher.elastic.workers import Worker
 from hora.launcher.hosts import HostSpec
-from hora.launcher.remote.agent_handle import AgentHandle
-from hora.protocol import messages as protocol
+from hora.launcher.supervision.loop import Handle
 from hora.protocol.jobsecret import ENV_SECRET
+from hora.ray.actors import RayActor, RayActors
 from hora.ray.worker import BaseHorovodWorker
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_WAIT_S = 10.0  # at the end, how long the killed actors get to report their end
 # A worker waits this much longer than the driver for its next world: the driver, which sees every worker, gives
 # the verdict (a job below min_workers fails naming the worker that was lost, not a survivor that gave up). A
 # driver that is gone takes its actors with it (Ray ends an owner's actors), so the workers' own deadline is
@@ -134,114 +132,6 @@ class DiscoveryHosts(DiscoveredHosts):
         return f"node:{host}"
 
 
-@dataclass
-class _Actor:
-    number: int
-    actor: Any
-    node_id: str
-    host: str
-    run: Any  # the ObjectRef of the user's function
-    described: Any  # the ObjectRef of the actor's (node id, address, hostname, pid)
-    stopping: bool = False
-    value: Any = None
-    error: BaseException | None = None
-
-    def where(self) -> str:
-        try:
-            _node, ip, _hostname, pid = ray.get(self.described, timeout=0.5)
-            return f"node {ip} (Ray node {self.node_id[:8]}, pid {pid})"
-        except Exception:  # noqa: BLE001 - it never started, or it is gone: what the driver placed it on
-            return f"node {self.host} (Ray node {self.node_id[:8]})"
-
-
-@dataclass(eq=False)
-class RayActors(AgentHandle):
-    """The driver's handle on a batch of workers started together on one host, one Ray actor each: it plays
-    the part an agent plays under ``hora run``. A thread waits on the actors' run calls and turns each end into
-    the driver's ``exit`` message; ``stop`` kills actors (Ray gives a worker no grace: its peers reset to their
-    last commit either way)."""
-
-    actors: dict[int, _Actor] = field(default_factory=dict)
-    ended: threading.Event = field(default_factory=threading.Event)
-
-    def watch(self, events: Any) -> None:
-        threading.Thread(target=self._watch, args=(events,), daemon=True, name=f"hora-ray-{self.host}").start()
-
-    def _watch(self, events: Any) -> None:
-        events.put(("msg", self.index, {"t": protocol.STARTED, "hostname": self.host}))
-        pending = {a.run: a for a in self.actors.values()}
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            for ref in done:
-                a = pending.pop(ref)
-                end = self._exit(a)
-                # its process ends with its function, as a worker's does under hora run: the actor's CPUs (or
-                # GPUs) go back to Ray for a newcomer
-                self._release(a)
-                for text in _traceback_lines(a.error):  # the worker's own report, as its stderr under hora run
-                    events.put(("msg", self.index, {"t": protocol.OUT, "r": a.number, "s": "stderr", "l": text,
-                                                    "ts": end["ts"]}))
-                events.put(("msg", self.index, end))
-        self.ended.set()
-        events.put(("eof", self.index, 0))
-
-    def _exit(self, a: _Actor) -> dict[str, Any]:
-        message: dict[str, Any] = {"t": protocol.EXIT, "r": a.number, "code": 0, "stopped": a.stopping,
-                                   "ts": time.time()}
-        try:
-            a.value = ray.get(a.run)
-        except ray.exceptions.RayTaskError as e:  # the function raised in the actor
-            cause = e.cause if isinstance(e.cause, BaseException) else e
-            a.error = e
-            message.update(code=1, how=f"raised {type(cause).__name__}: {cause}")
-        except ray.exceptions.RayError as e:  # the actor died: killed, out of memory, its node lost
-            a.error = e
-            message.update(code=1, how=f"its Ray actor died ({type(e).__name__}: killed, out of memory, or its "
-                                       "node was lost)")
-        return message
-
-    def send(self, message: dict[str, Any]) -> None:
-        if message.get("t") != protocol.STOP:
-            return  # pings and stall probes: Ray's own liveness stands in for an agent's
-        numbers = message.get("r")
-        for a in self.actors.values():
-            if numbers is None or a.number in numbers:
-                self._kill(a)
-
-    def close_stdin(self) -> None:
-        self.kill_all()
-
-    def kill_all(self) -> None:
-        for a in self.actors.values():
-            self._kill(a)
-
-    @staticmethod
-    def _kill(a: _Actor) -> None:
-        a.stopping = True
-        RayActors._release(a)
-
-    @staticmethod
-    def _release(a: _Actor) -> None:
-        try:
-            ray.kill(a.actor, no_restart=True)
-        except Exception as e:  # noqa: BLE001 - already gone
-            log.debug("hora.ray: actor of worker %d already gone: %s", a.number, e)
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_CARETS = re.compile(r"^\s*\^+\s*$")
-
-
-def _traceback_lines(error: BaseException | None) -> list[str]:
-    """The traceback a worker's function raised with, as Ray words it (its ``ray::...execute() (pid, ip)`` line,
-    then the frames), colours and the carets of Ray's own frame removed; none for a dead actor."""
-    if not isinstance(error, ray.exceptions.RayTaskError):
-        return []
-    lines = _ANSI.sub("", str(error)).rstrip("\n").splitlines()
-    first_frame = next((i for i, text in enumerate(lines) if text.lstrip().startswith("File ")), len(lines))
-    return [text for i, text in enumerate(lines) if i >= first_frame or not _CARETS.match(text)]
-
-
 @dataclass(kw_only=True)
 class ElasticParams:
     """An elastic Ray job's settings (Horovod's names)."""
@@ -305,18 +195,17 @@ class RayElasticDriver(ElasticDriver):
         self.executable = executable
         self.cpus_per_worker = cpus_per_worker
         self.gpus_per_worker = gpus_per_worker
-        self.lost: list[tuple[int, int, Worker]] = []  # (world, rank in it, worker) of each member that failed
 
-    def _store_address(self, hosts: list[HostSpec]) -> str:
+    def store_address(self, hosts: list[HostSpec]) -> str:
         """The Ray driver's node address (every Ray node reaches it, as Ray requires), or the ``nics``' address:
         not chosen from the first hosts, which may be none yet (a head without CPUs, workers still joining)."""
         if self.cfg.network_interfaces:
-            return super()._store_address(hosts)
+            return super().store_address(hosts)
         return str(ray.util.get_node_ip_address())
 
-    def _launch(self, host: str, workers: list[tuple[int, int, dict[str, str]]]) -> AgentHandle:
+    def launch(self, host: str, workers: list[tuple[int, int, dict[str, str]]]) -> Handle:
         actor_cls = ray.remote(BaseHorovodWorker)
-        handle = RayActors(index=len(self.agents), host=host, proc=None, ranks=[n for n, _, _ in workers])
+        handle = RayActors(index=len(self.handles), host=host, ranks=[n for n, _, _ in workers])
         for number, slot, env in workers:
             node = self.ray_hosts.node_of(host, slot) or ""
             options: dict[str, Any] = {"num_cpus": self.cpus_per_worker, "num_gpus": self.gpus_per_worker,
@@ -332,45 +221,18 @@ class RayElasticDriver(ElasticDriver):
             described = actor.describe.remote()
             actor.update_env_vars.remote({**env, **self.env})
             actor.start_executable.remote(*self.executable)
-            handle.actors[number] = _Actor(number, actor, node, host, actor.execute.remote(self.fn), described)
-        self.agents.append(handle)
-        handle.watch(self.events)
+            handle.actors[number] = RayActor(number, actor, node, host, actor.execute.remote(self.fn), described)
+        self.watch(handle)
         return handle
-
-    def _on_exit(self, w: Worker) -> None:
-        rank = self.world.rank_of(w.wid) if self.world is not None and self._member(w) else None
-        if rank is not None and self.world is not None and self._stop_deadline is None and w.state.failed \
-                and not w.state.stopped:
-            self.lost.append((self.world.gen, rank, w))
-        super()._on_exit(w)
-
-    def _shutdown_agents(self) -> None:
-        """Kill every actor still running and wait (a bounded time) for Ray to report their ends."""
-        handles = [a for a in self.agents if isinstance(a, RayActors)]
-        for handle in handles:
-            handle.kill_all()
-        deadline = time.monotonic() + SHUTDOWN_WAIT_S
-        for handle in handles:
-            if not handle.ended.wait(max(0.0, deadline - time.monotonic())):
-                log.warning("hora.ray: the actors on %s did not report their end within %.0f s", handle.host,
-                            SHUTDOWN_WAIT_S)
-
-    def _force_kill(self) -> None:
-        for state in self.processes():
-            if not state.done:
-                state.done, state.code, state.stopped = True, 1, True
-        for handle in self.agents:
-            if isinstance(handle, RayActors):
-                handle.kill_all()
 
     def results(self) -> list[Any]:
         """The values of the final world's workers, in rank order."""
         if self.world is None:
             return []
-        by_wid = {w.wid: w for w in self.workers.values() if self._member(w)}
+        by_wid = {w.wid: w for w in self.workers.values() if self.member(w)}
         return [self._actor(by_wid[wid]).value for wid in self.world.worker_ids() if wid in by_wid]
 
-    def _actor(self, w: Worker) -> _Actor:
+    def _actor(self, w: Worker) -> RayActor:
         assert isinstance(w.agent, RayActors)
         return w.agent.actors[w.number]
 
@@ -381,20 +243,21 @@ class RayElasticDriver(ElasticDriver):
         culprit = self._culprit()
         if culprit is None:
             return f"hora.ray: {summary}"
-        _gen, rank, w = culprit
+        rank, w = culprit.rank, culprit.worker
         return (f"hora.ray: {summary}; lost: rank {rank} (worker {w.wid}) on {self._actor(w).where()}: "
                 f"{w.state.how or 'failed'}")
 
-    def _culprit(self) -> tuple[int, int, Worker] | None:
+    def _culprit(self) -> LostMember | None:
+        """The first member lost in the newest world that lost one."""
         if not self.lost:
             return None
-        newest = max(gen for gen, _, _ in self.lost)
-        return next(item for item in self.lost if item[0] == newest)
+        newest = max(lost.gen for lost in self.lost)
+        return next(lost for lost in self.lost if lost.gen == newest)
 
     def last_error(self) -> BaseException | None:
         """What the last failed worker's run call raised (the user's traceback, or Ray's word on the actor)."""
         culprit = self._culprit()
-        w = culprit[2] if culprit is not None else self.failure.worker if self.failure is not None else None
+        w = culprit.worker if culprit is not None else self.failure.worker if self.failure is not None else None
         return self._actor(w).error if w is not None else None
 
 

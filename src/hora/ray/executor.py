@@ -22,25 +22,31 @@ Example:
 from __future__ import annotations
 
 import logging
-import time
+import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 import ray.exceptions
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hora.errors import ConfigError, JobFailedError
+from hora.launcher import output
+from hora.launcher.config import RunConfig
 from hora.launcher.elastic.hosts import HostDiscovery
-from hora.launcher.frameworks import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed
+from hora.launcher.fixed.driver import Driver
+from hora.launcher.frameworks import rank_failed
+from hora.launcher.hosts import SlotInfo
 from hora.launcher.pyfunc.run import RemoteTraceback
 from hora.protocol.jobsecret import ENV_SECRET, JobSecret
 from hora.ray import placement
+from hora.ray.actors import RayActor, RayActors
 from hora.ray.elastic import ElasticParams, ElasticRayJob
 from hora.ray.worker import BaseHorovodWorker
 
 log = logging.getLogger(__name__)
+
 
 
 @dataclass(kw_only=True)
@@ -231,18 +237,18 @@ class RayExecutor:
         call_args, call_kwargs = tuple(args or ()), dict(kwargs or {})
         if self._elastic is not None:
             return self._elastic.run(lambda _executable: fn(*call_args, **call_kwargs), callbacks)
-        return self._supervise(self._submit(lambda _executable: fn(*call_args, **call_kwargs)))
+        return self._supervise(lambda _executable: fn(*call_args, **call_kwargs))
 
     def execute(self, fn: Callable[[Any], Any], callbacks: list[Callable[..., Any]] | None = None) -> list[Any]:
         """Run ``fn(executable)`` on every rank (the object ``start(executable_cls)`` built); values in rank order."""
         if self._elastic is not None:
             return self._elastic.run(fn, callbacks)
-        return self._supervise(self._submit(fn))
+        return self._supervise(fn)
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(executable)`` on rank 0 only and return its value (not in an elastic job, as in Horovod)."""
         self._fixed_only("execute_single")
-        return self._supervise(self._submit(fn, ranks=self._started()[:1]))[0]
+        return self._supervise(fn, ranks=self._started()[:1])[0]
 
     def run_remote(self, fn: Callable[..., Any], args: Sequence[Any] | None = None,
                    kwargs: Mapping[str, Any] | None = None) -> list[Any]:
@@ -262,41 +268,32 @@ class RayExecutor:
             raise ConfigError("hora.ray.RayExecutor: not started (call start() first, or again after a failure)")
         return self._ranks
 
-    def _submit(self, fn: Callable[[Any], Any], ranks: list[_Rank] | None = None) -> list[Any]:
-        return [r.actor.execute.remote(fn) for r in (ranks if ranks is not None else self._started())]
+    def _submit(self, fn: Callable[[Any], Any]) -> list[Any]:
+        return [r.actor.execute.remote(fn) for r in self._started()]
 
-    def _supervise(self, refs: list[Any]) -> list[Any]:
-        """Wait for every rank's value; at the first failure stop every rank and raise it, naming the rank."""
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            failures = self._failures(done, rank_of)
-            if failures:
-                self._fail(*self._root_cause(failures, pending, rank_of))
-        return list(ray.get(refs))
+    def _supervise(self, call: Callable[[Any], Any], ranks: list[_Rank] | None = None) -> list[Any]:
+        """Run ``call(executable)`` on every rank (or ``ranks``) under the fixed driver's loop (:class:`RayRun`);
+        their values in rank order. When ranks fail, every rank is stopped and the root cause's error is raised
+        (the one rule of :mod:`hora.launcher.supervision.root_cause`), naming the rank."""
+        job = RayRun(ranks if ranks is not None else self._started(), call, self.settings.timeout_s)
+        with output.speaking_as("hora.ray", str):
+            status = job.run()
+        if status == 0:
+            return job.values()
+        failed = job.first_failure
+        error = job.handle.actors[failed.slot.rank].error if failed is not None else None
+        if error is None:
+            self.shutdown()
+            if job.interrupted == signal.SIGINT:
+                raise KeyboardInterrupt  # Ctrl-C in the Ray driver: every rank was stopped, as under hora run
+            raise JobFailedError(f"hora.ray: the job ended with exit status {status}: {job.summary or 'stopped'}",
+                                 status)
+        assert failed is not None and isinstance(error, Exception)
+        self._fail(failed.slot.rank, error)
 
-    @staticmethod
-    def _failures(done: list[Any], rank_of: dict[Any, int]) -> list[tuple[int, Exception]]:
-        failures: list[tuple[int, Exception]] = []
-        for ref in done:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as e:  # raised in the rank (RayTaskError), or its process died
-                failures.append((rank_of[ref], e))
-        return failures
-
-    def _root_cause(self, failures: list[tuple[int, Exception]], pending: list[Any],
-                    rank_of: dict[Any, int]) -> tuple[int, Exception]:
-        """The failure to report: a rank that raised an error of its own or died, rather than a peer that only saw
-        it go (hora's "rank N is gone" comes before Ray notices a killed process), waiting a little for it."""
-        deadline = time.monotonic() + FOLLOW_ON_GRACE_S
-        while all(_follows(e) for _, e in failures) and pending and time.monotonic() < deadline:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
-            failures += self._failures(done, rank_of)
-        return min(failures, key=lambda f: (_follows(f[1]), f[0]))
-
-    def _fail(self, rank: int, error: Exception) -> None:
+    def _fail(self, rank: int, error: Exception) -> NoReturn:
+        """Stop every rank and raise ``rank``'s failure: what it raised (its traceback as the cause), or a
+        JobFailedError when its process died."""
         where = self._ranks[rank].where
         self.shutdown()
         if isinstance(error, ray.exceptions.RayTaskError):
@@ -306,8 +303,8 @@ class RayExecutor:
             if hasattr(cause, "add_note"):
                 cause.add_note(headline.splitlines()[0])
             raise cause from RemoteTraceback(f"rank {rank} on {where} raised:\n{error}")
-        how = "its process died (killed, out of memory, or its node was lost)"
-        headline = rank_failed("hora.ray", rank, where, how)
+        headline = rank_failed("hora.ray", rank, where, "its process died (killed, out of memory, or its node was "
+                               "lost)")
         log.error("%s", headline)
         raise JobFailedError(headline, 1) from error
 
@@ -328,10 +325,46 @@ class RayExecutor:
             ray.util.remove_placement_group(reservation.group)
 
 
-def _follows(error: Exception) -> bool:
-    """A rank's failure that only reports a peer's (see hora.launcher.frameworks.FOLLOW_ON_ERRORS)."""
-    cause = getattr(error, "cause", None) if isinstance(error, ray.exceptions.RayTaskError) else None
-    return cause is not None and is_follow_on(type(cause).__name__)
+class RayRun(Driver):
+    """One call on the ranks of a fixed ``RayExecutor`` job (``run``, ``execute``, ``execute_single``), supervised by
+    the fixed driver of ``hora run`` (:class:`~hora.launcher.fixed.driver.Driver`): the ranks' actors are its one
+    handle (:class:`~hora.ray.actors.RayActors`, kept for the executor's next call); a rank that raises or dies is
+    offered to the root cause, every rank is stopped, the report names the rank and :attr:`first_failure` is the
+    failure the executor raises. Ctrl-C stops every rank, as under ``hora run``.
+
+    Args:
+        ranks: the ranks' actors, in rank order.
+        call: what each runs: ``call(executable)``.
+        timeout_s: the executor's ``timeout_s`` (the job's start timeout).
+    """
+
+    def __init__(self, ranks: Sequence[_Rank], call: Callable[[Any], Any], timeout_s: float) -> None:
+        size = len(ranks)
+        # the command is never run: the ranks are Ray actors that run call (RunConfig wants one for `hora run`)
+        cfg = RunConfig(command=("hora.ray",), np=size, hosts=(), start_timeout=timeout_s, grace=0.0)
+        # Ray placed the ranks; a slot here only names a rank and its node (placement.py set their variables)
+        slots = [SlotInfo(rank=i, size=size, local_rank=0, local_size=1, cross_rank=i, cross_size=size,
+                          hostname=r.node_ip, host_index=i) for i, r in enumerate(ranks)]
+        super().__init__(cfg, slots=slots)
+        self.ray_ranks = list(ranks)
+        self.call = call
+        self.handle = RayActors(index=0, host="the Ray cluster", ranks=list(range(size)), keep=True)
+
+    def set_up(self) -> None:
+        return None  # no store to serve (rank 0's actor hosts the ranks' own), no host to check: Ray placed them
+
+    def start(self) -> None:
+        for number, r in enumerate(self.ray_ranks):
+            run = r.actor.execute.remote(self.call)
+            self.handle.actors[number] = RayActor(number, r.actor, r.node_id, r.node_ip, run)
+        self.watch(self.handle)
+
+    def where(self, rank: int) -> str:
+        return self.ray_ranks[rank].where
+
+    def values(self) -> list[Any]:
+        """What each rank's call returned, in rank order."""
+        return [self.handle.actors[number].value for number in range(len(self.ray_ranks))]
 
 
 @dataclass(kw_only=True)

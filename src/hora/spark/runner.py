@@ -34,10 +34,12 @@ from typing import Any
 from hora.common import env as hora_env
 from hora.errors import ConfigError, JobFailedError, PlacementTimeoutError
 from hora.launcher import envvars
-from hora.launcher.frameworks import FOLLOW_ON_GRACE_S, is_follow_on, rank_failed, require
+from hora.launcher.frameworks import rank_failed, require
 from hora.launcher.procs import describe_exit
 from hora.launcher.pyfunc import shipping
 from hora.launcher.pyfunc.run import collect_results
+from hora.launcher.supervision import root_cause as rule
+from hora.launcher.supervision.root_cause import RankState, RootCause
 from hora.protocol.jobsecret import JobSecret
 from hora.protocol.messages import PYRUN_ERRORS_KEY, PYRUN_FN_KEY, PYRUN_RESULT_KEY
 from hora.protocol.signedstore import SignedStore
@@ -170,8 +172,10 @@ class _Job:
 
     def _watch(self) -> bool:
         """Wait for the stage to end or a rank to fail (its process ended badly, or it raised and is still on
-        its way out); True if one failed."""
+        its way out); True if one failed. Failures are weighed together for the window of
+        :class:`~hora.launcher.supervision.root_cause.RootCause` before the job is stopped."""
         seen = 0
+        window = RootCause()
         deadline: float | None = time.monotonic() + self.start_timeout
         while not self.finished.wait(_POLL_S):
             self._forward()
@@ -189,10 +193,22 @@ class _Job:
             news = self.store.add(task.EXITS_KEY, 0) + self.store.add(PYRUN_ERRORS_KEY, 0)
             if news != seen:
                 seen = news
-                if self._root() is not None:
-                    self._await_root_cause()
-                    return True
-        return self._root() is not None
+                offered = {c.slot.rank for c in window.candidates}
+                for state in self._failures():
+                    if state.slot.rank not in offered:
+                        window.offer(state)
+            if window.due(all_done=False, follows=self._follows(window.candidates)):
+                return True
+        return window.deadline is not None or bool(self._failures())
+
+    def _failures(self) -> list[RankState]:
+        """The ranks that failed so far: their exit records (``code``, ``signal``, ``time``) and what they raised
+        (a rank may have raised without an exit record: its task was stopped while it shut down)."""
+        return failures({e["rank"]: e for e in self._exits()}, self._error_types())
+
+    @staticmethod
+    def _follows(candidates: list[RankState]) -> set[int]:
+        return rule.follow_ons({}, {c.slot.rank: c.raised for c in candidates if c.raised})
 
     def _started(self) -> int:
         """How many ranks' tasks have started."""
@@ -202,20 +218,6 @@ class _Job:
         """The ranks' new output lines, to the streams given to run()."""
         if self.output is not None:
             self.output.forward(self.store, self.num_proc)
-
-    def _root(self) -> int | None:
-        return root_cause({e["rank"]: e for e in self._exits()}, self._error_types())
-
-    def _await_root_cause(self) -> None:
-        """While every failure so far only reports a peer's (hora's "rank N is gone"), give the rank that failed
-        first its moment to say so (its task writes how it ended), up to FOLLOW_ON_GRACE_S."""
-        deadline = time.monotonic() + FOLLOW_ON_GRACE_S
-        while time.monotonic() < deadline and not self.finished.is_set():
-            exits, raised = {e["rank"]: e for e in self._exits()}, self._error_types()
-            root = root_cause(exits, raised)
-            if root is None or exits.get(root, {}).get("signal") is not None or not is_follow_on(raised.get(root)):
-                return
-            time.sleep(_POLL_S)
 
     def _exits(self) -> list[dict[str, Any]]:
         keys = [task.EXIT_KEY.format(rank=r) for r in range(self.num_proc)]
@@ -284,9 +286,19 @@ class _Output:
                 self.read[rank] = n
 
 
+def failures(exits: Mapping[int, Mapping[str, Any]], raised: Mapping[int, str]) -> list[RankState]:
+    """The failed ranks, from their exit records (rank -> ``code``, ``signal``, ``time``) and the type names of
+    what they raised (rank -> name)."""
+    failed = sorted({r for r, e in exits.items() if e.get("code") != 0} | set(raised))
+    return [RankState.ended(rank, "", code=exits.get(rank, {}).get("code", 1), sig=exits.get(rank, {}).get("signal"),
+                            exit_ts=float(exits.get(rank, {}).get("time", float("inf"))), raised=raised.get(rank))
+            for rank in failed]
+
+
 def root_cause(exits: Mapping[int, Mapping[str, Any]], raised: Mapping[int, str]) -> int | None:
-    """The rank whose failure ended the job: a rank killed by a signal or one that raised an error of its own
-    (not a peer's follow-on ``CollectiveError``) before one that failed because of it; earliest first.
+    """The rank whose failure ended the job, by the one rule of :mod:`hora.launcher.supervision.root_cause`: a
+    rank killed by a signal, then one that raised an error of its own (not a peer's follow-on ``CollectiveError``)
+    before one that failed because of it; earliest first.
 
     ``exits``: rank -> its exit record (``code``, ``signal``, ``time``); ``raised``: rank -> the type name of what
     it raised (a rank may have raised without an exit record: its task was stopped while it shut down).
@@ -294,16 +306,12 @@ def root_cause(exits: Mapping[int, Mapping[str, Any]], raised: Mapping[int, str]
     >>> root_cause({0: {"code": 1, "signal": None, "time": 1.0}}, {0: "CollectiveError", 1: "ValueError"})
     1
     """
-    failed = {r for r, e in exits.items() if e.get("code") != 0} | set(raised)
-    if not failed:
+    window = RootCause()
+    for state in failures(exits, raised):
+        window.offer(state)
+    if not window.candidates:
         return None
-
-    def order(rank: int) -> tuple[bool, float, int]:
-        record = exits.get(rank, {})
-        follow_on = record.get("signal") is None and is_follow_on(raised.get(rank))
-        return follow_on, float(record.get("time", float("inf"))), rank
-
-    return min(failed, key=order)
+    return window.choose({}, rule.follow_ons({}, raised)).slot.rank
 
 
 def _first_line(error: BaseException) -> str:

@@ -27,6 +27,21 @@ It runs the contract of :mod:`hora.protocol.elastic` from the launcher's side:
   blacklisted for good, or when no worker of a world survives (no state to go on from). It succeeds when the
   members of the last world have all exited 0. Every agent is stopped at the end: no process is left.
 
+The job's phase is one :class:`Phase` (:attr:`ElasticDriver.phase`); each look at the job does what its phase
+asks, as torch's elastic agent's ``_invoke_run`` does with its ``WorkerState``:
+
+* ``STARTING``: no world yet; world 1 is published once the first workers posted ready.
+* ``TRAINING``: the newest world trains; newcomers that posted ready are announced (an ``update``). A member
+  that dies or leaves, or one that posts ready for the next world, makes it ``RESETTING``.
+* ``RESETTING``: once every member posted ready (within --elastic-timeout of the reset), the next world goes out
+  (``TRAINING`` again), with the ready newcomers; ``HANDING_OVER`` when every member left is on a removed host.
+* ``HANDING_OVER``: those members hold the only copy of the state and wait for newcomers to take it.
+* ``FINISHING``: a member returned: no more worlds; the others finish too.
+* ``FAILED`` (:attr:`ElasticDriver.failure` says why) and ``INTERRUPTED``: every worker is being stopped.
+
+Two waits run beside the phase, each up to --elastic-timeout: fewer slots than needed (``short``), and discovery
+listing none of the hosts that hold the state (``unlisted``).
+
 Output lines carry each worker process's number (the first world's processes are numbered like its ranks;
 later ones get the next numbers), so a process's lines and log files (``--output-filename``) keep one name
 for its whole life while its rank changes.
@@ -34,14 +49,16 @@ for its whole life while its rank changes.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from hora.errors import SetupError, StoreAuthError
-from hora.launcher import envvars, output, procs, store
+from hora.launcher import envvars, output, procs
 from hora.launcher.config import ElasticConfig, RunConfig
 from hora.launcher.elastic.hosts import (
     DISCOVERY_INTERVAL,
@@ -51,17 +68,15 @@ from hora.launcher.elastic.hosts import (
     HostManager,
     HostSource,
 )
-from hora.launcher.elastic.workers import LIMIT_EXIT, Worker, _Failure, _Stats, note
-from hora.launcher.failures import RankState
+from hora.launcher.elastic.workers import LIMIT_EXIT, JobFailure, Stats, Worker, note
 from hora.launcher.hosts import HostSpec, SlotInfo
-from hora.launcher.job_loop import JobLoop, record_exit
-from hora.launcher.remote.agent_handle import AgentHandle, split_returncode
-from hora.launcher.remote.transport import SSH_FAILED, Transport
-from hora.launcher.stall_watch import StallWatch
+from hora.launcher.remote.transport import Transport
+from hora.launcher.supervision.loop import Handle, JobLoop, record_exit
+from hora.launcher.supervision.root_cause import RankState
+from hora.launcher.supervision.stall_watch import StallWatch
 from hora.protocol import elastic as ep
 from hora.protocol import messages as protocol
 from hora.protocol import network
-from hora.protocol.signedstore import SignedStore
 
 log = logging.getLogger(__name__)
 # Seconds between two looks for hosts; read at each look (Horovod's name for it: this module is also
@@ -78,10 +93,60 @@ STEADY_TICK = 0.5
 LEAVE_GRACE = 10.0  # a removed worker that has not exited this long after the world without it is stopped
 
 
+class Phase(enum.Enum):
+    """Where an elastic job stands (see the module docstring)."""
+
+    STARTING = "starting"  # no world yet
+    TRAINING = "training"  # the newest world trains
+    RESETTING = "resetting"  # the next world is due: waiting for every member to post ready
+    HANDING_OVER = "handing over"  # every member left is on a removed host: waiting for newcomers
+    FINISHING = "finishing"  # a member returned: no more worlds
+    FAILED = "failed"  # the job failed: every worker is being stopped
+    INTERRUPTED = "interrupted"  # Ctrl-C or a scheduler's signal: every worker is being stopped
+
+
+RESETS = (Phase.RESETTING, Phase.HANDING_OVER)
+STOPPED = (Phase.FAILED, Phase.INTERRUPTED)
+
+
+@dataclass
+class Wait:
+    """A condition the job waits out, up to --elastic-timeout: since when it has held (None: it does not)."""
+
+    since: float | None = None
+
+    def begin(self, now: float) -> bool:
+        """It holds at ``now``; True the first time (say so once)."""
+        if self.since is None:
+            self.since = now
+            return True
+        return False
+
+    def end(self) -> bool:
+        """It no longer holds; True if it did."""
+        held, self.since = self.since is not None, None
+        return held
+
+    def over(self, now: float, limit: float) -> bool:
+        """It has held longer than ``limit`` seconds."""
+        return self.since is not None and now - self.since > limit
+
+
+@dataclass(frozen=True)
+class LostMember:
+    """A member of a world that failed: the world, its rank there, the worker."""
+
+    gen: int
+    rank: int
+    worker: Worker
+
+
 class ElasticDriver(JobLoop):
     """Runs an elastic job: see the module docstring. The loop, Ctrl-C and the end are :class:`JobLoop`'s; this
     class is its steps for a job whose worlds change, made of its parts: the hosts (:class:`HostManager`,
     :class:`Discovery`, :class:`Absences`), the workers (:class:`Worker`, by number) and the worlds it publishes.
+    A cluster framework's driver (``hora.ray``) defines its own :meth:`store_address` and :meth:`launch`, and sets
+    :attr:`discovery`.
 
     Args:
         cfg: the checked job (``cfg.elastic`` set).
@@ -97,65 +162,71 @@ class ElasticDriver(JobLoop):
         super().__init__(cfg, transport_for=transport_for, store_ready=store_ready)
         assert cfg.elastic is not None
         self.ecfg: ElasticConfig = cfg.elastic
+        self.phase = Phase.STARTING
+        self.phase_since = 0.0  # when the job entered its phase (a reset's deadline runs from it)
+        self.failure: JobFailure | None = None  # why the job failed (phase FAILED)
         self.hostman = HostManager(self.ecfg.cooldown)
         self.workers: dict[int, Worker] = {}  # by number
         self.world: ep.World | None = None
         self.member_numbers: set[int] = set()  # the worker processes of the newest world
+        self.lost: list[LostMember] = []  # every member that failed, in order
         self.updates = 0  # the value of the store's ``updates`` counter
         self._discovered = 0  # the value of the store's ``discovered`` counter
         self.stalls = StallWatch(None, "", {})  # the newest world's board (see _watch_stalls)
-        self.failure: _Failure | None = None
-        self.finishing = False  # a member returned: no more worlds, the others finish too
-        self.stats = _Stats()
-        self._reset_since: float | None = None
-        self._lost_member = False  # a member of the newest world died or left: a reset is due
-        self._handing_over = False  # the members left are on removed hosts and wait for newcomers (said once)
+        self.stats = Stats()
         # the --host-discovery-script, when the job has one (a cluster framework's driver sets its own source)
         self.discovery: HostSource | None = None
         self.absences = Absences()  # hosts discovery left out, until their removal is confirmed
-        self._unlisted_since: float | None = None  # discovery lists no host of the newest world's workers
+        self.short = Wait()  # fewer slots available than the job needs (-np, then --min-np)
+        self.unlisted = Wait()  # discovery lists no host of the newest world's workers
         self._published_ts = 0.0  # wall-clock time the newest world was published
-        self._short_since: float | None = None  # since when fewer than --min-np slots are available
         self._start_deadline = 0.0
-        self._stopping = threading.Event()
+        self._discovery_done = threading.Event()
         self._last: Worker | None = None  # the last worker that failed (the root cause of a job failure)
+
+    def _enter(self, phase: Phase) -> None:
+        if phase is not self.phase:
+            log.debug("elastic job: %s -> %s", self.phase.value, phase.value)
+            self.phase, self.phase_since = phase, time.monotonic()
 
     # --- the newest world and its members --------------------------------------------------------------
     def _key(self, key: str, **fields: object) -> str:
         return ep.elastic_key(self.job_id, key, **fields)
 
+    def member(self, w: Worker) -> bool:
+        """``w`` (this process, not an earlier one with its id) is in the newest world."""
+        return w.number in self.member_numbers
+
     def _members(self) -> list[Worker]:
         """The live workers of the newest world that will be in the next one."""
         if self.world is None:
             return []
-        return [w for w in self.workers.values() if w.alive and not w.leaving and self._member(w)]
-
-    def _member(self, w: Worker) -> bool:
-        """``w`` (this process, not an earlier one with its id) is in the newest world."""
-        return w.number in self.member_numbers
+        return [w for w in self.workers.values() if w.alive and not w.leaving and self.member(w)]
 
     def _previous(self, keep: list[Worker]) -> ep.World | None:
         """The newest world reduced to the members in ``keep``: what new ranks are ordered by (a new process
         that reuses the id of a member that died is new, never the holder of the state)."""
         if self.world is None:
             return None
-        ids = {w.wid for w in keep if self._member(w)}
+        ids = {w.wid for w in keep if self.member(w)}
         return ep.World(self.world.gen, {k: v for k, v in self.world.workers.items() if k in ids}, self.world.updates)
 
     def _newcomers(self) -> list[Worker]:
         """Live workers not in the newest world that posted ready and may join."""
         return [w for w in self.workers.values()
-                if w.alive and not w.leaving and w.ready is not None and not self._member(w)]
+                if w.alive and not w.leaving and w.ready is not None and not self.member(w)]
+
+    def _carriers(self) -> list[Worker]:
+        """The live workers of the newest world on hosts that discovery removed (they leave gracefully)."""
+        return [w for w in self.workers.values() if w.alive and w.leaving and self.member(w)]
 
     def _steady(self) -> bool:
-        """Nothing is under way: every live worker is a member of the newest world and has not posted ready for
-        the next one, no member was lost, no announced host change waits for its world, nobody is leaving."""
+        """Nothing is under way: the newest world trains, every live worker is a member of it and has not posted
+        ready for the next one, no announced host change waits for its world, nobody is leaving."""
         world = self.world
-        if world is None or self.finishing or self._lost_member or self._stop_deadline is not None:
+        if self.phase is not Phase.TRAINING or self.stopping or world is None or self.updates > world.updates:
             return False
-        if self.updates > world.updates:
-            return False
-        return all(self._member(w) and not w.leaving and w.leave_by is None and w.ready != world.gen
+        return all(self.member(w) and not w.leaving and w.leave_by is None and w.ready != world.gen
                    for w in self.workers.values() if w.alive)
 
     def _member_at(self, rank: int) -> Worker | None:
@@ -164,15 +235,17 @@ class ElasticDriver(JobLoop):
             return None
         return next((w for w in self._members() if self.world.rank_of(w.wid) == rank), None)
 
-    def _last_failed(self) -> Worker | None:
-        return self._last
+    def _member_lost(self) -> None:
+        """A member of the newest world died or left: the next world is due."""
+        if self.phase is Phase.TRAINING:
+            self._enter(Phase.RESETTING)
 
     # --- failing and stopping the job ------------------------------------------------------------------
     def _watch_stalls(self) -> None:
-        """The newest world's board, as the fixed driver reads it (:mod:`hora.launcher.stall_watch`): the silent peers
-        of waiting ranks are probed by their agents; a member that the stall shutdown time gave up on (frozen in
-        a data transfer, or named by the ranks that stopped waiting for it and reset) is stopped as a failed
-        worker: its host is blacklisted and the next world goes on without it."""
+        """The newest world's board, as the fixed driver reads it (:mod:`hora.launcher.supervision.stall_watch`):
+        the silent peers of waiting ranks are probed by their agents; a member that the stall shutdown time gave
+        up on (frozen in a data transfer, or named by the ranks that stopped waiting for it and reset) is stopped
+        as a failed worker: its host is blacklisted and the next world goes on without it."""
         if self.world is None:
             return
         probe, notes = self.stalls.poll()
@@ -201,7 +274,7 @@ class ElasticDriver(JobLoop):
 
     def _post_ended(self, w: Worker, how: str) -> None:
         """Tell the newest world's ranks that ``w`` is gone (their collectives with it fail at once)."""
-        if self.world is None or not self._member(w) or self.store is None:
+        if self.world is None or not self.member(w) or self.store is None:
             return
         job = ep.world_job_id(self.job_id, self.world.gen)
         rank = self.world.rank_of(w.wid)
@@ -216,13 +289,14 @@ class ElasticDriver(JobLoop):
     def _fail(self, summary: str, worker: Worker | None = None, code: int | None = None) -> None:
         """End the job: ``summary`` is its last line, ``worker`` the failure whose report explains it, ``code`` the
         exit status (default: that worker's, else 1)."""
-        if self.failure is not None or self._stop_deadline is not None:
+        if self.failure is not None or self.stopping:
             return
         if code is None:
             code = procs.exit_status(worker.state.code, worker.state.sig) if worker is not None else 1
-        self.failure = _Failure(summary, worker, code or 1)
+        self.failure = JobFailure(summary, worker, code or 1)
+        self._enter(Phase.FAILED)
         if worker is not None:
-            how = worker.state.how or procs.describe_exit(worker.state.code, worker.state.sig)
+            how = worker.state.describe()
             self.console.flush()
             lines = output.failure_report(worker.number, worker.host, how, list(self.console.tails[worker.number]),
                                           sum(1 for w in self.workers.values() if w.alive and w is not worker))
@@ -231,27 +305,18 @@ class ElasticDriver(JobLoop):
             output.print_lines(lines)
         if self.stats.failures:
             note(f"failures: {'; '.join(self.stats.failures[-10:])}")
-        self._stop_all()
+        self.stop_all()
 
     # --- the rendezvous store --------------------------------------------------------------------------
-    def _store_address(self, hosts: list[HostSpec]) -> str:
+    def store_address(self, hosts: list[HostSpec]) -> str:
         """The address the job's store listens on: the one this machine reaches ``hosts`` from."""
         return network.store_address([h.name for h in hosts if not h.is_local], self.cfg.network_interfaces)
 
-    def _start_store(self, hosts: list[HostSpec]) -> None:
-        self.addr = self._store_address(hosts)
-        raw = store.listen(self.addr, max(self.cfg.start_timeout, 60))  # on the job's address only
-        self.port = int(raw.port)
-        self.store = SignedStore(raw, self.secret, self.job_id, f"{self.addr}:{self.port}")
-        if self.store_ready is not None:
-            self.store_ready(self.store)
-        log.info("rendezvous store on %s:%d (job %s)", self.addr, self.port, self.job_id)
-
     def _read_ready(self) -> None:
         for w in self.workers.values():
-            if not w.alive or (w.leaving and not self._member(w)):  # a removed member may hand the state over
+            if not w.alive or (w.leaving and not self.member(w)):  # a removed member may hand the state over
                 continue
-            want = self.world.gen if self.world is not None and self._member(w) else None
+            want = self.world.gen if self.world is not None and self.member(w) else None
             if w.ready is not None and (want is None or w.ready == want):
                 continue  # nothing new can be in the key until the next world
             key = self._key(ep.READY, worker_id=w.wid)
@@ -299,13 +364,12 @@ class ElasticDriver(JobLoop):
         need, flag = (self.cfg.np, "-np") if first else (self.ecfg.min_np, "--min-np")
         have = len(self._slots_wanted(now))
         if have >= need:
-            self._short_since = None
+            self.short.end()
             return False
-        if self._short_since is None:
-            self._short_since = now
+        if self.short.begin(now):
             note(f"{have} slot{'s' if have != 1 else ''} available, fewer than the {need} of {flag}; waiting up "
                  f"to --elastic-timeout {self.ecfg.elastic_timeout:g}s for hosts")
-        if now - self._short_since > self.ecfg.elastic_timeout:
+        if self.short.over(now, self.ecfg.elastic_timeout):
             blacklisted = [n for n in self.hostman.hosts if self.hostman.is_blacklisted(n, now)]
             extra = f"; blacklisted: {', '.join(blacklisted)}" if blacklisted else ""
             self._fail(f"fewer than {need} slots ({flag}) for --elastic-timeout {self.ecfg.elastic_timeout:g}s: "
@@ -323,22 +387,20 @@ class ElasticDriver(JobLoop):
         listed = {h.name for h in found}
         confirmed = set(self.absences.look(listed, list(self.hostman.hosts)))
         kept = [HostSpec(n, s) for n, s in self.hostman.hosts.items() if n not in listed and n not in confirmed]
-        carriers = sorted({w.host for w in self._members()}) if not self.finishing else []
+        carriers = sorted({w.host for w in self._members()}) if self.phase is not Phase.FINISHING else []
         others = [h for h in found if h.name not in carriers and not self.hostman.is_blacklisted(h.name, now)]
         if carriers and set(carriers) <= confirmed and not others:
-            if self._unlisted_since is None:
-                self._unlisted_since = now
+            if self.unlisted.begin(now):
                 note(f"discovery lists none of the hosts of world {self.world.gen if self.world else 0}'s workers "
                      f"({', '.join(carriers)}), which hold the training state: they go on until discovery lists "
                      "their hosts again or other hosts can take the state over (up to --elastic-timeout "
                      f"{self.ecfg.elastic_timeout:g}s)")
-            elif now - self._unlisted_since > self.ecfg.elastic_timeout:
+            elif self.unlisted.over(now, self.ecfg.elastic_timeout):
                 self._fail(f"discovery has listed none of the hosts of the workers that hold the training state "
                            f"({', '.join(carriers)}) and no other host for --elastic-timeout "
                            f"{self.ecfg.elastic_timeout:g}s; check the --host-discovery-script", code=LIMIT_EXIT)
             kept += [HostSpec(n, self.hostman.hosts[n]) for n in carriers]
-        elif self._unlisted_since is not None:
-            self._unlisted_since = None
+        elif self.unlisted.end():
             back = [n for n in carriers if n in listed]
             if back:
                 note(f"discovery lists {', '.join(back)} again: their workers go on")
@@ -363,53 +425,60 @@ class ElasticDriver(JobLoop):
             host, slot = ep.parse_worker_id(w.wid)
             if host in gone or (host in shrunk and slot >= self.hostman.hosts[host]):
                 self._let_go(w)
-                if self._member(w):
+                if self.member(w):
                     leaving_members.append(w.host)
-        if leaving_members and not self.finishing:
+        if leaving_members and self.phase is not Phase.FINISHING:
             self._post_update(ep.Update(removed=tuple(dict.fromkeys(leaving_members))))
 
     def _let_go(self, w: Worker) -> None:
         """No world will hold ``w`` again: it exits 0 when it sees the next world (or is stopped)."""
         w.leaving = True
-        if not self._member(w):
+        if not self.member(w):
             w.leave_by = time.monotonic()  # not a member: nothing to wait for
         else:
-            self._lost_member = True
+            self._member_lost()
 
-    # --- publishing worlds -----------------------------------------------------------------------------
-    def _publish_if_due(self, now: float) -> None:
-        if self.world is None:
-            self._publish_first(now)
+    # --- publishing worlds: one step per phase ---------------------------------------------------------
+    def _train(self, now: float) -> None:
+        """TRAINING: announce the newcomers that posted ready (an update: the members reset at their next commit);
+        a member that posted ready for the next world makes the reset due."""
+        assert self.world is not None
+        if any(w.ready == self.world.gen for w in self._members()):
+            self._enter(Phase.RESETTING)
+            self._reset(now)
             return
+        fresh = [w for w in self._newcomers() if not w.announced]
+        # workers started together join together (one reset, not one per worker), unless some take longer than
+        # --start-timeout to get ready
+        if fresh and not self._starting(now):
+            self._post_update(ep.Update(added=tuple(dict.fromkeys(w.host for w in fresh))))
+            for w in fresh:
+                w.announced = True
+
+    def _starting(self, now: float) -> list[Worker]:
+        """Live workers started within --start-timeout that have not posted ready yet."""
+        return [w for w in self.workers.values() if w.alive and not w.leaving and w.ready is None
+                and now - w.started_at < self.cfg.start_timeout]
+
+    def _reset(self, now: float) -> None:
+        """RESETTING, HANDING_OVER: publish the next world once every member (or, when only removed hosts' members
+        are left, every carrier of the state and a newcomer) posted ready, within --elastic-timeout."""
+        assert self.world is not None
         members = self._members()
-        resetting = self._lost_member or any(w.ready == self.world.gen for w in members)
-        newcomers = self._newcomers()
-        if not resetting:
-            fresh = [w for w in newcomers if not w.announced]
-            # workers started together join together (one reset, not one per worker), unless some take longer
-            # than --start-timeout to get ready
-            starting = [w for w in self.workers.values() if w.alive and not w.leaving and w.ready is None
-                        and now - w.started_at < self.cfg.start_timeout]
-            if fresh and not starting:
-                self._post_update(ep.Update(added=tuple(dict.fromkeys(w.host for w in fresh))))
-                for w in fresh:
-                    w.announced = True
-            return
-        if self._reset_since is None:
-            self._reset_since = now
         carriers = [] if members else self._carriers()
         if not members and not carriers:
             self._fail(f"no worker of world {self.world.gen} is left to carry the training state "
                        f"(hosts {', '.join(self.world.hosts())} all failed or were removed); a new world must keep "
-                       "at least one worker of the old one", self._last_failed())
+                       "at least one worker of the old one", self._last)
             return
         late = [w for w in members or carriers if w.ready != self.world.gen]
         if late:
-            if now - self._reset_since > self.ecfg.elastic_timeout:
+            if now - self.phase_since > self.ecfg.elastic_timeout:
                 names = ", ".join(f"rank {self.world.rank_of(w.wid)} ({w.wid})" for w in late)
                 self._fail(f"{names} did not reset within --elastic-timeout {self.ecfg.elastic_timeout:g}s "
                            "(stuck outside hvd.elastic.run's reset?)")
             return
+        newcomers = self._newcomers()
         if carriers and not self._ready_to_take_over(now, carriers, newcomers):
             return
         chosen = (members + newcomers)[:self.ecfg.max_np]  # handing over: the newcomers (carriers added below)
@@ -428,38 +497,33 @@ class ElasticDriver(JobLoop):
         """Another reset is due and the job has had --reset-limit of them: it ends, with the limit's exit status
         and, when a failure made the reset due, that failure's report."""
         done, limit = self.stats.resets, self.ecfg.reset_limit
-        last = self._last_failed()
+        last = self._last
         trigger = last if last is not None and last.state.exit_ts >= self._published_ts else None
         why = f"worker {trigger.wid} failed" if trigger is not None else "the hosts changed"
         self._fail(f"--reset-limit {limit} reached: the job has reset {done} time{'s' if done != 1 else ''} and "
                    f"{why}, which needs another reset; it stops here (exit code {LIMIT_EXIT})", trigger, LIMIT_EXIT)
 
-    def _carriers(self) -> list[Worker]:
-        """The live workers of the newest world on hosts that discovery removed (they leave gracefully)."""
-        return [w for w in self.workers.values() if w.alive and w.leaving and self._member(w)]
-
     def _ready_to_take_over(self, now: float, carriers: list[Worker], newcomers: list[Worker]) -> bool:
         """Every member left is on a removed host: its workers hand the training state over before they leave.
         True once new workers are ready to take it (those started together, unless some take longer than
-        --start-timeout); the job fails if none is within --elastic-timeout of the removal."""
-        starting = [w for w in self.workers.values() if w.alive and not w.leaving and w.ready is None
-                    and now - w.started_at < self.cfg.start_timeout]
-        if newcomers and not starting:
+        --start-timeout); the job fails if none is within --elastic-timeout of the reset."""
+        if newcomers and not self._starting(now):
             return True
-        assert self._reset_since is not None
-        if not self._handing_over:
-            self._handing_over = True
+        if self.phase is not Phase.HANDING_OVER:
+            since = self.phase_since
+            self._enter(Phase.HANDING_OVER)
+            self.phase_since = since  # the reset's deadline goes on
             note(f"hosts {', '.join(dict.fromkeys(w.host for w in carriers))} removed: their workers hold the training "
                  f"state and wait for new workers to take it (up to --elastic-timeout {self.ecfg.elastic_timeout:g}s)")
-        if now - self._reset_since > self.ecfg.elastic_timeout:
+        if now - self.phase_since > self.ecfg.elastic_timeout:
             self._fail(f"the workers of removed hosts ({', '.join(w.wid for w in carriers)}) hold the only copy of "
                        f"the training state and no new worker was ready to take it within --elastic-timeout "
                        f"{self.ecfg.elastic_timeout:g}s; add hosts sooner, or give a longer --elastic-timeout")
         return False
 
     def _publish_first(self, now: float) -> None:
-        """World 1: every started worker once all posted ready; after --start-timeout, those that did (if
-        they are --min-np or more: the late ones join at a later world)."""
+        """STARTING: world 1 is every started worker once all posted ready; after --start-timeout, those that did
+        (if they are --min-np or more: the late ones join at a later world)."""
         waiting = [w for w in self.workers.values() if w.alive and not w.leaving]
         ready = [w for w in waiting if w.ready is not None]
         if not ready or (len(ready) < len(waiting) and now < self._start_deadline):
@@ -483,7 +547,7 @@ class ElasticDriver(JobLoop):
         self.member_numbers = {w.number for w in chosen}
         self.stalls = StallWatch(self.store, ep.world_job_id(self.job_id, gen),
                                  {p.rank: p.hostname for p in world.workers.values()})
-        self._reset_since, self._lost_member, self._handing_over = None, False, False
+        self._enter(Phase.TRAINING)
         self._published_ts = time.time()
         if previous is not None:
             self.stats.resets += 1
@@ -504,12 +568,12 @@ class ElasticDriver(JobLoop):
 
     # --- the loop's steps ----------------------------------------------------------------------------------
     def set_up(self) -> None:
-        self._start_store(self._first_hosts())
+        self.start_store(self.store_address(self._first_hosts()))
         self._start_deadline = time.monotonic() + self.cfg.start_timeout
-        self._short_since = time.monotonic()
+        self.short.begin(time.monotonic())  # the first world waits for -np slots (said only if it must wait again)
 
     def stop(self) -> None:
-        self._stopping.set()
+        self._discovery_done.set()
         if self.discovery is not None:
             self.discovery.stop()
 
@@ -518,15 +582,28 @@ class ElasticDriver(JobLoop):
 
     def over(self) -> bool:
         dead = all(not w.alive for w in self.workers.values())
-        if self._stop_deadline is not None:
-            return dead and all(a.finished for a in self.agents)
-        return self.finishing and dead
+        if self.stopping:
+            return dead and all(h.finished for h in self.handles)
+        return self.phase is Phase.FINISHING and dead
 
     def look(self, now: float) -> None:
-        if self._stop_deadline is not None:
+        """One look at the job: what its phase asks (see the module docstring)."""
+        if self.stopping and self.phase not in STOPPED:
+            self._enter(Phase.INTERRUPTED)  # a signal stopped every worker (a failure entered FAILED itself)
+        if self.phase in STOPPED:
             return
-        if not self.finishing:
-            self._step(now)
+        if self.phase is not Phase.FINISHING:
+            self._stop_late_leavers(now)
+            self._read_ready()
+            self._watch_stalls()
+            if not self._check_hopeless(now):
+                self._start_missing(now)
+                if self.phase is Phase.STARTING:
+                    self._publish_first(now)
+                elif self.phase is Phase.TRAINING:
+                    self._train(now)
+                elif self.phase in RESETS:
+                    self._reset(now)
         self.console.release_stale([w.number for w in self.workers.values() if not w.alive])
 
     def on_event(self, kind: str, value: Any) -> None:
@@ -561,27 +638,20 @@ class ElasticDriver(JobLoop):
     def _discover_loop(self) -> None:
         """Run the discovery script about once a second; each result (or failure) becomes an event."""
         assert self.discovery is not None
-        while not self._stopping.is_set():
+        while not self._discovery_done.is_set():
             began = time.monotonic()
             try:
                 self.events.put(("hosts", -1, self.discovery.run()))
             except DiscoveryError as exc:
                 self.events.put(("discovery_error", -1, str(exc)))
-            self._stopping.wait(max(0.0, DISCOVER_HOSTS_FREQUENCY_SECS - (time.monotonic() - began)))
+            self._discovery_done.wait(max(0.0, DISCOVER_HOSTS_FREQUENCY_SECS - (time.monotonic() - began)))
 
-    def _step(self, now: float) -> None:
-        """One look at everything: stop leavers, read ready keys, start workers, publish, check deadlines."""
+    def _stop_late_leavers(self, now: float) -> None:
         for w in self.workers.values():
             if w.alive and w.leave_by is not None and now > w.leave_by:
                 w.leave_by = None
                 log.info("worker %s (%d) did not leave by itself: stopping it", w.wid, w.number)
                 w.agent.send({"t": protocol.STOP, "grace": self.cfg.grace, "r": [w.number]})
-        self._read_ready()
-        self._watch_stalls()
-        if self._check_hopeless(now):
-            return
-        self._start_missing(now)
-        self._publish_if_due(now)
 
     # --- starting workers ------------------------------------------------------------------------------
     def _start_missing(self, now: float) -> None:
@@ -597,14 +667,14 @@ class ElasticDriver(JobLoop):
         for host, slot in missing:
             by_host.setdefault(host, []).append(slot)
         base = (self._members() or self._carriers()) + [w for w in self.workers.values() if w.alive and not w.leaving
-                                                         and not self._member(w)]
+                                                         and not self.member(w)]
         plan = ep.assign_world(self._previous(base), (self.world.gen if self.world else 0) + 1,
                                [(w.wid, w.host) for w in base] + [(ep.worker_id(h, s), h) for h, s in missing])
         for host, host_slots in by_host.items():
-            self._start_agent(host, host_slots, plan)
+            self._start_workers(host, host_slots, plan)
 
-    def _start_agent(self, host: str, slots: list[int], plan: ep.World) -> None:
-        """One agent on ``host`` for the workers of ``slots``; their start values come from ``plan``."""
+    def _start_workers(self, host: str, slots: list[int], plan: ep.World) -> None:
+        """The workers of ``slots`` on ``host``, started together; their start values come from ``plan``."""
         launch: list[tuple[int, int, dict[str, str]]] = []
         placed: list[tuple[str, int, SlotInfo]] = []
         for slot in slots:
@@ -624,65 +694,76 @@ class ElasticDriver(JobLoop):
                 log.debug("cannot clear the ready key of %s: %s", wid, exc)
             launch.append((number, slot, env))
             placed.append((wid, number, info))
-        agent = self._launch(host, launch)
-        new = [Worker(wid, host, number, agent, RankState(info)) for wid, number, info in placed]
+        handle = self.launch(host, launch)
+        new = [Worker(wid, host, number, handle, RankState(info)) for wid, number, info in placed]
         for w in new:
             self.workers[w.number] = w
             if self.cfg.output_filename:
                 self.console.open_logs(range(w.number, w.number + 1), strict=False)
         log.info("host %s: starting workers %s", host, ", ".join(w.wid for w in new))
 
-    def _launch(self, host: str, workers: list[tuple[int, int, dict[str, str]]]) -> AgentHandle:
+    def launch(self, host: str, workers: list[tuple[int, int, dict[str, str]]]) -> Handle:
         """Start the worker processes ``workers`` (``(number, slot, variables)`` each) on ``host``: one agent
         for them. A cluster framework's driver starts them its own way (``hora.ray``: one actor each)."""
         spec = self.agent_spec(host, [{"rank": number, "env": env} for number, _, env in workers],
                                unset=(ep.ELASTIC_ENV, ep.WORKER_ID_ENV))
-        return self.start_agent(len(self.agents), host, HostSpec(host, 1).is_local,
-                                [number for number, _, _ in workers], spec)
+        return self.start_agent(host, HostSpec(host, 1).is_local, [number for number, _, _ in workers], spec)
 
-    # --- agents and workers ----------------------------------------------------------------------------
-    def on_message(self, agent: AgentHandle, message: dict[str, Any]) -> None:
+    # --- workers' ends ---------------------------------------------------------------------------------
+    def on_message(self, handle: Handle, message: dict[str, Any]) -> None:
         kind = message["t"]
         if kind == protocol.EXIT:
             w = self.workers[int(message["r"])]
             state = w.state
             record_exit(state, message)
-            if w.stalled and self._stop_deadline is None:  # the stall inspector's stop: a failure
+            if w.stalled and not self.stopping:  # the stall inspector's stop: a failure
                 state.stopped, state.how = False, w.stalled
             self._on_exit(w)
-        elif kind == protocol.PROBE and self._stop_deadline is None and self.world is not None:
+        elif kind == protocol.PROBE and not self.stopping and self.world is not None:
             w = self.workers[int(message["r"])]
-            rank = self.world.rank_of(w.wid) if self._member(w) else None
+            rank = self.world.rank_of(w.wid) if self.member(w) else None
             if rank is not None:
                 output.note(self.stalls.on_probe(rank, str(message.get("how", ""))))
 
+    def on_handle_gone(self, handle: Handle, code: int) -> None:
+        lost = [self.workers[n] for n in handle.ranks if self.workers[n].alive]
+        if not lost:
+            return
+        how = handle.lost(code, ", ".join(f"worker {w.wid}" for w in lost))
+        for w in lost:
+            w.state.done, w.state.code, w.state.exit_ts, w.state.how = True, 1, time.time(), how
+            w.state.stopped = self.stopping or w.leaving
+            self._on_exit(w)
+
     def _on_exit(self, w: Worker) -> None:
         state = w.state
-        how = state.how or procs.describe_exit(state.code, state.sig)
-        member = self._member(w)
+        how = state.describe()
+        member = self.member(w)
         self._post_ended(w, how)
-        if w.leaving and state.failed and not state.stopped and self._stop_deadline is None:
+        if w.leaving and state.failed and not state.stopped and not self.stopping:
             self.console.release(w.number)  # a removed host's worker that crashed on its way out: no failure
             note(f"worker {w.wid} of removed host {w.host} ended: {how}")
         if not state.failed or state.stopped or w.leaving:
             self.console.rank_done(w.number)
-            if member and not w.leaving and self._stop_deadline is None and not state.stopped:
-                if not self.finishing:
+            if member and not w.leaving and not self.stopping and not state.stopped:
+                if self.phase is not Phase.FINISHING:
                     log.info("worker %s returned: the job is finishing", w.wid)
-                self.finishing = True  # training is over: stop whoever has not joined
+                self._enter(Phase.FINISHING)  # training is over: stop whoever has not joined
                 for other in self.workers.values():
-                    if other.alive and not self._member(other):
+                    if other.alive and not self.member(other):
                         other.agent.send({"t": protocol.STOP, "grace": self.cfg.grace, "r": [other.number]})
-            elif member and self._stop_deadline is None and not self.finishing:
-                self._lost_member = True
+            elif member and not self.stopping:
+                self._member_lost()
             return
-        if self._stop_deadline is not None:
+        if self.stopping:
             self.console.rank_done(w.number, failed=True)
             return
         self.stats.failures.append(f"{w.wid}: {how}")
         rank = self.world.rank_of(w.wid) if member and self.world is not None else None
+        if rank is not None and self.world is not None:
+            self.lost.append(LostMember(self.world.gen, rank, w))
         who = f"worker {w.wid} (process [{w.number}]" + (f", rank {rank})" if rank is not None else ")")
-        if self.finishing:
+        if self.phase is Phase.FINISHING:
             self._fail(f"{who} on host {w.host}: {how} while the job was finishing", w)
             return
         self.console.release(w.number)  # its traceback, as it printed it: the job goes on
@@ -697,23 +778,8 @@ class ElasticDriver(JobLoop):
         note(f"{who} on host {w.host} failed: {how}; {goes_on + '; ' if goes_on else ''}host {w.host} blacklisted "
              f"{back} (no new worker starts there)")
         if member:
-            self._lost_member = True
+            self._member_lost()
         self._last = w
-
-    def on_agent_gone(self, agent: AgentHandle, code: int) -> None:
-        lost = [self.workers[n] for n in agent.ranks if self.workers[n].alive]
-        if not lost:
-            return
-        remote = not HostSpec(agent.host, 1).is_local
-        if remote and code == SSH_FAILED:
-            how = (f"lost: host {agent.host} stopped answering (its ssh connection ended; the host went down, its "
-                   "network link broke, or its hora agent was killed)")
-        else:
-            how = f"lost: the agent on host {agent.host} ended ({procs.describe_exit(*split_returncode(code))})"
-        for w in lost:
-            w.state.done, w.state.code, w.state.exit_ts, w.state.how = True, 1, time.time(), how
-            w.state.stopped = self._stop_deadline is not None or w.leaving
-            self._on_exit(w)
 
     # --- the end ---------------------------------------------------------------------------------------
     def failed_status(self) -> int | None:
@@ -723,7 +789,7 @@ class ElasticDriver(JobLoop):
         return self.failure.code
 
     def final_status(self) -> int:
-        final = [w for w in self.workers.values() if self._member(w) and not w.leaving]
+        final = [w for w in self.workers.values() if self.member(w) and not w.leaving]
         bad = [w for w in final if w.state.failed]
         if bad:
             w = bad[0]

@@ -31,7 +31,7 @@ from typing import Protocol
 
 from hora.errors import ConfigError
 from hora.launcher import procs
-from hora.launcher.hosts import HostSpec, _parse_entry, parse_hosts  # noqa: F401 - parse_hosts for the doctest
+from hora.launcher.hosts import HostSpec, parse_entry, parse_hosts  # noqa: F401 - parse_hosts for the doctest
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def parse_discovery_output(text: str, default_slots: int | None, script: str) ->
         if not line:
             continue
         where = f"--host-discovery-script {script}: output line {lineno}"
-        spec = _parse_entry(line, where)
+        spec = parse_entry(line, where)
         if ":" not in line.rsplit("]", 1)[-1] and default_slots is not None:
             spec = HostSpec(spec.name, default_slots)
         if spec.name in seen:

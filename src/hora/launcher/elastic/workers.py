@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 
 from hora.launcher import output
-from hora.launcher.failures import RankState
-from hora.launcher.remote.agent_handle import AgentHandle
+from hora.launcher.supervision.loop import Handle
+from hora.launcher.supervision.root_cause import RankState
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class Worker:
     wid: str
     host: str
     number: int  # its name in the output and the agent messages, unique in the job
-    agent: AgentHandle
+    agent: Handle  # what started it: its host's agent, or its Ray actor's handle
     state: RankState  # its start values, and how it ended
     ready: int | None = None  # the last value seen in its ready key
     leaving: bool = False  # its host (or slot) is gone or blacklisted: no world will hold it again
@@ -47,7 +47,7 @@ LIMIT_EXIT = 75
 
 
 @dataclass
-class _Failure:
+class JobFailure:
     """Why the job fails: the one line, and the worker whose report explains it (if any)."""
 
     summary: str
@@ -56,7 +56,9 @@ class _Failure:
 
 
 @dataclass
-class _Stats:
+class Stats:
+    """The job's counters: the worlds published after the first, the processes started, the failures seen."""
+
     resets: int = 0
     started: int = 0
     failures: list[str] = field(default_factory=list)

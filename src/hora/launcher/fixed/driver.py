@@ -16,87 +16,91 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from hora.diagnostics.merge import finish_job_timeline, rank_parts
 from hora.errors import SetupError
-from hora.launcher import envvars, output, procs, store, timeline_hook
+from hora.launcher import envvars, output, procs
 from hora.launcher.config import RunConfig
-from hora.launcher.failures import RankState, RootCause
-from hora.launcher.hosts import assign_slots
-from hora.launcher.job_loop import JobLoop, record_exit
+from hora.launcher.hosts import SlotInfo, assign_slots
 from hora.launcher.output_lock import full
 from hora.launcher.remote import preflight
-from hora.launcher.remote.agent_handle import AgentHandle, split_returncode
-from hora.launcher.remote.transport import SSH_FAILED, Transport
-from hora.launcher.stall_watch import StallWatch
+from hora.launcher.remote.transport import Transport
+from hora.launcher.supervision import root_cause
+from hora.launcher.supervision.loop import Handle, JobLoop, record_exit
+from hora.launcher.supervision.root_cause import RankState, RootCause
+from hora.launcher.supervision.stall_watch import StallWatch
 from hora.protocol import messages as protocol
 from hora.protocol import network
-from hora.protocol.signedstore import SignedStore
 
 log = logging.getLogger(__name__)
 
 
 class Driver(JobLoop):
     """Runs a job: see the module docstring. The loop, Ctrl-C and the end are :class:`JobLoop`'s; these are
-    the steps of a job whose ranks are placed once.
+    the steps of a job whose ranks are placed once. A cluster framework's fixed job (``hora.ray``,
+    ``hora.spark``) is this driver with its own :meth:`set_up`, :meth:`start` and :meth:`where`.
 
     Args:
         cfg: the checked job.
         transport_for: ``(host, is_local) -> Transport``; tests pass their own.
         store_ready: called with the job's store (a :class:`~hora.protocol.signedstore.SignedStore`) before any worker
             starts (``hora.run`` puts the function there).
+        slots: where each rank runs, when a cluster framework placed them (default: ``cfg.hosts``' slots).
     """
 
     def __init__(self, cfg: RunConfig, *, transport_for: Callable[[str, bool], Transport] | None = None,
-                 store_ready: Callable[[Any], None] | None = None) -> None:
+                 store_ready: Callable[[Any], None] | None = None, slots: Sequence[SlotInfo] | None = None) -> None:
         super().__init__(cfg, transport_for=transport_for, store_ready=store_ready)
-        self.slots = assign_slots(cfg.hosts, cfg.np)
+        self.slots = list(slots) if slots is not None else assign_slots(cfg.hosts, cfg.np)
         self.ranks: dict[int, RankState] = {s.rank: RankState(s) for s in self.slots}
         self.used = {s.hostname for s in self.slots}  # -np may leave the last hosts without ranks: not touched
         self.first_failure: RankState | None = None
         self.root = RootCause()
         self.summary = ""  # the root cause in one line, repeated as the launcher's last words
         self.stalls = StallWatch(None, self.job_id, {})
-        self._start_deadline = float("inf")
+        self.start_deadline = float("inf")  # every handle has started by then
 
-    # --- set-up ----------------------------------------------------------------------------------------
-    def _start_store(self, used: set[str]) -> tuple[str, int]:
-        remote = [h.name for h in self.cfg.hosts if not h.is_local and h.name in used]
-        addr = network.store_address(remote, self.cfg.network_interfaces)
-        raw = store.listen(addr, max(self.cfg.start_timeout, 60))  # on addr only
-        port = int(raw.port)
-        self.addr, self.port = addr, port
-        self.store = SignedStore(raw, self.secret, self.job_id, f"{addr}:{port}")
+    # --- the steps of a hora run job (a cluster framework's driver defines its own) ---------------------
+    def set_up(self) -> None:
+        self._open_logs()
+        answers = {} if self.cfg.all_local else preflight.check_hosts(self.cfg, self.transport_for, self.used)
+        preflight.refuse_same_machine(self.cfg.hosts, self.used, answers)
+        remote = [h.name for h in self.cfg.hosts if not h.is_local and h.name in self.used]
+        self.start_store(network.store_address(remote, self.cfg.network_interfaces))
         self.stalls = StallWatch(self.store, self.job_id, {r: s.slot.hostname for r, s in self.ranks.items()})
-        if self.store_ready is not None:
-            self.store_ready(self.store)
-        log.info("rendezvous store on %s:%d (job %s)", addr, port, self.job_id)
-        return addr, port
 
-    def _start_agents(self) -> None:
+    def start(self) -> None:
         for index, host in enumerate(self.cfg.hosts):
             mine = [s for s in self.slots if s.host_index == index]
             if not mine:
                 continue  # -np capped the job before this host
             workers = [{"rank": s.rank, "env": envvars.rank_env(s, store_addr=self.addr, store_port=self.port,
                                                                 job_id=self.job_id)} for s in mine]
-            self.start_agent(index, host.name, host.is_local, [s.rank for s in mine],
-                             self.agent_spec(host.name, workers))
+            self.start_agent(host.name, host.is_local, [s.rank for s in mine], self.agent_spec(host.name, workers))
+        self.start_deadline = time.monotonic() + self.cfg.start_timeout
 
-    # --- running ---------------------------------------------------------------------------------------
-    # --- the loop's steps ----------------------------------------------------------------------------------
-    def set_up(self) -> None:
-        self._open_logs()
-        answers = {} if self.cfg.all_local else preflight.check_hosts(self.cfg, self.transport_for, self.used)
-        preflight.refuse_same_machine(self.cfg.hosts, self.used, answers)
-        self._start_store(self.used)
+    def where(self, rank: int) -> str:
+        """Where ``rank`` runs, as the driver's lines say it."""
+        return f"host {self.ranks[rank].slot.hostname}"
 
-    def start(self) -> None:
-        self._start_agents()
-        self._start_deadline = time.monotonic() + self.cfg.start_timeout
+    def start_timed_out(self) -> None:
+        """Not every handle started its processes within --start-timeout: the job fails, naming the late hosts."""
+        late = [h.host for h in self.handles if not (h.started or h.finished)]
+        output.note(f"hosts {', '.join(late)} did not start their workers within --start-timeout "
+                    f"{self.cfg.start_timeout:g}s; stopping")
+        if self.first_failure is None:
+            self.first_failure = RankState(self.ranks[self.handles[0].ranks[0]].slot, True, 1)
+            self.summary = f"hosts {', '.join(late)} did not start within --start-timeout"
+        self.stop_all()
 
+    def wrap_up(self) -> None:
+        merge_timeline(self.cfg.timeline_filename, self.cfg.np, self.job_id)
+
+    # --- the loop's steps ------------------------------------------------------------------------------
     def over(self) -> bool:
         return all(r.done for r in self.ranks.values())
 
@@ -104,36 +108,60 @@ class Driver(JobLoop):
         return 0.1 if self.root.deadline else 0.5
 
     def look(self, now: float) -> None:
-        if self.root.due(all(r.done for r in self.ranks.values())):
+        if self.root.due(all(r.done for r in self.ranks.values()), self._follow_ons()):
             self._report_root()
         if self.root.deadline is None:  # no report is coming: a traceback held back too long is shown
             self.console.release_stale([r for r, s in self.ranks.items() if s.done])
-        if self._stop_deadline is None:
+        if not self.stopping:
             self._watch_stalls()
-        if now > self._start_deadline and not all(a.started or a.finished for a in self.agents):
-            self._start_timed_out()
-            self._start_deadline = float("inf")
+        if now > self.start_deadline and not all(h.started or h.finished for h in self.handles):
+            self.start_timed_out()
+            self.start_deadline = float("inf")
 
     def after_loop(self) -> None:
         if self.root.due(all_done=True):
             self._report_root()
 
-    def wrap_up(self) -> None:
-        timeline_hook.merge(self.cfg.timeline_filename, self.cfg.np, self.job_id)
-
     def processes(self) -> Iterable[RankState]:
         return self.ranks.values()
 
     def killed_label(self, state: RankState) -> str:
-        return f"rank {state.slot.rank} on host {state.slot.hostname}"
+        return f"rank {state.slot.rank} on {self.where(state.slot.rank)}"
 
     def failed_status(self) -> int | None:
         if self.first_failure is None:
             return None
         state = self.first_failure
-        output.note(f"job failed: {self.summary or procs.describe_exit(state.code, state.sig)}")
+        output.note(f"job failed: {self.summary or state.describe()}")
         return procs.exit_status(state.code, state.sig)
 
+    def on_message(self, handle: Handle, message: dict[str, Any]) -> None:
+        kind = message["t"]
+        if kind == protocol.EXIT:
+            state = self.ranks[int(message["r"])]
+            record_exit(state, message)
+            log.info("rank %d exited: %s", state.slot.rank, procs.describe_exit(state.code, state.sig))
+            self.stalls.rank_ended(state.slot.rank, procs.describe_exit(state.code, state.sig))
+            self.console.rank_done(state.slot.rank, failed=state.failed)
+            if state.failed:
+                self._on_failure(state)
+        elif kind == protocol.PROBE and not self.stopping:
+            output.note(self.stalls.on_probe(int(message["r"]), str(message.get("how", ""))))
+
+    def on_handle_gone(self, handle: Handle, code: int) -> None:
+        lost = [self.ranks[r] for r in handle.ranks if not self.ranks[r].done]
+        if not lost:
+            return
+        how = handle.lost(code, f"rank{'s' if len(lost) > 1 else ''} {', '.join(str(r.slot.rank) for r in lost)}")
+        for state in lost:
+            state.done, state.code, state.exit_ts = True, 1, time.time()  # when the loss was seen
+            state.stopped = self.stopping
+        if not self.stopping:
+            # other hosts cut off by the same fault are seen within one ssh keep-alive interval: wait for them
+            self._on_failure(lost[0], how)
+            self.root.extend(min(5.0, self.cfg.heartbeat_timeout / 3) + 1.0 if handle.remote else 0.0)
+
+    # --- failures ---------------------------------------------------------------------------------------
     def _open_logs(self) -> None:
         try:
             self.console.open_logs(range(self.cfg.np))
@@ -151,111 +179,59 @@ class Driver(JobLoop):
         probe, notes = self.stalls.poll()
         for note in notes:
             output.note(note)
-        for agent in self.agents:
-            mine = [r for r in probe if r in agent.ranks and not self.ranks[r].done]
+        for handle in self.handles:
+            mine = [r for r in probe if r in handle.ranks and not self.ranks[r].done]
             if mine:
-                agent.send({"t": protocol.PROBE, "r": mine})
+                handle.send({"t": protocol.PROBE, "r": mine})
         found = self.stalls.shutdown_due()
         if found is not None and found.rank in self.ranks:
             # a transfer is stuck past the stall shutdown time: its ranks wait inside the communication backend
             # and cannot end themselves, so the job ends here, blaming the rank that froze in it
             self._on_failure(RankState(self.ranks[found.rank].slot, done=True, code=1), found.how)
 
-    def on_message(self, agent: AgentHandle, message: dict[str, Any]) -> None:
-        kind = message["t"]
-        if kind == protocol.EXIT:
-            state = self.ranks[int(message["r"])]
-            record_exit(state, message)
-            log.info("rank %d exited: %s", state.slot.rank, procs.describe_exit(state.code, state.sig))
-            self.stalls.rank_ended(state.slot.rank, procs.describe_exit(state.code, state.sig))
-            self.console.rank_done(state.slot.rank, failed=state.failed)
-            if state.failed:
-                self._on_failure(state)
-        elif kind == protocol.PROBE and self._stop_deadline is None:
-            output.note(self.stalls.on_probe(int(message["r"]), str(message.get("how", ""))))
-
     def _on_failure(self, state: RankState, how: str | None = None) -> None:
         if self.first_failure is not None or self.interrupted is not None:
             return
         state.how = how or state.how
-        self.root.offer(state)  # decided after a short settle window: see failures.py
+        self.root.offer(state)  # decided after a short settle window: see root_cause.py
+
+    def _follow_ons(self) -> set[int]:
+        return root_cause.follow_ons(self.console.tails, {r: s.raised for r, s in self.ranks.items() if s.raised})
+
+    def _waited_for(self) -> tuple[int, str] | None:
+        """The rank the waiting ranks blamed on the board (posts still settling: a partition is named now)."""
+        for line in self.stalls.poll(now_or_never=True)[1]:
+            output.note(line)
+        found = self.stalls.culprit()
+        return (found.rank, found.how) if found is not None else None
 
     def _report_root(self) -> None:
-        follow_ons = {r for r, tail in self.console.tails.items() if output.follow_on(list(tail))}
-        state = self.first_failure = self.root.choose(self.console.traceback_ts, follow_ons)
-        rank, host = state.slot.rank, state.slot.hostname
-        how = state.how or procs.describe_exit(state.code, state.sig)
-        self.summary = f"rank {rank} on host {host}: {how}"
-        culprit = self.root.culprit(self.console.traceback_ts, follow_ons)
-        found = None
-        if not (state.sig or state.how):
-            for line in self.stalls.poll(now_or_never=True)[1]:  # posts still settling: a partition is named now
-                output.note(line)
-            found = self.stalls.culprit()
-        lost = [c for c in self.root.candidates if c.how and c.how.startswith("lost")]
-        if found is not None and found.rank in self.ranks:
-            # a waiting rank failed (a stall shutdown, an init() timeout, a peer that exited): blame the rank
-            # it waited for, as the waiting rank itself named it (or the partition the driver found)
-            raised = output.exception_name(output.traceback_of(list(self.console.tails[rank])))
-            by = "it" if found.rank == rank else f"rank {rank} on host {host} waited for it and"
-            how = f"{found.how} ({by} {raised})"
-            rank, host = found.rank, self.ranks[found.rank].slot.hostname
-            self.summary = f"rank {rank} on host {host}: {found.how}"
-        elif len({c.slot.hostname for c in lost}) > 1:  # several hosts went at once: name them all
-            names = sorted({c.slot.hostname for c in lost})
-            hosts = f"hosts {', '.join(names[:-1])} and {names[-1]}"
-            ranks = sorted(r.slot.rank for r in self.ranks.values() if r.slot.hostname in names)
-            how = (f"lost: {hosts} stopped answering: their ssh connections ended before ranks "
-                   f"{', '.join(map(str, ranks))} exited (the hosts went down, their network links broke, or their "
-                   "hora agents were killed)")
-            self.summary = f"{hosts} lost"
-        elif culprit is not None:  # it raised first, its peers failed before it finished exiting
-            how = f"raised an exception (traceback below); then rank {rank} on host {host} ended with {how}"
-            rank, host = culprit, self.ranks[culprit].slot.hostname
-            self.summary = f"rank {rank} on host {host} {how}"
-        others = sum(1 for r in self.ranks.values() if not r.done and r.slot.rank != rank)  # not the culprit
-        self.console.flush()
-        finished = [r.slot.rank for r in self.ranks.values() if r.done and r.code == 0 and not r.sig]
-        # the report shows the root cause's traceback once: ranks that raised the same error get one line in it,
-        # ranks that raised another one show theirs first, as they printed it
-        tb = output.traceback_of(list(self.console.tails[rank])) or []
-        self.console.take_held(rank)
-        same = [r for r in self.console.held_ranks() if output.same_error(self.console.held(r), tb)]
-        followed = [r for r in self.console.held_ranks() if r not in same and output.follow_on(self.console.held(r))]
-        for r in self.console.held_ranks():
-            if r in same or r in followed:
-                self.console.take_held(r)
-            else:
-                self.console.release(r)
-        output.print_lines(output.failure_report(rank, host, how, list(self.console.tails[rank]), others, finished,
-                                                 same, followed))
-        self._stop_all()
+        verdict = root_cause.decide(self.root, self.console, self.ranks, self.where, self._waited_for)
+        self.first_failure, self.summary = verdict.state, verdict.summary
+        root_cause.report(verdict, self.console, self.ranks, self.where)
+        self.stop_all()
 
-    def on_agent_gone(self, agent: AgentHandle, code: int) -> None:
-        lost = [self.ranks[r] for r in agent.ranks if not self.ranks[r].done]
-        if not lost:
-            return
-        ranks = f"rank{'s' if len(lost) > 1 else ''} {', '.join(str(r.slot.rank) for r in lost)}"
-        remote = not self.cfg.hosts[agent.index].is_local
-        if remote and code == SSH_FAILED:  # ssh's own code: the connection (or the host) went away
-            how = (f"lost: host {agent.host} stopped answering: its ssh connection ended before {ranks} exited "
-                   "(the host went down, its network link broke, or its hora agent was killed)")
-        else:
-            ended = procs.describe_exit(*split_returncode(code))
-            how = f"lost: the agent on host {agent.host} ended ({ended}) before {ranks} exited"
-        for state in lost:
-            state.done, state.code, state.exit_ts = True, 1, time.time()  # when the loss was seen
-            state.stopped = self._stop_deadline is not None
-        if self._stop_deadline is None:
-            # other hosts cut off by the same fault are seen within one ssh keep-alive interval: wait for them
-            self._on_failure(lost[0], how)
-            self.root.extend(min(5.0, self.cfg.heartbeat_timeout / 3) + 1.0 if remote else 0.0)
 
-    def _start_timed_out(self) -> None:
-        late = [a.host for a in self.agents if not (a.started or a.finished)]
-        output.note(f"hosts {', '.join(late)} did not start their workers within --start-timeout "
-                    f"{self.cfg.start_timeout:g}s; stopping")
-        if self.first_failure is None:
-            self.first_failure = RankState(self.ranks[self.agents[0].ranks[0]].slot, True, 1)
-            self.summary = f"hosts {', '.join(late)} did not start within --start-timeout"
-        self._stop_all()
+def merge_timeline(filename: str | None, size: int, job: str) -> None:
+    """After a job: merge job ``job``'s rank files of ``--timeline-filename`` into the one file the user named; a
+    failed merge is one note, never the job's status. A merge that found no events leaves an existing
+    ``filename`` as it was (another job's timeline)."""
+    if not filename:
+        return
+    path = os.path.abspath(filename)
+    left = "left as it was" if os.path.exists(filename) else "not written"
+    if not rank_parts(filename, job):  # each rank said why (a full disk, no init()): one line here, no merge
+        output.note(f"no rank wrote a timeline file (did the ranks call hvd.init()? a rank that could not write "
+                    f"its file said why): {path} {left}")
+        return
+    try:
+        merged = finish_job_timeline(filename, size, job=job, remove_parts=True)
+    except Exception as exc:  # noqa: BLE001 - a broken merge must not change the job's exit status
+        output.note(f"could not merge the timeline files into {path}: {exc}; the ranks' files are kept: merge them "
+                    f"later with python -m hora.diagnostics merge-timeline {filename} --job {job}")
+        return
+    if not merged:
+        left = "left as it was" if os.path.exists(filename) else "not written"
+        output.note(f"no rank wrote timeline events (did the ranks call hvd.init()?): {path} {left}")
+        return
+    output.note(f"timeline written to {path} (open it in https://ui.perfetto.dev or chrome://tracing)")

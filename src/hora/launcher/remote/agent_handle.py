@@ -1,5 +1,5 @@
-"""The driver's side of an agent: its process and stdin (:class:`AgentHandle`), how it is reached
-(:func:`default_transport`), and the timings both drivers (fixed and elastic) keep with their agents."""
+"""The driver's side of an agent: its process and pipes (:class:`AgentHandle`, one of the handles the run loop of
+:mod:`hora.launcher.supervision.loop` supervises) and how it is reached (:func:`default_transport`)."""
 
 from __future__ import annotations
 
@@ -7,32 +7,53 @@ import queue
 import signal
 import subprocess
 import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hora.launcher import procs
 from hora.launcher.config import RunConfig
-from hora.launcher.failures import RankState
-from hora.launcher.remote.transport import SshTransport, Transport, transport_for
+from hora.launcher.remote.transport import SSH_FAILED, SshTransport, Transport, transport_for
 from hora.protocol import messages as protocol
-
-PING_INTERVAL = 2.0  # seconds between the driver's pings to each agent
-KILL_AFTER_GRACE = 10.0  # after grace + this, agents that still have not finished are killed
 
 
 @dataclass
 class AgentHandle:
-    """One running agent (a local process or an ssh client) and its pipes."""
+    """One running agent (a local process or an ssh client) and its pipes.
+
+    Args:
+        index: its place in the driver's list of handles (the events it causes carry it).
+        host: the host it runs on; ``remote``: reached over ssh.
+        proc: the agent's process (a ``subprocess.Popen`` with binary pipes).
+        ranks: the numbers of the processes it started.
+    """
 
     index: int
     host: str
     proc: Any  # subprocess.Popen[bytes]
     ranks: list[int]
+    remote: bool = False
     started: bool = False
     finished: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def watch(self, events: queue.SimpleQueue[tuple[str, int, Any]]) -> None:
+        """Two daemon threads turn the agent's output into driver events: ``msg`` (a protocol message on stdout),
+        ``eof`` (stdout closed; the agent's exit code) and ``agent_err`` (a line the agent wrote to stderr)."""
+
+        def pump() -> None:
+            for raw in self.proc.stdout:
+                message = protocol.decode(raw)
+                if message is not None:
+                    events.put(("msg", self.index, message))
+            events.put(("eof", self.index, self.proc.wait()))
+
+        def pump_stderr() -> None:
+            for raw in self.proc.stderr:
+                events.put(("agent_err", self.index, raw.decode(errors="replace").rstrip("\n")))
+
+        threading.Thread(target=pump, daemon=True).start()
+        threading.Thread(target=pump_stderr, daemon=True).start()
 
     def send(self, message: dict[str, Any]) -> None:
         with self._lock:
@@ -42,12 +63,37 @@ class AgentHandle:
             except (BrokenPipeError, OSError, ValueError):
                 pass  # the agent is gone; its EOF event says so
 
-    def close_stdin(self) -> None:
+    def close(self) -> None:
+        """No more orders: closing its stdin makes the agent stop its workers and exit."""
         with self._lock:
             try:
                 self.proc.stdin.close()
             except OSError:
                 pass
+
+    def running(self) -> bool:
+        return bool(self.proc.poll() is None)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the agent to exit; True if it did."""
+        try:
+            self.proc.wait(timeout=max(0.0, timeout))
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL the agent's process group and reap it."""
+        procs.signal_groups([self.proc.pid], signal.SIGKILL)
+        self.proc.wait()
+
+    def lost(self, code: int, who: str) -> str:
+        """How the processes ``who`` (``"ranks 0, 1"``) ended when the agent's output ended with ``code`` first."""
+        if self.remote and code == SSH_FAILED:  # ssh's own code: the connection (or the host) went away
+            return (f"lost: host {self.host} stopped answering: its ssh connection ended before {who} exited (the "
+                    "host went down, its network link broke, or its hora agent was killed)")
+        return f"lost: the agent on host {self.host} ended ({procs.describe_exit(*split_returncode(code))}) " \
+               f"before {who} exited"
 
 
 def default_transport(cfg: RunConfig) -> Callable[[str, bool], Transport]:
@@ -59,54 +105,8 @@ def default_transport(cfg: RunConfig) -> Callable[[str, bool], Transport]:
     return transport_for(ssh)
 
 
-
-
 def split_returncode(returncode: int | None) -> tuple[int | None, int | None]:
     """Popen's returncode -> (exit code, signal)."""
     if returncode is not None and returncode < 0:
         return None, -returncode
     return returncode, None
-
-
-def start_pumps(agent: AgentHandle, events: queue.SimpleQueue[tuple[str, int, Any]]) -> None:
-    """Two daemon threads turn the agent's output into driver events: ``msg`` (a protocol message on stdout),
-    ``eof`` (stdout closed; the agent's exit code) and ``agent_err`` (a line the agent wrote to stderr)."""
-
-    def pump() -> None:
-        for raw in agent.proc.stdout:
-            message = protocol.decode(raw)
-            if message is not None:
-                events.put(("msg", agent.index, message))
-        events.put(("eof", agent.index, agent.proc.wait()))
-
-    def pump_stderr() -> None:
-        for raw in agent.proc.stderr:
-            events.put(("agent_err", agent.index, raw.decode(errors="replace").rstrip("\n")))
-
-    threading.Thread(target=pump, daemon=True).start()
-    threading.Thread(target=pump_stderr, daemon=True).start()
-
-
-def stop_agents(agents: Iterable[AgentHandle], grace: float) -> float:
-    """Tell every agent to stop its workers (SIGTERM, SIGKILL after ``grace`` s); returns the deadline after
-    which the driver calls :func:`force_kill` on the agents still running."""
-    for agent in agents:
-        agent.send({"t": protocol.STOP, "grace": grace})
-    return time.monotonic() + grace + KILL_AFTER_GRACE
-
-
-def force_kill(agents: Iterable[AgentHandle], states: Iterable[RankState] = ()) -> None:
-    """Close every agent's stdin (they kill their workers) and kill agents that linger past 3 s; each of
-    ``states`` that had not ended counts as stopped (exit code 1)."""
-    for state in states:
-        if not state.done:
-            state.done, state.code, state.stopped = True, 1, True
-    agents = list(agents)
-    for agent in agents:
-        agent.close_stdin()
-    deadline = time.monotonic() + 3.0
-    for agent in agents:
-        try:
-            agent.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            procs.signal_groups([agent.proc.pid], signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""The one run loop both ``hora run`` drivers share (launcher/job_loop.py): each driver only defines steps."""
+"""The one run loop every driver is (launcher/supervision/loop.py): each driver only defines steps."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ import pytest
 
 from hora.launcher.config import RunConfig
 from hora.launcher.elastic.driver import ElasticDriver
-from hora.launcher.failures import RankState
 from hora.launcher.fixed.driver import Driver
 from hora.launcher.hosts import SlotInfo, parse_hosts
-from hora.launcher.job_loop import JobLoop
-from hora.launcher.remote.agent_handle import AgentHandle
+from hora.launcher.supervision.loop import Handle, JobLoop
+from hora.launcher.supervision.root_cause import RankState
 
-SHARED = ("run", "_loop", "_handle", "_on_signal", "_on_interrupt", "_stop_all", "_force_kill", "_shutdown_agents",
-          "_exit_status", "agent_spec", "start_agent")
+SHARED = ("run", "_loop", "_handle", "_on_signal", "_on_interrupt", "stop_all", "kill_all", "_shut_down",
+          "_exit_status", "agent_spec", "start_agent", "start_store", "watch", "stopping")
 
 
 @pytest.mark.parametrize("driver", [Driver, ElasticDriver])
@@ -49,10 +48,10 @@ class _OneProcess(JobLoop):
     def wait_s(self) -> float:
         return 0.01
 
-    def on_message(self, agent: AgentHandle, message: dict[str, Any]) -> None:
+    def on_message(self, handle: Handle, message: dict[str, Any]) -> None:
         raise AssertionError("no agent")
 
-    def on_agent_gone(self, agent: AgentHandle, code: int) -> None:
+    def on_handle_gone(self, handle: Handle, code: int) -> None:
         raise AssertionError("no agent")
 
     def on_event(self, kind: str, value: Any) -> None:
@@ -77,3 +76,22 @@ def test_a_signal_stops_the_job_and_the_exit_status_says_so(capsys: pytest.Captu
     err = capsys.readouterr().err
     assert "interrupted (SIGINT): stopping 1 worker(s) (SIGTERM, SIGKILL after" in err, err
     assert "stopped after SIGINT: no worker is running; exit code 130" in err, err
+
+
+def test_the_cluster_frameworks_drivers_override_no_private_step() -> None:
+    """hora.ray's drivers are hora run's drivers with public steps of their own (where the store listens, how
+    workers start, where a rank runs): none of the loop's or the driver's private methods is redefined, and the
+    actors are a handle of their own, not an agent's handle without a process."""
+    pytest.importorskip("ray")
+    from hora.launcher.remote.agent_handle import AgentHandle
+    from hora.ray.actors import RayActors
+    from hora.ray.elastic import RayElasticDriver
+    from hora.ray.executor import RayRun
+
+    for framework_driver, driver in ((RayElasticDriver, ElasticDriver), (RayRun, Driver)):
+        assert framework_driver.__mro__[1] is driver
+        redefined = [name for name in vars(framework_driver) if name.startswith("_") and not name.startswith("__")
+                     and name != "_abc_impl"
+                     and (name in vars(driver) or name in vars(JobLoop))]
+        assert redefined == [], framework_driver
+    assert AgentHandle not in RayActors.__mro__
