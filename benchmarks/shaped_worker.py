@@ -33,6 +33,7 @@ import hora as hvd
 from hora.bench import cpu, models
 from hora.bench.timing import alternate
 from hora.datapath import hierarchical
+from hora.runtime import lifecycle as runtime
 
 
 def _jiffies() -> tuple[int, int]:
@@ -220,7 +221,7 @@ def mode_hierarchical(ns: argparse.Namespace) -> dict[str, Any]:
     shard and leader ways; shard: the leader way); and two references without hora: torch.distributed's own
     ring on the 6 ranks, and the hosts' leaders alone allreducing across hosts (no intra-host step: the
     wire's bound on this machine)."""
-    h = hierarchical.active()
+    h = runtime.hierarchy()
     if h is None:
         raise SystemExit("start with HOROVOD_HIERARCHICAL_ALLREDUCE=1 on several ranks per host")
     check = torch.full((1000,), float(hvd.rank()))
@@ -229,7 +230,7 @@ def mode_hierarchical(ns: argparse.Namespace) -> dict[str, Any]:
     chosen = h.mode
 
     def flat() -> None:
-        with hierarchical.flat():
+        with hierarchical.flat(runtime.hierarchy()):
             hvd.allreduce_(t, op=hvd.Sum)
 
     def way(mode: str) -> Callable[[], None]:

@@ -9,7 +9,8 @@ import hora as hvd
 from hora.calls import submit as collectives
 from hora.calls.call import Call
 from hora.datapath.kinds.op import Kind
-from hora.datapath.wire import POOL_MIN_BYTES, WIRE_BUFFERS, CastCompressor
+from hora.datapath.wire import POOL_MIN_BYTES, CastCompressor
+from hora.runtime import lifecycle as runtime
 from tests.distributed.expect import ALL, FLOATS, close, ops_for, rank_input, reduce
 from tests.distributed.harness import run_ranks
 from tests.polling import wait_until
@@ -104,9 +105,10 @@ def _large_compressed(rank: int, size: int) -> int:
         assert torch.equal(rs, hvd.reducescatter(x, op=hvd.Sum, compression=_FreshCast(torch.float16)))
 
     one_pass()
-    made = WIRE_BUFFERS.allocated
+    pool = runtime.state().wire_buffers
+    made = pool.allocated
     one_pass()
-    assert WIRE_BUFFERS.allocated == made, f"the second pass allocated {WIRE_BUFFERS.allocated - made} wire buffers"
+    assert pool.allocated == made, f"the second pass allocated {pool.allocated - made} wire buffers"
     return made
 
 

@@ -17,6 +17,7 @@ import torch
 import hora as hvd
 from hora.datapath import hierarchical
 from hora.datapath import shared_memory as hostshm
+from hora.runtime import lifecycle as runtime
 from tests.distributed.expect import close, rank_input, reduce
 from tests.distributed.harness import as_host, run_ranks
 
@@ -77,7 +78,7 @@ def _same_as_flat(rank: int, size: int) -> int:
         g = torch.Generator().manual_seed(n + 7 * rank)
         x = torch.randint(-1000, 1000, (n,), generator=g).float()
         got = hvd.allreduce(x, op=hvd.Sum, name=f"way.{n}")
-        with hierarchical.flat():
+        with hierarchical.flat(runtime.hierarchy()):
             flat = hvd.allreduce(x, op=hvd.Sum, name=f"flat.{n}")
             every = hvd.allgather(got.unsqueeze(0), name=f"same.{n}")
         assert torch.equal(got, flat), f"{n} elements: {(got - flat).abs().max()} off the flat allreduce"
@@ -105,7 +106,7 @@ def _hierarchical_job(rank: int, size: int, per_host: list[int], knob: str, trai
     hostshm.SLOT_BYTES, hostshm.CHUNK_BYTES = 64 * 1024, 16 * 1024  # 1.2 MB: 19 chunks through 3 slots
     hvd.init()
     try:
-        h = hierarchical.active()
+        h = runtime.hierarchy()
         checked = 0
         for dtype in (torch.float32, torch.int64):
             inputs = [rank_input(r, (7, 5), dtype) for r in range(size)]
@@ -139,7 +140,7 @@ def _hierarchical_job(rank: int, size: int, per_host: list[int], knob: str, trai
                                      "mode": chosen}
         if train:
             result["hierarchical"] = _train_steps(rank)
-            with hierarchical.flat():  # the flat ring in the same job: the reference
+            with hierarchical.flat(runtime.hierarchy()):  # the flat ring in the same job: the reference
                 result["flat"] = _train_steps(rank)
         result["calls"] = h.calls if h else 0
         return result
@@ -196,7 +197,7 @@ def test_one_rank_per_host_stays_flat() -> None:
 def _allreduce_until_error(rank: int) -> str:
     as_host(rank, [2, 2], "1")
     hvd.init()
-    assert hierarchical.active() is not None and hierarchical.active().mode == "shm"  # type: ignore[union-attr]
+    assert runtime.hierarchy() is not None and runtime.hierarchy().mode == "shm"  # type: ignore[union-attr]
     if rank == 3:
         threading.Timer(0.3, os._exit, (9,)).start()  # dies mid-way, without a word to anyone
     t = torch.ones(16 * 2**20 // 4)

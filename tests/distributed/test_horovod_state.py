@@ -15,7 +15,6 @@ import torch._dynamo  # noqa: F401 - imported by an optimizer's first constructi
 
 import hora as hvd
 from hora.common.names import SHUTDOWN_NAME
-from hora.datapath import hierarchical
 from hora.runtime import lifecycle as runtime
 from hora.training.optimizer import STEP_AFTER_SYNCHRONIZE
 from tests.distributed.expect import close, rank_input, reduce
@@ -343,7 +342,7 @@ def _fresh_runtime() -> list[str]:
         leftovers.append(f"pending ops {snap.submitted} {snap.in_flight}")
     if set(runtime.state().process_sets) != {0}:
         leftovers.append(f"process sets {runtime.state().process_sets}")
-    if hierarchical.active() is not None:
+    if runtime.hierarchy() is not None:
         leftovers.append("a hierarchy")
     # hora's threads: the same every cycle (none left over from a runtime gone)
     leftovers.append(sorted(t.name for t in threading.enumerate() if t.name.startswith("hora-")))

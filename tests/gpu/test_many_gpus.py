@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import hora as hvd
 from hora.datapath import hierarchical
+from hora.runtime import lifecycle as runtime
 from tests.distributed.expect import rank_input, reduce, split_sizes
 from tests.gpu.common import ON_CPU, as_hosts, cuda_devices, device, nccl_world, same
 from tests.gpu.every_kind import every_kind
@@ -71,7 +72,7 @@ def _hierarchical(rank: int, size: int) -> int:
     as_hosts(rank, per_host)
     hvd.init()
     try:
-        h = hierarchical.active()
+        h = runtime.hierarchy()
         even = per_host[0] == per_host[1]
         want = ("shm" if ON_CPU else "shard") if even else "leader"  # the dry run's Gloo may share memory
         assert h is not None and h.mode == want, f"hierarchy {h}"
@@ -92,7 +93,7 @@ def _hierarchical(rank: int, size: int) -> int:
         g = torch.Generator().manual_seed(rank)
         F.mse_loss(model(torch.randn(4, 32, generator=g).to(dev)), torch.zeros(4, 8, device=dev)).backward()
         opt.step()
-        with hierarchical.flat():
+        with hierarchical.flat(runtime.hierarchy()):
             flat = hvd.allreduce(model.weight.detach(), op=hvd.Average, name="weights agree")
         same(model.weight.detach(), flat.cpu(), "the buckets' result is the same on every rank")
         return h.calls - before

@@ -322,7 +322,7 @@ def _bandwidth(rank: int, size: int) -> dict[str, Any]:
     as_hosts(rank, [size // 2, size // 2])
     hvd.init()
     try:
-        h = hierarchical.active()
+        h = runtime.hierarchy()
         assert h is not None, "no hierarchy on two hosts of several ranks"
         dev = device()
         report: dict[str, Any] = {"ranks": size, "hosts": 2, "way": h.mode, "sizes": {}}
@@ -331,7 +331,7 @@ def _bandwidth(rank: int, size: int) -> dict[str, Any]:
             t = (torch.arange(n, device=dev) % 1000).float() + rank  # whole numbers: every order sums alike
 
             def flat(t: torch.Tensor = t) -> None:
-                with hierarchical.flat():
+                with hierarchical.flat(runtime.hierarchy()):
                     hvd.allreduce_(t, op=hvd.Sum, name="bw.flat")
 
             def hier(t: torch.Tensor = t) -> None:

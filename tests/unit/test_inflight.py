@@ -9,12 +9,13 @@ import json
 import logging
 import sys
 import threading
+from collections.abc import Iterator
 
 import pytest
 from torch.distributed import HashStore
 
-from hora.diagnostics import inflight
 from hora.diagnostics.board import Board
+from hora.diagnostics.inflight import InflightWatch
 from hora.diagnostics.stall_report import StallPolicy
 from hora.engine.scheduling.table import Request
 from hora.protocol import messages as protocol
@@ -39,14 +40,27 @@ def _post(store: HashStore, rank: int = 0) -> dict[str, object] | None:
 
 @pytest.fixture
 def store() -> HashStore:
-    store = HashStore()
-    yield store
-    inflight.configure(Board(None, "", 0), 0, StallPolicy(enabled=False))  # no watch for later tests
+    return HashStore()
+
+
+@pytest.fixture
+def watches() -> Iterator[list[InflightWatch]]:
+    """The watches a test makes, stopped after it (their threads end)."""
+    made: list[InflightWatch] = []
+    yield made
+    for watch in made:
+        watch.stop()
+
+
+def _watch(watches: list[InflightWatch], store: HashStore, policy: StallPolicy) -> InflightWatch:
+    watch = InflightWatch(Board(store, "job", 0), 0, policy)
+    watches.append(watch)
+    return watch
 
 
 def test_a_transfer_past_the_deadlines_is_posted_then_withdrawn_when_it_finishes(
-        store: HashStore, caplog: pytest.LogCaptureFixture) -> None:
-    inflight.configure(Board(store, "job", 0), 0, StallPolicy(warning_s=0.2, shutdown_s=0.4))
+        store: HashStore, watches: list[InflightWatch], caplog: pytest.LogCaptureFixture) -> None:
+    inflight = _watch(watches, store, StallPolicy(warning_s=0.2, shutdown_s=0.4))
     req = Request("big", "allreduce", "float32", (1024, 1024), ps=(0, 1, 2))
     work, handle = Transfer(), object()
     with caplog.at_level(logging.WARNING, logger="hora.diagnostics.inflight"):
@@ -79,9 +93,9 @@ def _asleep_between_checks(thread: threading.Thread) -> bool:
     return "wait" in names and "_watch" in names
 
 
-def test_a_synchronized_op_is_forgotten_and_nothing_is_posted(store: HashStore,
+def test_a_synchronized_op_is_forgotten_and_nothing_is_posted(store: HashStore, watches: list[InflightWatch],
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    inflight.configure(Board(store, "job", 0), 0, StallPolicy(warning_s=0.2))
+    inflight = _watch(watches, store, StallPolicy(warning_s=0.2))
     handle = object()
     with caplog.at_level(logging.WARNING, logger="hora.diagnostics.inflight"):
         inflight.launched(handle, (Request("x", "allreduce", "float32", (4,), ps=(0, 1)),), Transfer())
@@ -95,13 +109,14 @@ def test_a_synchronized_op_is_forgotten_and_nothing_is_posted(store: HashStore,
     assert _post(store) is None and "hora stall" not in caplog.text
 
 
-def test_time_this_rank_spent_frozen_does_not_count_against_its_own_transfers(store: HashStore) -> None:
+def test_time_this_rank_spent_frozen_does_not_count_against_its_own_transfers(
+        store: HashStore, watches: list[InflightWatch]) -> None:
     """A native call holds the GIL for longer than the warning time while this rank's op is on the wire: the
     watch cannot run meanwhile, then wakes to an op launched long ago. That time was the rank's own, not a
     peer's: the op is posted only once it has been in flight for the warning time outside the freeze, with
     that age."""
     frozen_s = 1.5
-    inflight.configure(Board(store, "job", 0), 0, StallPolicy(warning_s=0.2))
+    inflight = _watch(watches, store, StallPolicy(warning_s=0.2))
     work = Transfer()
     inflight.launched(object(), (Request("big", "allreduce", "float32", (4,), ps=(0, 1)),), work)
     watchdog = _watchdog()

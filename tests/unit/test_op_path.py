@@ -16,6 +16,9 @@ from hora.common.process_sets import global_process_set
 from hora.datapath.kinds import KINDS
 from hora.datapath.kinds.op import Kind, Op, Peers
 from hora.datapath.reduce_ops import ReduceOp
+from hora.diagnostics.board import Board
+from hora.diagnostics.inflight import InflightWatch
+from hora.diagnostics.stall_report import StallPolicy
 from hora.engine.scheduling.dispatch import Dispatcher
 from hora.engine.scheduling.handles import Handle
 from hora.engine.scheduling.pending import local_op
@@ -84,7 +87,8 @@ def test_a_launch_failure_reaches_the_handle_and_the_stack_names_the_kinds_step(
     mine = local_op(request, op, handle)
     group = object()
     ps = SimpleNamespace(ranks=[0], group=group)
-    dispatcher = Dispatcher(0, {0: ps}, lambda name: mine, fusion_threshold=0)
+    unwatched = InflightWatch(Board(None, "", 0), 0, StallPolicy(enabled=False))
+    dispatcher = Dispatcher(0, {0: ps}, lambda name: mine, fusion_threshold=0, inflight=unwatched)
     dispatcher.run([Entry("x", {0: request}, 0, 0.0, arrival={0: 0})], frozenset())
     with pytest.raises(CollectiveError, match="broadcast 'x' could not start on rank 0: the backend refused"):
         handle.wait()

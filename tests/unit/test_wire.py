@@ -29,18 +29,19 @@ def test_buffers_are_reused_and_bounded() -> None:
 
 def test_only_large_contiguous_cpu_floats_under_a_built_in_cast_lease_a_buffer() -> None:
     big = torch.zeros(wire.POOL_MIN_BYTES // 2)  # wire.POOL_MIN_BYTES on a 16-bit wire
-    assert lease_wire(hvd.Compression.fp16, big) is not None
-    assert lease_wire(hvd.Compression.bf16, big).dtype == torch.bfloat16  # type: ignore[union-attr]
-    assert lease_wire(hvd.Compression.fp16, big[:-1]) is None  # one element short
-    assert lease_wire(hvd.Compression.none, big) is None
-    assert lease_wire(hvd.Compression.fp16, big.view(2, -1).t()) is None  # not contiguous
-    assert lease_wire(hvd.Compression.fp16, big.to(torch.int32)) is None
-    assert lease_wire(hvd.Compression.fp16, big.half()) is None  # nothing to cast
+    pool = WireBuffers()
+    assert lease_wire(hvd.Compression.fp16, big, pool) is not None
+    assert lease_wire(hvd.Compression.bf16, big, pool).dtype == torch.bfloat16  # type: ignore[union-attr]
+    assert lease_wire(hvd.Compression.fp16, big[:-1], pool) is None  # one element short
+    assert lease_wire(hvd.Compression.none, big, pool) is None
+    assert lease_wire(hvd.Compression.fp16, big.view(2, -1).t(), pool) is None  # not contiguous
+    assert lease_wire(hvd.Compression.fp16, big.to(torch.int32), pool) is None
+    assert lease_wire(hvd.Compression.fp16, big.half(), pool) is None  # nothing to cast
 
     class Mine(CastCompressor):
         pass
 
-    assert lease_wire(Mine(torch.float16), big) is None  # a user's compressor keeps its own compress()
+    assert lease_wire(Mine(torch.float16), big, pool) is None  # a user's compressor keeps its own compress()
 
 
 def test_pieces_cover_the_tensor_in_order() -> None:

@@ -6,7 +6,7 @@ scale the data on the CPU, before or after the wire (a large compressed one in p
 
 * out-of-place (``hvd.allreduce``): the input is copied into a fresh wire tensor;
 * compression (``fp16``/``bf16``): a cast of the float32 input down into a reused 16-bit buffer
-  (:data:`hora.datapath.wire.WIRE_BUFFERS`), and a cast of the result back up, then Average's division
+  (the runtime's :class:`hora.datapath.wire.WireBuffers`), and a cast of the result back up, then Average's division
   (:func:`hora.datapath.wire.cast_scaled`): into a fresh tensor out of place, into the caller's tensor in place;
 * Average, uncompressed: one multiply of the wire tensor.
 

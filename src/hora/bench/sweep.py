@@ -29,7 +29,6 @@ import hora as hvd
 from hora.bench import cpu
 from hora.bench.report import Progress, human_bytes, markdown_table, noise_warning, noisy_mark
 from hora.bench.timing import alternate, ratio_summary, summarize
-from hora.datapath import hierarchical
 from hora.datapath.wire import Compression, Compressor
 from hora.runtime import lifecycle as runtime
 
@@ -189,7 +188,7 @@ def run(cfg: SweepConfig) -> dict[str, Any]:
     topo = runtime.state().topo
     return {"kind": "allreduce", "ranks": hvd.size(), "hosts": len(topo.hosts) or 1,
             "ranks_per_host": [len(h) for h in topo.hosts], "dtype": cfg.dtype, "compression": cfg.compression,
-            "hierarchical": hierarchical.active() is not None, "repeats": cfg.repeats, "rows": rows,
+            "hierarchical": runtime.hierarchy() is not None, "repeats": cfg.repeats, "rows": rows,
             "links": links, "cpu": slowest.as_dict()}
 
 

@@ -25,7 +25,7 @@ from hora.datapath.c10d import dtype_name
 from hora.datapath.kinds import KINDS, adasum
 from hora.datapath.kinds.op import REDUCTIONS, Kind, Op
 from hora.datapath.reduce_ops import ReduceOp
-from hora.datapath.wire import Compression
+from hora.datapath.wire import Compression, WireBuffers
 from hora.diagnostics import timeline
 from hora.engine.scheduling.handles import Handle
 from hora.engine.scheduling.table import Request
@@ -143,7 +143,7 @@ def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
                 raise TypeError(f"collective names are strings, got {call.name!r}")
             _validate(call, rt.topo.rank)
         calls = [_named(call, neg, site) for call in calls]
-        ops = [_prepared(call) for call in calls]
+        ops = [_prepared(call, rt.wire_buffers) for call in calls]
     except Exception as e:
         _announce(calls, rt, e)
         raise
@@ -186,9 +186,10 @@ def _member_ranks(ps: Any, rt: Any) -> tuple[int, ...] | None:
     return ranks if rt.topo.rank in ranks else None
 
 
-def _prepared(call: Call) -> tuple[Request, Op]:
-    """``call``'s op, prepared by its kind on this thread, and the request that announces it."""
-    op = Op(call, KINDS[call.kind], members=len(call.ps.ranks))
+def _prepared(call: Call, buffers: WireBuffers) -> tuple[Request, Op]:
+    """``call``'s op, prepared by its kind on this thread (its wire leased from ``buffers`` when it can be), and
+    the request that announces it."""
+    op = Op(call, KINDS[call.kind], members=len(call.ps.ranks), buffers=buffers)
     tl = timeline.active()
     t0 = time.perf_counter() if tl is not None else 0.0
     op.steps.prepare(op)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from hora.datapath import streams
+from hora.datapath.hierarchical import Hierarchy
 from hora.datapath.kinds.reductions import allreduce_flat
 
 
@@ -32,9 +33,9 @@ class FusionBuffers:
         return buf[:numel]
 
     def allreduce(self, wires: Sequence[torch.Tensor | None], sizes: Sequence[int], dtype: torch.dtype, device: str,
-                  reduce_op: int, group: Any) -> None:
-        """Reduce ``wires`` (of ``sizes`` elements each) in place as one allreduce; a None wire (a joined rank)
-        contributes zeros."""
+                  reduce_op: int, group: Any, hierarchy: Hierarchy | None) -> None:
+        """Reduce ``wires`` (of ``sizes`` elements each) in place as one allreduce (through ``hierarchy`` when
+        one was built); a None wire (a joined rank) contributes zeros."""
         flat = self._get(dtype, device, sum(sizes))
         if flat.is_cuda:  # the copies below run on the launch stream; the wires were made on the callers'
             stream = torch.cuda.current_stream(flat.device)
@@ -48,7 +49,7 @@ class FusionBuffers:
             else:
                 flat[offset : offset + n].copy_(wire.reshape(-1))
             offset += n
-        allreduce_flat(flat, reduce_op, group).wait()
+        allreduce_flat(flat, reduce_op, group, hierarchy).wait()
         offset = 0
         for wire, n in zip(wires, sizes):
             if wire is not None:

@@ -51,7 +51,7 @@ from hora.datapath import shared_memory as hostshm
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MODES", "Hierarchy", "active", "allreduce", "build", "clear", "flat"]
+__all__ = ["MODES", "Hierarchy", "allreduce", "build", "flat"]
 
 MODES = ("shard", "shm", "leader")
 
@@ -99,14 +99,6 @@ class _ChainWork:
         return torch.futures.collect_all([work.get_future() for work in self._works])
 
 
-_active: Hierarchy | None = None
-
-
-def active() -> Hierarchy | None:
-    """The hierarchy in use, or None (knob off, one host, or one rank per host)."""
-    return _active
-
-
 def worthwhile(hosts: Sequence[Sequence[int]]) -> bool:
     """True when the hierarchy can save network traffic: several hosts and some host with several ranks."""
     return len(hosts) > 1 and any(len(h) > 1 for h in hosts)
@@ -114,16 +106,14 @@ def worthwhile(hosts: Sequence[Sequence[int]]) -> bool:
 
 def build(hosts: tuple[tuple[int, ...], ...], rank: int, flat_group: Any, backend: str,
           new_group: Callable[[Sequence[int]], Any]) -> Hierarchy | None:
-    """Create the groups with ``new_group`` (every rank calls this with the same ``hosts``) and make the
-    hierarchy active.
+    """Create the groups with ``new_group`` (every rank calls this with the same ``hosts``); the runtime holds
+    the hierarchy and hands it to the engine (``EngineContext.hierarchy``), which gives it to each allreduce.
 
     Returns None, leaving allreduce flat, when the layout gains nothing (one host, or one rank per host).
     """
-    global _active
     if not worthwhile(hosts):
         log.info("hierarchical allreduce requested, but the layout %s gains nothing: allreduce stays flat",
                  [len(h) for h in hosts])
-        _active = None
         return None
     local_group = None
     for members in hosts:  # every rank creates every group, in the same order
@@ -139,28 +129,24 @@ def build(hosts: tuple[tuple[int, ...], ...], rank: int, flat_group: Any, backen
             cross_group = group
     shared = hostshm.setup(local_group, mine.index(rank), flat_group) if even and backend == "gloo" else None
     mode = "shm" if shared is not None else "shard" if even else "leader"
-    _active = Hierarchy(flat_group=flat_group, local_group=local_group, cross_group=cross_group, leader=mine[0],
+    built = Hierarchy(flat_group=flat_group, local_group=local_group, cross_group=cross_group, leader=mine[0],
                         rank=rank, hosts=hosts, shared=shared, mode=mode)
     log.info("hierarchical allreduce on (%s): %d hosts, ranks per host %s", mode, len(hosts), [len(h) for h in hosts])
-    return _active
-
-
-def clear() -> None:
-    """Forget the hierarchy (shutdown destroys its groups with the rest)."""
-    global _active
-    _active = None
+    return built
 
 
 @contextlib.contextmanager
-def flat() -> Iterator[None]:
-    """Allreduce flat inside the block even with the hierarchy on, so a benchmark can time both paths in one
-    run. Every rank must enter and leave it at the same point of its sequence of collectives."""
-    global _active
-    saved, _active = _active, None
+def flat(h: Hierarchy | None) -> Iterator[None]:
+    """Allreduce flat inside the block even with the hierarchy ``h`` on, so a benchmark can time both paths in
+    one run. Every rank must enter and leave it at the same point of its sequence of collectives."""
+    if h is None:
+        yield
+        return
+    saved, h.enabled = h.enabled, False
     try:
         yield
     finally:
-        _active = saved
+        h.enabled = saved
 
 
 def chunks_of(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -179,16 +165,15 @@ CHUNK_BYTES = 4 * 2**20
 MAX_CHUNKS = 8
 
 
-def allreduce(tensor: torch.Tensor, op: int, group: Any) -> Any:
+def allreduce(tensor: torch.Tensor, op: int, group: Any, h: Hierarchy | None) -> Any:
     """Allreduce ``tensor`` in place on ``group`` and return a Work: in three steps when ``group`` is the global
-    process set's and the hierarchy is on, else as one flat c10d allreduce. The only place either path is
-    chosen (single ops, fused batches and gradient buckets all come here).
+    process set's and the hierarchy ``h`` is on, else as one flat c10d allreduce. The only place either path is
+    chosen (single ops, fused batches and gradient buckets all come here, when a hierarchy was built).
 
     Every rank issues the same ops on each group in the same order. A step that needs an earlier one's result
     waits for its Work on the calling thread first: on NCCL that only orders the launch stream after it (the
     host does not block), on Gloo it blocks the round's thread, while the ops already issued run.
     """
-    h = _active
     if h is None or not h.enabled or group is not h.flat_group:
         return dataplane.allreduce(tensor, op, group)
     h.calls += 1

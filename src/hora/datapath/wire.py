@@ -9,7 +9,8 @@ Compression: a compressor is any object with ``compress(tensor) -> (compressed, 
 and ``Compression.bf16`` (hora's; same range as fp32, so no overflow on large gradients).
 
 The built-in casts of large CPU tensors (>= 1 MiB on the wire) do not allocate a 16-bit tensor per call: the
-wire is a buffer taken from :data:`WIRE_BUFFERS` and given back when the op finishes, so a training loop's
+wire is a buffer taken from the runtime's :class:`WireBuffers` (``Runtime.wire_buffers``, one per ``init()``,
+handed to each op) and given back when the op finishes, so a training loop's
 compressed allreduces reuse the same memory (a fresh tensor above 32 MB is new pages from the kernel, page
 faults and all, every time). :func:`cast_scaled` casts back, then divides (Average) in float32.
 
@@ -203,12 +204,9 @@ class WireBuffers:
             self._idle.clear()
 
 
-WIRE_BUFFERS = WireBuffers()
-
-
-def lease_wire(compression: Compressor, tensor: torch.Tensor) -> torch.Tensor | None:
-    """For a built-in cast of a large contiguous CPU float tensor: a reused flat buffer of the wire dtype to
-    cast it into (give it back to :data:`WIRE_BUFFERS` when done). None for everything else, which goes
+def lease_wire(compression: Compressor, tensor: torch.Tensor, pool: WireBuffers) -> torch.Tensor | None:
+    """For a built-in cast of a large contiguous CPU float tensor: a reused flat buffer of the wire dtype from
+    ``pool`` to cast it into (give it back to ``pool`` when done). None for everything else, which goes
     through ``compression.compress`` as usual."""
     if (type(compression) is not CastCompressor or tensor.device.type != "cpu" or not tensor.is_floating_point()
             or tensor.dtype == compression.wire_dtype or not tensor.is_contiguous()):
@@ -216,7 +214,7 @@ def lease_wire(compression: Compressor, tensor: torch.Tensor) -> torch.Tensor | 
     numel = tensor.numel()
     if numel * compression.wire_dtype.itemsize < POOL_MIN_BYTES:
         return None
-    return WIRE_BUFFERS.take(compression.wire_dtype, numel)
+    return pool.take(compression.wire_dtype, numel)
 
 
 def cast_scaled(src: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> None:

@@ -3,8 +3,8 @@
 A rank stopped (SIGSTOP, a debugger) or inside a native call that holds the GIL while a large allreduce is on
 the wire leaves its peers blocked inside the communication backend, not in a negotiation round, so the
 round's stall checks never run. Its peers still know which data ops they launched and that have not
-finished. The dispatcher records each launched op here (:func:`launched`, a dict store) and a handle forgets
-it when it is synchronized (:func:`finished`, a dict pop): no store round trip per op.
+finished. The dispatcher records each launched op in the engine's :class:`InflightWatch` (``launched``, a dict
+store) and a handle forgets it when it is synchronized (``finished``, a dict pop): no store round trip per op.
 
 A watchdog thread, which exists only while ops are in flight and wakes a few times per warning period
 (at most once a second), looks for ops in flight for longer than ``--stall-check-warning-time-seconds``.
@@ -22,7 +22,8 @@ For those it:
 When the ops finish after all (a native call that returned), the post is withdrawn and the job goes on.
 
 Example:
-    >>> blocking(object(), ())  # nothing is watched before configure(): the call does nothing
+    >>> from hora.diagnostics.stall_report import StallPolicy
+    >>> InflightWatch(Board(None, "", 0), 0, StallPolicy(enabled=False)).blocking(object(), ())  # watches nothing
 """
 
 from __future__ import annotations
@@ -76,132 +77,122 @@ class _Config:
     shutdown_s: float  # 0: never
 
 
-_config: _Config | None = None
-_ops: dict[int, _Op] = {}  # id(key) -> op; written by the dispatching and the synchronizing threads
-_lock = threading.Lock()  # guards the start and end of the watchdog thread, not the dict
-_running = False
-_wake = threading.Event()  # set by stop(): the watchdog thread ends at once instead of finishing its sleep
-_thread: threading.Thread | None = None
+class InflightWatch:
+    """This rank's data transfers in flight and the watchdog thread over them (the module docstring); one per
+    engine, made with the board, this rank and the stall policy (a disabled policy, ``--no-stall-check``, watches
+    nothing)."""
 
+    def __init__(self, board: Board, rank: int, policy: StallPolicy) -> None:
+        self._config: _Config | None = \
+            _Config(board, rank, policy.warning_s, policy.shutdown_s) if policy.enabled else None
+        self._ops: dict[int, _Op] = {}  # id(key) -> op; written by the dispatching and the synchronizing threads
+        self._lock = threading.Lock()  # guards the start and end of the watchdog thread, not the dict
+        self._running = False
+        self._wake = threading.Event()  # set by stop(): the watchdog thread ends at once, not after its sleep
+        self._thread: threading.Thread | None = None
 
-def configure(board: Board, rank: int, policy: StallPolicy) -> None:
-    """Watch this rank's data ops against the stall deadlines (called by each ``init()``); a disabled policy
-    (``--no-stall-check``) turns the watch off."""
-    global _config
-    _ops.clear()
-    _config = _Config(board, rank, policy.warning_s, policy.shutdown_s) if policy.enabled else None
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop watching (called at ``shutdown()``): forget every op and end the watchdog thread before
+        returning, so a shut-down runtime leaves no thread behind."""
+        self._config = None
+        self._ops.clear()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        self._wake.clear()
 
+    def launched(self, key: object, reqs: Sequence[OpRequest], work: Any) -> None:
+        """The op ``key`` (its handle) is on the wire: ``reqs`` are its requests, ``work`` its c10d Work (None:
+        the data is in place already, nothing to watch). Its handle calls :meth:`finished`; an op nobody
+        synchronizes is dropped once its work completes."""
+        if work is not None and self._config is not None:
+            self._ops[id(key)] = _Op(reqs, work, time.monotonic())
+            if not self._running:
+                self._start()
 
-def stop(timeout: float = 2.0) -> None:
-    """Stop watching (called by ``shutdown()``): forget every op and end the watchdog thread before returning,
-    so a shut-down runtime leaves no thread behind."""
-    global _config
-    _config = None
-    _ops.clear()
-    _wake.set()
-    thread = _thread
-    if thread is not None and thread is not threading.current_thread():
-        thread.join(timeout)
-    _wake.clear()
+    def blocking(self, key: object, reqs: Sequence[OpRequest]) -> None:
+        """The calling thread is about to wait for a transfer of ``reqs`` (a fused batch); it calls
+        :meth:`finished` with the same ``key`` (an object alive until then) when the wait returns or fails."""
+        if self._config is not None:
+            self._ops[id(key)] = _Op(reqs, None, time.monotonic())
+            if not self._running:
+                self._start()
 
+    def finished(self, key: object) -> None:
+        """The op ``key`` is over (synchronized, or its blocking wait returned or failed)."""
+        self._ops.pop(id(key), None)
 
-def launched(key: object, reqs: Sequence[OpRequest], work: Any) -> None:
-    """The op ``key`` (its handle) is on the wire: ``reqs`` are its requests, ``work`` its c10d Work (None:
-    the data is in place already, nothing to watch). Its handle calls :func:`finished`; an op nobody
-    synchronizes is dropped once its work completes."""
-    if work is not None and _config is not None:
-        _ops[id(key)] = _Op(reqs, work, time.monotonic())
-        if not _running:
-            _start()
+    def _start(self) -> None:
+        with self._lock:
+            if self._running:
+                return
+            self._running = True
+            self._thread = threading.Thread(target=self._watch, name="hora-inflight-watch", daemon=True)
+            self._thread.start()
 
+    def _watch(self) -> None:
+        """The watchdog thread: runs while ops are in flight (see the module docstring)."""
+        posted: tuple[tuple[str, ...], bool] | None = None  # what the board shows: the stuck ops' names, expired
+        warned: set[str] = set()
+        config = self._config
+        last = time.monotonic()
+        ops = self._ops
+        while config is not None:
+            tick = min(MAX_TICK_S, config.warning_s / 4)
+            if self._wake.wait(tick):  # stop(): shutdown() ends the watch
+                with self._lock:
+                    self._running = False
+                break
+            now = time.monotonic()
+            # slept much longer than asked: this process was frozen itself (stopped, or a native call held the
+            # GIL); that time does not count against its own transfers, which it held up rather than waited for
+            frozen = now - last - tick if now - last > 2 * tick + 0.5 else 0.0
+            last = now
+            stuck: list[_Op] = []
+            for key, op in list(ops.items()):
+                op.since += frozen
+                if op.work is not None and _completed(op.work):
+                    ops.pop(key, None)  # nobody synchronized it yet; it no longer holds anything up
+                elif now - op.since >= config.warning_s:
+                    stuck.append(op)
+            if stuck:
+                waited = now - min(op.since for op in stuck)
+                expired = config.shutdown_s > 0 and waited >= config.shutdown_s
+                for op in stuck:
+                    if op.reqs[0].name not in warned:
+                        warned.add(op.reqs[0].name)
+                        if config.rank in sorted(op.reqs[0].ps)[:2]:  # one line or two, not one per rank
+                            log.warning("%s", format_report(config.rank, op, now - op.since, config.shutdown_s,
+                                                            config.board.active))
+                names = tuple(sorted(req.name for op in stuck for req in op.reqs))
+                if posted != (names, expired):
+                    posted = (names, expired)
+                    config.board.post_inflight([_describe(op, now) for op in stuck], waited, expired,
+                                               config.shutdown_s)
+            elif posted is not None:  # they finished after all: withdraw the post
+                posted = None
+                warned.clear()
+                config.board.post_inflight([], 0.0, False, config.shutdown_s)
+            if not ops and self._may_end():
+                break
+            config = self._config
+        else:
+            with self._lock:
+                self._running = False
 
-def blocking(key: object, reqs: Sequence[OpRequest]) -> None:
-    """The calling thread is about to wait for a transfer of ``reqs`` (a fused batch); it calls
-    :func:`finished` with the same ``key`` (an object alive until then) when the wait returns or fails."""
-    if _config is not None:
-        _ops[id(key)] = _Op(reqs, None, time.monotonic())
-        if not _running:
-            _start()
-
-
-def finished(key: object) -> None:
-    """The op ``key`` is over (synchronized, or its blocking wait returned or failed)."""
-    _ops.pop(id(key), None)
-
-
-def _start() -> None:
-    global _running, _thread
-    with _lock:
-        if _running:
-            return
-        _running = True
-        _thread = threading.Thread(target=_watch, name="hora-inflight-watch", daemon=True)
-        _thread.start()
-
-
-def _watch() -> None:
-    """The watchdog thread: runs while ops are in flight (see the module docstring)."""
-    global _running
-    posted: tuple[tuple[str, ...], bool] | None = None  # what the board shows: the stuck ops' names, expired
-    warned: set[str] = set()
-    config = _config
-    last = time.monotonic()
-    while config is not None:
-        tick = min(MAX_TICK_S, config.warning_s / 4)
-        if _wake.wait(tick):  # stop(): shutdown() ends the watch
-            with _lock:
-                _running = False
-            break
-        now = time.monotonic()
-        # slept much longer than asked: this process was frozen itself (stopped, or a native call held the GIL);
-        # that time does not count against its own transfers, which it held up rather than waited for
-        frozen = now - last - tick if now - last > 2 * tick + 0.5 else 0.0
-        last = now
-        stuck: list[_Op] = []
-        for key, op in list(_ops.items()):
-            op.since += frozen
-            if op.work is not None and _completed(op.work):
-                _ops.pop(key, None)  # nobody synchronized it yet; it no longer holds anything up
-            elif now - op.since >= config.warning_s:
-                stuck.append(op)
-        if stuck:
-            waited = now - min(op.since for op in stuck)
-            expired = config.shutdown_s > 0 and waited >= config.shutdown_s
-            for op in stuck:
-                if op.reqs[0].name not in warned:
-                    warned.add(op.reqs[0].name)
-                    if config.rank in sorted(op.reqs[0].ps)[:2]:  # one line or two, not one per rank
-                        log.warning("%s", format_report(config.rank, op, now - op.since, config.shutdown_s,
-                                                        config.board.active))
-            names = tuple(sorted(req.name for op in stuck for req in op.reqs))
-            if posted != (names, expired):
-                posted = (names, expired)
-                config.board.post_inflight([_describe(op, now) for op in stuck], waited, expired, config.shutdown_s)
-        elif posted is not None:  # they finished after all: withdraw the post
-            posted = None
-            warned.clear()
-            config.board.post_inflight([], 0.0, False, config.shutdown_s)
-        if not _ops and _may_end():
-            break
-        config = _config
-    else:
-        with _lock:
-            _running = False
-
-
-def _may_end() -> bool:
-    """Nothing is in flight: end the watchdog thread unless an op came in meanwhile (launched() starts a new
-    thread whenever it finds none running)."""
-    global _running
-    with _lock:
-        _running = False
-    if not _ops:
-        return True
-    with _lock:
-        if _running:  # launched() saw none running and started another thread
+    def _may_end(self) -> bool:
+        """Nothing is in flight: end the watchdog thread unless an op came in meanwhile (launched() starts a
+        new thread whenever it finds none running)."""
+        with self._lock:
+            self._running = False
+        if not self._ops:
             return True
-        _running = True
-        return False
+        with self._lock:
+            if self._running:  # launched() saw none running and started another thread
+                return True
+            self._running = True
+            return False
 
 
 def _completed(work: Any) -> bool:

@@ -20,6 +20,7 @@ from hora.protocol.signedstore import SignedStore
 
 if TYPE_CHECKING:  # the engine only reads a process set's ranks and group; the type is for the checker
     from hora.common.process_sets import ProcessSet
+    from hora.datapath.hierarchical import Hierarchy
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,6 +43,8 @@ class EngineContext:
     # aborts the NCCL communicators of hora's data groups (CUDA worlds): called once when a peer is lost, so the
     # collectives launched with it end instead of holding the GPU (and a host waiting for it) forever
     abort_data_plane: Callable[[], None] | None = None
+    # the hierarchical allreduce init() built (None: every allreduce is flat); the engine hands it to each launch
+    hierarchy: Hierarchy | None = None
 
     def hostname(self, rank: int) -> str:
         return self.hostnames[rank] if 0 <= rank < len(self.hostnames) else "?"

@@ -37,6 +37,7 @@ from hora.common.knobs import Knobs, ignored_horovod_variables
 from hora.common.process_sets import ProcessSet, ProcessSetTable, global_process_set
 from hora.datapath import hierarchical
 from hora.datapath.kinds import adasum
+from hora.datapath.wire import WireBuffers
 from hora.diagnostics import timeline, user_errors
 from hora.diagnostics.board import Board
 from hora.engine.context import EngineContext
@@ -73,6 +74,8 @@ class Runtime:
     connect_store: Callable[[], dist.Store] | None = None  # a fresh client connection (the negotiator's bell)
     world: str = ""  # the store prefix of this world (job id and generation): names it in control handshakes
     alone: bool = False  # a new elastic worker before it joins the job's world (hora.runtime.elastic_rendezvous.alone)
+    hierarchy: hierarchical.Hierarchy | None = None  # hierarchical allreduce's groups, when built (the engine's)
+    wire_buffers: WireBuffers = field(default_factory=WireBuffers)  # reused 16-bit wires of this world's ops
     joining: Topology | None = None  # alone: its place in the world it joins, what rank(), size()... show
 
 
@@ -82,6 +85,13 @@ def state(what: str = "this call") -> Runtime:
     if s is None:
         raise NotInitializedError(what)
     return s
+
+
+def hierarchy() -> hierarchical.Hierarchy | None:
+    """The hierarchical allreduce this process's runtime built (None: not initialised, knob off, or a layout
+    that gains nothing); benchmarks and tests switch it (``hierarchical.flat(hierarchy())``)."""
+    s = _state
+    return s.hierarchy if s is not None else None
 
 
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
@@ -192,12 +202,13 @@ def _engine_context(rt: Runtime, secret: JobSecret | None) -> EngineContext:
                          store=rt.store, store_addr=rt.env.store_addr, board=board, process_sets=rt.process_sets,
                          device=rt.device, ctrl_group=rt.ctrl_group, connect_store=rt.connect_store,
                          secret=secret, world=rt.world,
-                         abort_data_plane=(lambda: abort_nccl(_data_groups(rt))) if rt.device is not None else None)
+                         abort_data_plane=(lambda: abort_nccl(_data_groups(rt))) if rt.device is not None else None,
+                         hierarchy=rt.hierarchy)
 
 
 def _data_groups(rt: Runtime) -> list[Any]:
     """The groups hora's collectives run on: every process set's and the hierarchy's."""
-    hierarchy = hierarchical.active()
+    hierarchy = rt.hierarchy
     extra = [hierarchy.local_group, hierarchy.cross_group] if hierarchy is not None else []
     return [g for g in [*(ps.group for ps in rt.process_sets.values()), *extra] if g is not None]
 
@@ -268,12 +279,12 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, secret: JobSecret | No
         adasum.set_hosts(topo.hosts)
         sets.add_global(sets.new_group())
         tunes_it = knobs.autotune and "hierarchical_allreduce" not in knobs.explicit
+        built = None
         if (knobs.hierarchical_allreduce or tunes_it) and env.size > 1:
             built = hierarchical.build(topo.hosts, env.rank, global_process_set.group, backend, sets.new_group)
             if built is not None:  # autotune starts it off, as Horovod's parameter manager does
                 built.enabled = knobs.hierarchical_allreduce
     except BaseException as e:  # leave nothing half-built behind (init() may be retried)
-        hierarchical.clear()
         sets.unbind_all()
         if owns and dist.is_initialized():
             abort_groups()  # a peer may be gone: a flushing destroy_process_group() would wait for it
@@ -284,7 +295,7 @@ def _build(env: WorkerEnv, knobs: Knobs, generation: int, secret: JobSecret | No
         raise
     return Runtime(env=env, knobs=knobs, store=job_store.under(prefix), job_store=job_store, topo=topo,
                    backend=backend, owns_default_group=owns, ctrl_group=ctrl, device=device, process_sets=sets,
-                   connect_store=connect, alone=alone, world=prefix)
+                   connect_store=connect, alone=alone, world=prefix, hierarchy=built)
 
 
 def shutdown() -> None:
@@ -364,8 +375,7 @@ def _teardown_groups(s: Runtime, abort: bool = True) -> None:
     them instead, not waiting for collectives in flight."""
     timeline.stop_timeline()
     timeline.set_world(None)
-    hierarchy = hierarchical.active()
-    hierarchical.clear()
+    hierarchy, s.hierarchy = s.hierarchy, None
     adasum.set_hosts(())
     try:
         if s.owns_default_group and dist.is_initialized():

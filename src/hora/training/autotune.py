@@ -38,7 +38,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from hora.common.knobs import Knobs
-from hora.datapath import hierarchical
 from hora.runtime import lifecycle as runtime
 
 log = logging.getLogger(__name__)
@@ -218,6 +217,7 @@ class Autotuner:
         knobs: Knobs = rt.knobs
         self.rank = rt.topo.rank
         self._negotiator = rt.negotiator
+        self._hierarchy = rt.hierarchy  # switched on or off in the round that carries rank 0's setting
         self._reducers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._caps: tuple[int, int] | None = None
         self.active = True  # until the last settings came out at a notice point on every rank
@@ -226,7 +226,7 @@ class Autotuner:
         self._step_scores: list[float] = []
         self._steps_per_sample = max(knobs.autotune_steps_per_sample, 1)
         self._first_mb = knobs.first_bucket_mb
-        built = hierarchical.active()
+        built = self._hierarchy
         start = Settings(knobs.bucket_cap_mb, knobs.fusion_threshold / _MB,
                          bool(built is not None and built.enabled))
         fixed = frozenset(field for knob, field in _KNOB_OF_FIELD.items() if knob in knobs.explicit)
@@ -250,7 +250,7 @@ class Autotuner:
         """The round thread, in the round that carries rank 0's announcement (the same round on every rank)."""
         settings, _ = Settings.from_value(value)
         self._negotiator.set_fusion_threshold(int(settings.fusion_threshold_mb * _MB))
-        built = hierarchical.active()
+        built = self._hierarchy
         if built is not None:
             built.enabled = settings.hierarchical_allreduce
 

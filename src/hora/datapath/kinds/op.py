@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,10 @@ import torch.distributed as dist
 from hora.common.process_sets import ProcessSet
 from hora.datapath.c10d import Work, to_dtype
 from hora.datapath.reduce_ops import ReduceOp
-from hora.datapath.wire import Compressor
+from hora.datapath.wire import Compressor, WireBuffers
+
+if TYPE_CHECKING:
+    from hora.datapath.hierarchical import Hierarchy
 
 
 class Kind(str, enum.Enum):
@@ -120,6 +123,7 @@ class Peers:
     agreed: Agreed  # the first member's request: every field the members must agree on
     requests: Mapping[int, Agreed]  # rank -> its request (a joined rank has none)
     arrival: Mapping[int, int]  # rank -> the round its request arrived in
+    hierarchy: Hierarchy | None = None  # the runtime's hierarchical allreduce, when one was built
 
     def rows(self) -> list[int]:
         """Rows each member contributes to an allgather (a joined member contributes none)."""
@@ -170,7 +174,8 @@ class Op:
     members: int = 0  # the process set's size when the call was submitted (Average divides by it)
     wire: torch.Tensor = _NO_WIRE  # set by prepare: the buffer the collective sends (and receives in place)
     ctx: Any = None  # compression context (Adasum: how many levels summed within a host)
-    lease: torch.Tensor | None = None  # a reused 16-bit wire buffer (wire.WireBuffers), given back at finish
+    buffers: WireBuffers | None = None  # the runtime's reused 16-bit wire buffers (None: every wire is new)
+    lease: torch.Tensor | None = None  # a reused 16-bit wire buffer taken from ``buffers``, given back at finish
     out: torch.Tensor = _NO_WIRE  # set by launch when the output is not the wire: the c10d output buffer
     rows: list[int] | None = None  # set by launch: rows from each member (allgather's sent, alltoall's received)
     last_joined: int = -1  # set by Join's launch: the rank whose join arrived last

@@ -17,10 +17,10 @@ import torch
 from hora.datapath import c10d as dataplane
 from hora.datapath import hierarchical, streams
 from hora.datapath.c10d import Work
+from hora.datapath.hierarchical import Hierarchy
 from hora.datapath.kinds.op import Op, Peers
 from hora.datapath.reduce_ops import AVERAGE_WIRE, ReduceOp, finish_sum, float_factor, scale_integers
 from hora.datapath.wire import (
-    WIRE_BUFFERS,
     cast_scaled,
     copy_out,
     from_wire,
@@ -35,7 +35,7 @@ def _prepare(op: Op, pieces: bool) -> None:
     allreduce starts (each piece's cast overlapping another's wire), not here."""
     call = op.call
     tensor = call.tensor.detach()
-    op.lease = lease_wire(call.compression, tensor)
+    op.lease = lease_wire(call.compression, tensor, op.buffers) if op.buffers is not None else None
     if op.lease is not None:  # a built-in cast into a reused buffer: the same as compress(), no allocation
         op.wire, op.ctx = op.lease.view(tensor.shape), tensor.dtype
         if pieces:
@@ -72,11 +72,20 @@ def _finish(op: Op, result: torch.Tensor) -> torch.Tensor:
 
 def _give_back(op: Op) -> None:
     if op.lease is not None:
-        WIRE_BUFFERS.give(op.lease)
+        op.buffers.give(op.lease)  # type: ignore[union-attr]  # a lease came from them
         op.lease = None
 
 
-def _launch_pieces(wire: torch.Tensor, reduce_op: int, group: Any, state: Op | None = None) -> Work:
+def _allreduce(piece: torch.Tensor, reduce_op: int, group: Any, hierarchy: Hierarchy | None) -> Work:
+    """One piece: through the hierarchy when one was built (it decides whether this group takes its steps),
+    else the flat c10d allreduce."""
+    if hierarchy is None:
+        return dataplane.allreduce(piece, reduce_op, group)
+    return hierarchical.allreduce(piece, reduce_op, group, hierarchy)
+
+
+def _launch_pieces(wire: torch.Tensor, reduce_op: int, group: Any, hierarchy: Hierarchy | None,
+                   state: Op | None = None) -> Work:
     """Allreduce ``wire`` in the pieces :func:`~hora.datapath.wire.pipeline_ranges` gives, one c10d call each.
 
     With ``state`` (a compressed call's op whose wire is a reused buffer, :func:`_prepare`): each piece of the
@@ -85,10 +94,10 @@ def _launch_pieces(wire: torch.Tensor, reduce_op: int, group: Any, state: Op | N
     thread, while the next piece is on the wire."""
     ranges = pipeline_ranges(wire.numel(), wire.dtype, wire.device.type)
     if state is None and len(ranges) == 1:
-        return hierarchical.allreduce(wire, reduce_op, group)
+        return _allreduce(wire, reduce_op, group, hierarchy)
     flat = wire.view(-1)
     if state is None:
-        return dataplane.FuturesWork([hierarchical.allreduce(flat[a:b], reduce_op, group).get_future()
+        return dataplane.FuturesWork([_allreduce(flat[a:b], reduce_op, group, hierarchy).get_future()
                                       for a, b in ranges])
     call = state.call
     src = call.tensor.detach().view(-1)  # contiguous: lease_wire's condition
@@ -101,16 +110,16 @@ def _launch_pieces(wire: torch.Tensor, reduce_op: int, group: Any, state: Op | N
         piece.copy_(src[a:b])
         if call.prescale != 1.0:
             piece.mul_(call.prescale)
-        work = hierarchical.allreduce(piece, reduce_op, group)
+        work = _allreduce(piece, reduce_op, group, hierarchy)
         futures.append(work.get_future().then(
             lambda _done, a=a, b=b: cast_scaled(flat[a:b], dst[a:b], factor)))  # type: ignore[misc]
     return dataplane.FuturesWork(futures)
 
 
-def allreduce_flat(wire: torch.Tensor, reduce_op: int, group: Any) -> Work:
+def allreduce_flat(wire: torch.Tensor, reduce_op: int, group: Any, hierarchy: Hierarchy | None) -> Work:
     """Allreduce ``wire`` in place on ``group``, in the pieces a single allreduce of it would take: the launch
     path of single ops, fused batches and gradient buckets alike."""
-    return _launch_pieces(wire, reduce_op, group)
+    return _launch_pieces(wire, reduce_op, group, hierarchy)
 
 
 class Allreduce:
@@ -122,14 +131,15 @@ class Allreduce:
     def launch(op: Op, peers: Peers) -> Work | None:
         if op.wire.numel() == 0:  # the same shape everywhere: every rank skips it
             return None
-        return _launch_pieces(op.wire, op.call.reduce_op, peers.group, op if op.lease is not None else None)
+        return _launch_pieces(op.wire, op.call.reduce_op, peers.group, peers.hierarchy,
+                              op if op.lease is not None else None)
 
     @staticmethod
     def launch_joined(peers: Peers) -> Work | None:
         req = peers.agreed
         if torch.Size(req.shape).numel() == 0:
             return None  # the members skip empty tensors too
-        return _launch_pieces(peers.zeros(), req.reduce_op, peers.group)
+        return _launch_pieces(peers.zeros(), req.reduce_op, peers.group, peers.hierarchy)
 
     @staticmethod
     def finish(op: Op) -> torch.Tensor:

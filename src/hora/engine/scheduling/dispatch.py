@@ -23,10 +23,11 @@ import torch
 
 from hora.datapath import fusion, kinds, streams
 from hora.datapath.c10d import to_dtype, wire_op
+from hora.datapath.hierarchical import Hierarchy
 from hora.datapath.kinds.op import Kind, Peers
 from hora.datapath.reduce_ops import ReduceOp
-from hora.diagnostics import inflight
 from hora.diagnostics import timeline as timeline_mod
+from hora.diagnostics.inflight import InflightWatch
 from hora.engine.scheduling.pending import LocalOp
 from hora.engine.scheduling.table import Entry, Request
 from hora.errors import CollectiveError
@@ -40,8 +41,11 @@ class Dispatcher:
     or None when this rank has joined and only contributes zeros."""
 
     def __init__(self, rank: int, process_sets: Mapping[int, Any], take: Callable[[str], LocalOp | None],
-                 fusion_threshold: int, device: torch.device | None = None) -> None:
+                 fusion_threshold: int, inflight: InflightWatch, device: torch.device | None = None,
+                 hierarchy: Hierarchy | None = None) -> None:
         self.rank = rank
+        self._inflight = inflight
+        self._hierarchy = hierarchy  # the runtime's hierarchical allreduce (None: every allreduce is flat)
         self._launch_stream = streams.LaunchStream(device) if device is not None else None
         self._process_sets = process_sets  # the runtime's live registry (dynamic sets come and go)
         self._take = take
@@ -100,7 +104,7 @@ class Dispatcher:
     def _launch_one(self, entry: Entry, joined: frozenset[int]) -> None:
         op = self._take(entry.name)
         group = self._group_of(entry)
-        peers = Peers(group, self.rank, entry.first, entry.requests, entry.arrival)
+        peers = Peers(group, self.rank, entry.first, entry.requests, entry.arrival, self._hierarchy)
         kind = entry.first.kind
         if op is None:  # this rank has joined: contribute zeros / nothing
             work = kinds.launch_joined(peers)
@@ -115,7 +119,7 @@ class Dispatcher:
             op.handle.fail(CollectiveError(f"{kind} {entry.name!r} could not start on rank {self.rank}: {e}"))
             return
         op.handle.launched(work)
-        inflight.launched(op.handle, (op.req,), work)
+        self._inflight.launched(op.handle, (op.req,), work)
         self._trace(op, t_launch, work)
 
     def _launch_fused(self, entries: list[Entry]) -> None:
@@ -125,12 +129,12 @@ class Dispatcher:
                 self._wait_cuda(op)
         group = self._group_of(entries[0])
         t_launch = time.perf_counter()
-        inflight.blocking(entries, [e.first for e in entries])  # this thread waits for it below
+        self._inflight.blocking(entries, [e.first for e in entries])  # this thread waits for it below
         try:
             first = entries[0].first
             self._fused.allreduce([op.wire if op is not None else None for op in ops_],
                                   [int(torch.Size(e.first.shape).numel()) for e in entries], to_dtype(first.dtype),
-                                  first.device, first.reduce_op, group)
+                                  first.device, first.reduce_op, group, self._hierarchy)
         except Exception as e:
             err = CollectiveError(f"fused allreduce of {len(entries)} tensors failed on rank {self.rank}: {e}")
             for op in ops_:
@@ -138,7 +142,7 @@ class Dispatcher:
                     op.handle.fail(err)
             return
         finally:
-            inflight.finished(entries)
+            self._inflight.finished(entries)
         # done on the launch stream: a CUDA batch's waiters order their streams after its copies back
         work = self._launch_stream.done() if self._launch_stream is not None and entries[0].first.device == "cuda" \
             else None

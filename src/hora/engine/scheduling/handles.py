@@ -20,7 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from hora.datapath.kinds.op import Op
-from hora.diagnostics import inflight, timeline, where
+from hora.diagnostics import timeline, where
+from hora.diagnostics.inflight import InflightWatch
 from hora.errors import CollectiveError
 
 _UNSET = object()
@@ -66,10 +67,11 @@ class Latch:
 class Handle:
     """One submitted collective. Thread-safe: launched by the negotiator, finished by the user's thread."""
 
-    __slots__ = ("_drive", "_error", "_gate", "_lock", "_on_done", "_result", "_work", "kind", "name", "op")
+    __slots__ = ("_drive", "_error", "_gate", "_inflight", "_lock", "_on_done", "_result", "_work", "kind", "name",
+                 "op")
 
     def __init__(self, name: str, kind: str, op: Op | None, on_done: Callable[[Handle], None],
-                 drive: Callable[[Handle], None] | None = None) -> None:
+                 drive: Callable[[Handle], None] | None = None, inflight: InflightWatch | None = None) -> None:
         self.name = name
         self.kind = kind
         self.op = op  # the op it finishes (None: nothing to finish, the engine's own shutdown request); what its
@@ -81,6 +83,7 @@ class Handle:
         self._on_done = on_done
         self._drive = drive  # runs the negotiation round on the waiting thread when it can (Negotiator.drive)
         self._lock = threading.Lock()
+        self._inflight = inflight  # the engine's watch over transfers in flight, which a launched work joined
 
     # --- called by the negotiator thread ---------------------------------------------------------------
     def launched(self, work: Any = None) -> None:
@@ -133,7 +136,8 @@ class Handle:
                     tl.span(self.name, "copy_out", t0, time.perf_counter(), kind=self.kind)
                 return self._result
             finally:
-                inflight.finished(self)
+                if self._work is not None and self._inflight is not None:  # it watched only launched works
+                    self._inflight.finished(self)
                 # the name is free again; and the engine is no longer referred to, so a handle kept (say, by
                 # an error's traceback) does not keep a runtime that shut down alive, with its sockets
                 self._on_done(self)

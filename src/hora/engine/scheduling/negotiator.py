@@ -38,7 +38,6 @@ import torch
 
 from hora.common.names import SHUTDOWN_NAME
 from hora.datapath.kinds.op import Op
-from hora.diagnostics import inflight
 from hora.engine import codec
 from hora.engine.context import EngineContext
 from hora.engine.scheduling.handles import Handle
@@ -96,7 +95,6 @@ class Negotiator:
         self._inline_ok = self._plane.inline_rounds
         self._notices = Notices(self._pending, wake=self._ring_if_parked)
         self._rounds = Rounds(ctx, self._pending, self._plane, self._notices)
-        inflight.configure(ctx.board, self.rank, self._rounds.stall.policy)  # transfers a frozen peer holds up
         self._plane.on_wait = self._rounds.on_wait
         # how long a rank may hold back its answer to a round it cannot advance; well under the stall
         # warning time, so stall reports are not delayed noticeably
@@ -193,7 +191,8 @@ class Negotiator:
 
         ``waiting``: the caller synchronizes at once, so on the mesh its ``wait()`` runs the round itself
         (``drive``) and the negotiator thread is not woken for it."""
-        return self._queue([local_op(req, op, Handle(req.name, req.kind, op, self.done, self.drive))
+        return self._queue([local_op(req, op, Handle(req.name, req.kind, op, self.done, self.drive,
+                                                          self._rounds.inflight))
                             for req, op in ops], waiting)
 
     def _queue(self, ops: list[LocalOp], waiting: bool) -> list[Handle]:
@@ -297,7 +296,7 @@ class Negotiator:
             self._plane.wake()  # a parked thread sees STOPPED and ends (a local wake-up: peers see nothing)
             self._thread.join(timeout=1.0)
             self._timers.stop()
-            inflight.stop()
+            self._rounds.inflight.stop()
             self._notices.fail(CollectiveError("hora has shut down"))
             if self._death_watch is not None:
                 self._death_watch.close()

@@ -19,6 +19,7 @@ from typing import Any
 from hora.common.names import JOIN_NAME, SHUTDOWN_NAME
 from hora.diagnostics import stall_report as stall_mod
 from hora.diagnostics import timeline as timeline_mod
+from hora.diagnostics.inflight import InflightWatch
 from hora.engine.codec import FrameError
 from hora.engine.context import EngineContext
 from hora.engine.scheduling.dispatch import Dispatcher, inline_bytes
@@ -48,7 +49,9 @@ class Rounds:
         self.table = Table(ctx.size)
         self.stall = StallInspector(self.table, stall_mod.StallPolicy.from_knobs(ctx.knobs), ctx.rank, ctx.hostnames)
         self.cache = ResponseCache(ctx.rank, enabled=not ctx.knobs.disable_cache)
-        self.dispatch = Dispatcher(ctx.rank, ctx.process_sets, pending.take, ctx.knobs.fusion_threshold, ctx.device)
+        self.inflight = InflightWatch(ctx.board, ctx.rank, self.stall.policy)  # transfers a frozen peer holds up
+        self.dispatch = Dispatcher(ctx.rank, ctx.process_sets, pending.take, ctx.knobs.fusion_threshold,
+                                   self.inflight, ctx.device, ctx.hierarchy)
         self.number = 0  # the next round's number (the same on every rank)
         self.stall_failed = False  # a stalled collective was failed: the silent peers will not join a shutdown
         self._warned = -1  # the round whose wait was posted on the board
