@@ -143,19 +143,6 @@ def test_elastic_driver_lines_name_the_executors_parameters(ray_module: Any) -> 
     assert in_ray_terms("only 1 of the 2 slots (-np)") == "only 1 of the 2 slots (min_workers)"
 
 
-def test_the_root_cause_is_the_rank_that_failed_on_its_own(spark_module: Any) -> None:
-    from hora.spark.runner import root_cause
-
-    follow_on = {"code": 1, "signal": None, "time": 1.0}
-    assert root_cause({}, {}) is None
-    assert root_cause({0: follow_on, 1: {"code": None, "signal": 9, "time": 2.0}}, {0: "CollectiveError"}) == 1
-    assert root_cause({0: follow_on}, {0: "CollectiveError", 1: "ValueError"}) == 1  # rank 1 stopped mid-exit
-    assert root_cause({0: follow_on}, {0: "PeerLostError", 1: "ValueError"}) == 1  # hora's "rank 1 is gone"
-    assert root_cause({0: {"code": 1, "signal": None, "time": 3.0}, 1: {"code": 1, "signal": None, "time": 2.0}},
-                      {0: "KeyError", 1: "ValueError"}) == 1  # both their own: the earlier
-    assert root_cause({0: {"code": 0, "signal": None, "time": 1.0}}, {}) is None
-
-
 def test_spark_run_refuses_what_it_cannot_do(spark_module: Any) -> None:
     from hora.errors import ConfigError
 

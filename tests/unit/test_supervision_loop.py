@@ -79,16 +79,17 @@ def test_a_signal_stops_the_job_and_the_exit_status_says_so(capsys: pytest.Captu
 
 
 def test_the_cluster_frameworks_drivers_override_no_private_step() -> None:
-    """hora.ray's drivers are hora run's drivers with public steps of their own (where the store listens, how
-    workers start, where a rank runs): none of the loop's or the driver's private methods is redefined, and the
-    actors are a handle of their own, not an agent's handle without a process."""
+    """hora.ray's and hora.spark's drivers are hora run's drivers with public steps of their own (where the store
+    listens, how workers start, where a rank runs): none of the loop's or the driver's private methods is
+    redefined, and the actors are a handle of their own, not an agent's handle without a process."""
     pytest.importorskip("ray")
     from hora.launcher.remote.agent_handle import AgentHandle
     from hora.ray.actors import RayActors
     from hora.ray.elastic import RayElasticDriver
     from hora.ray.executor import RayRun
+    from hora.spark.runner import SparkRun
 
-    for framework_driver, driver in ((RayElasticDriver, ElasticDriver), (RayRun, Driver)):
+    for framework_driver, driver in ((RayElasticDriver, ElasticDriver), (RayRun, Driver), (SparkRun, Driver)):
         assert framework_driver.__mro__[1] is driver
         redefined = [name for name in vars(framework_driver) if name.startswith("_") and not name.startswith("__")
                      and name != "_abc_impl"

@@ -24,6 +24,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import queue
+import signal
 import sys
 import threading
 import time
@@ -33,13 +35,15 @@ from typing import Any
 
 from hora.common import env as hora_env
 from hora.errors import ConfigError, JobFailedError, PlacementTimeoutError
-from hora.launcher import envvars
+from hora.launcher import envvars, output
+from hora.launcher.config import RunConfig
+from hora.launcher.fixed.driver import Driver
 from hora.launcher.frameworks import rank_failed, require
+from hora.launcher.hosts import SlotInfo
 from hora.launcher.procs import describe_exit
 from hora.launcher.pyfunc import shipping
 from hora.launcher.pyfunc.run import collect_results
-from hora.launcher.supervision import root_cause as rule
-from hora.launcher.supervision.root_cause import RankState, RootCause
+from hora.protocol import messages as protocol
 from hora.protocol.jobsecret import JobSecret
 from hora.protocol.messages import PYRUN_ERRORS_KEY, PYRUN_FN_KEY, PYRUN_RESULT_KEY
 from hora.protocol.signedstore import SignedStore
@@ -49,6 +53,7 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.2  # how often the driver looks for a rank's end while the stage runs
 _DEFAULT_START_TIMEOUT = 600.0  # Horovod's (HOROVOD_SPARK_START_TIMEOUT)
+STAGE_END_S = 60.0  # after a cancel, how long Spark gets to end the stage's tasks before the driver goes on
 
 
 def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
@@ -145,22 +150,17 @@ class _Job:
         self.finished = threading.Event()
 
     def run(self) -> list[Any]:
-        stage = threading.Thread(target=self._stage, name="hora-spark-stage", daemon=True)
-        stage.start()
-        try:
-            failed = self._watch()
-        except BaseException:  # Ctrl-C in the driver, or the start timeout: stop every task first
-            self._stop()
-            stage.join(timeout=60.0)
-            raise
-        if failed:
-            self._stop()
-        stage.join()
+        job = SparkRun(self)
+        with output.speaking_as("hora.spark.run", str):
+            status = job.run()
         self.store.set(task.STOP_KEY, "1")
-        self._forward()
-        return self._result(failed)
+        self.forward()
+        if status != 0 and job.first_failure is None and job.interrupted == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C in the Spark driver: every task was stopped first
+        return self._result(job.first_failure.slot.rank if job.first_failure is not None else None, status != 0)
 
-    def _stage(self) -> None:
+    def run_stage(self) -> None:
+        """The barrier stage, one task per rank (on a thread of the driver's: ``collect`` waits for every task)."""
         try:
             self.sc.setJobGroup(self.group, "hora.spark.run", interruptOnCancel=True)
             rdd = self.sc.parallelize(range(self.num_proc), self.num_proc)
@@ -170,51 +170,31 @@ class _Job:
         finally:
             self.finished.set()
 
-    def _watch(self) -> bool:
-        """Wait for the stage to end or a rank to fail (its process ended badly, or it raised and is still on
-        its way out); True if one failed. Failures are weighed together for the window of
-        :class:`~hora.launcher.supervision.root_cause.RootCause` before the job is stopped."""
-        seen = 0
-        window = RootCause()
-        deadline: float | None = time.monotonic() + self.start_timeout
-        while not self.finished.wait(_POLL_S):
-            self._forward()
-            if deadline is not None and time.monotonic() > deadline:
-                started = self._started()
-                if started < self.num_proc:
-                    self._stop()
-                    raise PlacementTimeoutError(
-                        f"Timed out waiting for Spark tasks to start: {started} of {self.num_proc} ranks' tasks "
-                        f"started within start_timeout={self.start_timeout:g} s. Every rank is a task of one "
-                        f"barrier stage, so the cluster needs {self.num_proc} free task slots at once: ask for "
-                        "fewer ranks (num_proc), add executors or cores, or raise start_timeout if executors "
-                        "are added on demand")
-                deadline = None
-            news = self.store.add(task.EXITS_KEY, 0) + self.store.add(PYRUN_ERRORS_KEY, 0)
-            if news != seen:
-                seen = news
-                offered = {c.slot.rank for c in window.candidates}
-                for state in self._failures():
-                    if state.slot.rank not in offered:
-                        window.offer(state)
-            if window.due(all_done=False, follows=self._follows(window.candidates)):
-                return True
-        return window.deadline is not None or bool(self._failures())
+    def ends(self, told: set[int]) -> list[dict[str, Any]]:
+        """The driver's messages about what the ranks' tasks wrote since: each rank's output to the console when it
+        raised (its traceback), then its ``exit`` (from its exit record; a rank that raised counts as ended while
+        its task still stops its process). ``told``: the ranks already reported, added to."""
+        exits = {e["rank"]: e for e in self._exits()}
+        errors = self._errors()
+        messages: list[dict[str, Any]] = []
+        for rank in sorted((set(exits) | set(errors)) - told):
+            told.add(rank)
+            record, error = exits.get(rank, {}), errors.get(rank)
+            end: dict[str, Any] = {"t": protocol.EXIT, "r": rank, "code": record.get("code", 1),
+                                   "sig": record.get("signal"), "ts": float(record.get("time") or time.time())}
+            if error is not None:
+                type_name, message, text = error
+                end.update(raised=type_name, how=f"raised {type_name}: {message}")
+                messages += [{"t": protocol.OUT, "r": rank, "s": "stderr", "l": line, "ts": end["ts"]}
+                             for line in text.rstrip("\n").splitlines()]
+            messages.append(end)
+        return messages
 
-    def _failures(self) -> list[RankState]:
-        """The ranks that failed so far: their exit records (``code``, ``signal``, ``time``) and what they raised
-        (a rank may have raised without an exit record: its task was stopped while it shut down)."""
-        return failures({e["rank"]: e for e in self._exits()}, self._error_types())
-
-    @staticmethod
-    def _follows(candidates: list[RankState]) -> set[int]:
-        return rule.follow_ons({}, {c.slot.rank: c.raised for c in candidates if c.raised})
-
-    def _started(self) -> int:
+    def started(self) -> int:
         """How many ranks' tasks have started."""
         return sum(1 for r in range(self.num_proc) if self.store.check([task.HOST_KEY.format(rank=r)]))
 
-    def _forward(self) -> None:
+    def forward(self) -> None:
         """The ranks' new output lines, to the streams given to run()."""
         if self.output is not None:
             self.output.forward(self.store, self.num_proc)
@@ -223,15 +203,14 @@ class _Job:
         keys = [task.EXIT_KEY.format(rank=r) for r in range(self.num_proc)]
         return [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
         self.store.set(task.STOP_KEY, "1")
         self.sc.cancelJobGroup(self.group)
 
-    def _result(self, failed: bool) -> list[Any]:
-        hosts = {r: self.store.get(k).decode() for r in range(self.num_proc)
-                 if self.store.check([k := task.HOST_KEY.format(rank=r)])}
+    def _result(self, root: int | None, failed: bool) -> list[Any]:
+        """The ranks' values, or the root cause's failure raised (``root``: the rank the driver named)."""
+        hosts = self.hosts()
         exits = {e["rank"]: e for e in self._exits()}
-        root = root_cause(exits, self._error_types()) if failed else None
         if root is not None and exits.get(root, {}).get("signal") is not None:  # killed: it raised nothing
             how = describe_exit(None, exits[root]["signal"])
             raise JobFailedError(rank_failed("hora.spark.run", root, f"host {hosts.get(root, '?')}", how), 1)
@@ -246,19 +225,128 @@ class _Job:
         raise JobFailedError(f"hora.spark.run: the Spark stage failed before every rank returned: "
                              f"{_first_line(error) if error else 'no value from every rank'}", 1) from error
 
-    def _error_types(self) -> dict[int, str]:
-        """rank -> the type name of the exception it raised, for the ranks that raised."""
-        types = {}
+    def hosts(self) -> dict[int, str]:
+        """rank -> the host its task runs on, for the ranks whose task started."""
+        return {r: self.store.get(k).decode() for r in range(self.num_proc)
+                if self.store.check([k := task.HOST_KEY.format(rank=r)])}
+
+    def _errors(self) -> dict[int, tuple[str, str, str]]:
+        """rank -> (type name, message, traceback) of the exception it raised, for the ranks that raised."""
+        errors = {}
         for rank in range(self.num_proc):
             key = PYRUN_RESULT_KEY.format(rank=rank)
             if self.store.check([key]):
                 record = shipping.load(self.store, key)
                 if record[0] == "error":
-                    types[rank] = str(record[2])
-        return types
+                    errors[rank] = (str(record[2]), str(record[3]), str(record[4]))
+        return errors
 
     def _stage_error(self) -> BaseException | None:
         return self.outcome[0] if len(self.outcome) == 1 and isinstance(self.outcome[0], BaseException) else None
+
+
+class SparkStage:
+    """The run loop's handle on the barrier stage (a :class:`~hora.launcher.supervision.loop.Handle`, as an agent is
+    under ``hora run``): one thread runs the stage, another reads what its tasks write in the store every fraction
+    of a second and turns it into the loop's events: ``started`` once every rank's task has, each rank's end
+    (:meth:`_Job.ends`), and ``eof`` once the stage has ended; the ranks' output goes to the streams given to
+    ``run()``. Stopping any rank stops them all: Spark cancels a barrier stage's tasks together."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+        self.index, self.host, self.remote = 0, "the Spark cluster", False
+        self.ranks = list(range(job.num_proc))
+        self.started = self.finished = False
+        self._stage = threading.Thread(target=job.run_stage, name="hora-spark-stage", daemon=True)
+        self.where: dict[int, str] = {}  # rank -> its task's host, once it started
+
+    def watch(self, events: queue.SimpleQueue[tuple[str, int, Any]]) -> None:
+        self._stage.start()
+        threading.Thread(target=self._read, args=(events,), name="hora-spark-watch", daemon=True).start()
+
+    def _read(self, events: queue.SimpleQueue[tuple[str, int, Any]]) -> None:
+        told: set[int] = set()
+        seen, started = -1, False
+        while True:
+            ended = self.job.finished.wait(_POLL_S)
+            self.job.forward()
+            if not started:
+                self.where = self.job.hosts()
+                if len(self.where) == self.job.num_proc:
+                    started = True
+                    events.put(("msg", self.index, {"t": protocol.STARTED, "hostname": self.host}))
+            news = self.job.store.add(task.EXITS_KEY, 0) + self.job.store.add(PYRUN_ERRORS_KEY, 0)
+            if news != seen or ended:
+                seen = news
+                for message in self.job.ends(told):
+                    events.put(("msg", self.index, message))
+            if ended:
+                break
+        events.put(("eof", self.index, 0))
+
+    def send(self, message: dict[str, Any]) -> None:
+        if message.get("t") == protocol.STOP:
+            self.job.stop()
+
+    def close(self) -> None:
+        if not self.job.finished.is_set():
+            self.job.stop()
+
+    def running(self) -> bool:
+        return self._stage.is_alive() or not self.job.finished.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        return self.job.finished.wait(max(0.0, timeout))
+
+    def kill(self) -> None:
+        """Cancel the stage and give Spark a bounded time to end its tasks."""
+        self.job.stop()
+        self._stage.join(timeout=STAGE_END_S)
+
+    def lost(self, code: int, who: str) -> str:
+        error = self.job._stage_error()
+        return f"lost: the Spark stage ended before {who} exited ({_first_line(error) if error else 'no error'})"
+
+
+class SparkRun(Driver):
+    """``hora.spark.run``'s job under the fixed driver of ``hora run`` (:class:`~hora.launcher.fixed.driver.Driver`):
+    the stage is its one handle (:class:`SparkStage`); a rank that raises or dies is offered to the root cause,
+    the stage is cancelled, the report names the rank and :attr:`first_failure` is the failure ``run`` raises.
+    Every task must start within ``start_timeout`` (the cluster needs ``num_proc`` free task slots at once)."""
+
+    def __init__(self, job: _Job) -> None:
+        # the command is never run: the tasks start the ranks (RunConfig wants one for `hora run`)
+        cfg = RunConfig(command=("hora.spark",), np=job.num_proc, hosts=(), start_timeout=job.start_timeout,
+                        grace=0.0)
+        # Spark places the tasks; a slot here only names a rank (where it runs is known once its task started)
+        slots = [SlotInfo(rank=r, size=job.num_proc, local_rank=0, local_size=1, cross_rank=r, cross_size=job.num_proc,
+                          hostname="?", host_index=r) for r in range(job.num_proc)]
+        super().__init__(cfg, slots=slots)
+        self.job = job
+        self.stage = SparkStage(job)
+
+    def set_up(self) -> None:
+        return None  # the job's store already serves (it holds the function), no host to check: Spark placed them
+
+    def start(self) -> None:
+        self.watch(self.stage)
+        self.start_deadline = time.monotonic() + self.cfg.start_timeout
+
+    def over(self) -> bool:
+        return super().over() and self.stage.finished  # the stage's own end too: its values are collected
+
+    def where(self, rank: int) -> str:
+        return f"host {self.stage.where.get(rank, '?')}"
+
+    def start_timed_out(self) -> None:
+        started = len(self.stage.where)
+        self.job.stop()
+        raise PlacementTimeoutError(
+            f"Timed out waiting for Spark tasks to start: {started} of {self.job.num_proc} ranks' tasks "
+            f"started within start_timeout={self.job.start_timeout:g} s. Every rank is a task of one "
+            f"barrier stage, so the cluster needs {self.job.num_proc} free task slots at once: ask for "
+            "fewer ranks (num_proc), add executors or cores, or raise start_timeout if executors "
+            "are added on demand")
 
 
 class _Output:
@@ -284,34 +372,6 @@ class _Output:
                     stream.write("".join(f"{stamp}[{rank}]<{name}>:{line}\n" for line in lines))
                     stream.flush()
                 self.read[rank] = n
-
-
-def failures(exits: Mapping[int, Mapping[str, Any]], raised: Mapping[int, str]) -> list[RankState]:
-    """The failed ranks, from their exit records (rank -> ``code``, ``signal``, ``time``) and the type names of
-    what they raised (rank -> name)."""
-    failed = sorted({r for r, e in exits.items() if e.get("code") != 0} | set(raised))
-    return [RankState.ended(rank, "", code=exits.get(rank, {}).get("code", 1), sig=exits.get(rank, {}).get("signal"),
-                            exit_ts=float(exits.get(rank, {}).get("time", float("inf"))), raised=raised.get(rank))
-            for rank in failed]
-
-
-def root_cause(exits: Mapping[int, Mapping[str, Any]], raised: Mapping[int, str]) -> int | None:
-    """The rank whose failure ended the job, by the one rule of :mod:`hora.launcher.supervision.root_cause`: a
-    rank killed by a signal, then one that raised an error of its own (not a peer's follow-on ``CollectiveError``)
-    before one that failed because of it; earliest first.
-
-    ``exits``: rank -> its exit record (``code``, ``signal``, ``time``); ``raised``: rank -> the type name of what
-    it raised (a rank may have raised without an exit record: its task was stopped while it shut down).
-
-    >>> root_cause({0: {"code": 1, "signal": None, "time": 1.0}}, {0: "CollectiveError", 1: "ValueError"})
-    1
-    """
-    window = RootCause()
-    for state in failures(exits, raised):
-        window.offer(state)
-    if not window.candidates:
-        return None
-    return window.choose({}, rule.follow_ons({}, raised)).slot.rank
 
 
 def _first_line(error: BaseException) -> str:
