@@ -215,13 +215,13 @@ class _Job:
             how = describe_exit(None, exits[root]["signal"])
             raise JobFailedError(rank_failed("hora.spark.run", root, f"host {hosts.get(root, '?')}", how), 1)
         values = collect_results(self.store, self.num_proc, lambda r: f"host {hosts.get(r, '?')}", root,
-                                 complete=not failed and not self._stage_error())
+                                 complete=not failed and not self.stage_error())
         if values is not None:
             return values
         if root is not None:
             how = describe_exit(exits[root]["code"], None) if root in exits else "its task ended"
             raise JobFailedError(rank_failed("hora.spark.run", root, f"host {hosts.get(root, '?')}", how), 1)
-        error = self._stage_error()
+        error = self.stage_error()
         raise JobFailedError(f"hora.spark.run: the Spark stage failed before every rank returned: "
                              f"{_first_line(error) if error else 'no value from every rank'}", 1) from error
 
@@ -241,7 +241,8 @@ class _Job:
                     errors[rank] = (str(record[2]), str(record[3]), str(record[4]))
         return errors
 
-    def _stage_error(self) -> BaseException | None:
+    def stage_error(self) -> BaseException | None:
+        """What the stage raised, when it failed as a whole (Spark's error, e.g. a cancelled job group)."""
         return self.outcome[0] if len(self.outcome) == 1 and isinstance(self.outcome[0], BaseException) else None
 
 
@@ -304,7 +305,7 @@ class SparkStage:
         self._stage.join(timeout=STAGE_END_S)
 
     def lost(self, code: int, who: str) -> str:
-        error = self.job._stage_error()
+        error = self.job.stage_error()
         return f"lost: the Spark stage ended before {who} exited ({_first_line(error) if error else 'no error'})"
 
 
