@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -43,6 +44,7 @@ from hora.launcher.hosts import SlotInfo
 from hora.launcher.procs import describe_exit
 from hora.launcher.pyfunc import shipping
 from hora.launcher.pyfunc.run import collect_results
+from hora.launcher.supervision.loop import Handle
 from hora.protocol import messages as protocol
 from hora.protocol.jobsecret import JobSecret
 from hora.protocol.messages import PYRUN_ERRORS_KEY, PYRUN_FN_KEY, PYRUN_RESULT_KEY
@@ -338,6 +340,21 @@ class SparkRun(Driver):
 
     def where(self, rank: int) -> str:
         return f"host {self.stage.where.get(rank, '?')}"
+
+    def on_message(self, handle: Handle, message: dict[str, Any]) -> None:
+        if message["t"] == protocol.EXIT:  # where its task ran is known by now: the report names the host
+            state = self.ranks[int(message["r"])]
+            state.slot = dataclasses.replace(state.slot, hostname=self.stage.where.get(state.slot.rank, "?"))
+        super().on_message(handle, message)
+
+    def on_handle_gone(self, handle: Handle, code: int) -> None:
+        """The stage ended before some ranks' ends were read: Spark failed it as a whole (a task that could not
+        start its rank, a lost executor), not one rank; they count as stopped and ``run`` raises the stage's
+        error."""
+        for rank in handle.ranks:
+            state = self.ranks[rank]
+            if not state.done:
+                state.done, state.code, state.stopped, state.exit_ts = True, 1, True, time.time()
 
     def start_timed_out(self) -> None:
         started = len(self.stage.where)
