@@ -7,6 +7,7 @@ import ast
 import functools
 import importlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,9 @@ def _map_block() -> list[str]:
     return block[: block.index("```")].splitlines()[1:]
 
 
-def listed_modules() -> set[str]:
-    """Paths relative to src/hora of every ``*.py`` the map names (a ``dir/`` line opens a package for the lines
-    indented under it)."""
-    found: set[str] = set()
+def _module_lines() -> Iterator[tuple[str, str]]:
+    """(package path, line) for every line of the listing that names modules (a ``dir/`` line opens a package
+    for the lines indented under it)."""
     dirs: list[tuple[int, str]] = []  # (indent, path) of the open packages
     for line in _map_block():
         if not line.strip() or line.strip().startswith("──"):
@@ -37,9 +37,12 @@ def listed_modules() -> set[str]:
         if first.endswith("/"):
             dirs.append((indent, base + first))
             continue
-        for name in re.findall(r"(?<![\w.])([\w/]+\.py)\b", line):
-            found.add(base + name)
-    return found
+        yield base, line
+
+
+def listed_modules() -> set[str]:
+    """Paths relative to src/hora of every ``*.py`` the map names."""
+    return {base + name for base, line in _module_lines() for name in re.findall(r"(?<![\w.])([\w/]+\.py)\b", line)}
 
 
 def test_every_module_is_on_the_map_and_every_entry_exists() -> None:
@@ -111,17 +114,7 @@ def listed_names() -> list[tuple[str, str]]:
     torch's classes (``OUTSIDE``) are not read as claims."""
     defs = _hora_defs()
     claims: list[tuple[str, str]] = []
-    dirs: list[tuple[int, str]] = []
-    for line in _map_block():
-        if not line.strip() or line.strip().startswith("──"):
-            continue
-        indent = len(line) - len(line.lstrip())
-        while dirs and dirs[-1][0] >= indent:
-            dirs.pop()
-        base = dirs[-1][1] if dirs else ""
-        if line.split()[0].endswith("/"):
-            dirs.append((indent, base + line.split()[0]))
-            continue
+    for base, line in _module_lines():
         pieces = re.split(r"(?<![\w.])([\w/]+\.py)\b", line)  # text, module, text, module, text ...
         for module, text in zip(pieces[1::2], pieces[2::2]):
             for name in re.findall(rf"(?<![\w.\-]){IDENT}", text):
