@@ -27,7 +27,7 @@ import torch
 
 import hora as hvd
 from hora.engine.auth import handshake
-from hora.engine.transport import gloo_plane as control
+from hora.engine.transport import plane as control
 
 
 def _wait_for(path: Path, limit_s: float) -> bool:
