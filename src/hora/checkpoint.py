@@ -45,7 +45,8 @@ import torch
 
 from hora.api.functions import allgather_object, broadcast_object
 from hora.common.trusted_load import UnsafeToLoad, load_owned, private_directory
-from hora.common.writer_files import STALE_AFTER_S, RememberingFile, fsync_dir, is_stale, writer_id
+from hora.common.writer_files import STALE_AFTER_S as STALE_AFTER_S
+from hora.common.writer_files import RememberingFile, dead_writers_temporaries, fsync_dir, writer_id
 from hora.errors import CheckpointError
 from hora.runtime import lifecycle as runtime
 from hora.sharded_checkpoint import (
@@ -152,24 +153,11 @@ def clear_stale(directory: str | os.PathLike[str]) -> list[Path]:
     another host, or one named by pid alone (older hora), when its file has not changed for
     :data:`STALE_AFTER_S` seconds.
     """
-    removed = []
-    try:
-        entries = list(Path(directory).iterdir())
-    except OSError:
-        return []
-    for entry in entries:
-        m = _TEMP.match(entry.name)
-        if m is None:
-            continue
-        try:
-            changed = entry.stat().st_mtime
-        except OSError:
-            continue  # gone meanwhile (renamed into place)
-        if is_stale(m.group("host"), int(m.group("pid")), changed, STALE_AFTER_S):
-            entry.unlink(missing_ok=True)
-            removed.append(entry)
-            log.warning("removed %s: the temporary file of a checkpoint write that never finished (its writer "
-                        "died)", entry)
+    removed = dead_writers_temporaries(directory, _TEMP)
+    for entry in removed:
+        entry.unlink(missing_ok=True)
+        log.warning("removed %s: the temporary file of a checkpoint write that never finished (its writer died)",
+                    entry)
     return removed
 
 

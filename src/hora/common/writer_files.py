@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import time
+from pathlib import Path
 from typing import IO, Any
 
 STALE_AFTER_S = 3600.0  # a temporary from another host untouched this long belongs to a dead writer
@@ -35,6 +36,27 @@ def is_stale(host: str | None, pid: int, changed: float, stale_after_s: float = 
     if host == writer_id().rsplit(".", 1)[0]:
         return not alive_since(pid, changed)
     return time.time() - changed > stale_after_s
+
+
+def dead_writers_temporaries(directory: str | os.PathLike[str], pattern: re.Pattern[str]) -> list[Path]:
+    """The entries of ``directory`` named by ``pattern`` (with groups ``host`` and ``pid``) whose writer is dead
+    (:func:`is_stale`); none when the directory cannot be listed. The caller removes them."""
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:
+        return []
+    dead = []
+    for entry in entries:
+        m = pattern.match(entry.name)
+        if m is None:
+            continue
+        try:
+            changed = entry.stat().st_mtime
+        except OSError:
+            continue  # gone meanwhile (renamed into place)
+        if is_stale(m.group("host"), int(m.group("pid")), changed):
+            dead.append(entry)
+    return dead
 
 
 def alive_since(pid: int, changed: float) -> bool:

@@ -37,7 +37,7 @@ import torch
 
 from hora.api.functions import allgather_object, broadcast_object
 from hora.common.trusted_load import UnsafeToLoad, private_directory
-from hora.common.writer_files import STALE_AFTER_S, fsync_dir, is_stale, writer_id
+from hora.common.writer_files import dead_writers_temporaries, fsync_dir, writer_id
 from hora.errors import CheckpointError
 from hora.runtime import lifecycle as runtime
 from hora.sharded_checkpoint.state import Parts, apply, rank_state, template
@@ -81,24 +81,11 @@ def sharded_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Pa
 
 def clear_stale_sharded(directory: str | os.PathLike[str]) -> list[Path]:
     """Remove the temporary directories of sharded saves whose writer died; return what was removed."""
-    removed = []
-    try:
-        entries = list(Path(directory).iterdir())
-    except OSError:
-        return []
-    for entry in entries:
-        m = _TEMP.match(entry.name)
-        if m is None:
-            continue
-        try:
-            changed = entry.stat().st_mtime
-        except OSError:
-            continue
-        if is_stale(m.group("host"), int(m.group("pid")), changed, STALE_AFTER_S):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-            log.warning("removed %s: the temporary directory of a sharded checkpoint save that never finished (its "
-                        "writer died)", entry)
+    removed = dead_writers_temporaries(directory, _TEMP)
+    for entry in removed:
+        shutil.rmtree(entry, ignore_errors=True)
+        log.warning("removed %s: the temporary directory of a sharded checkpoint save that never finished (its "
+                    "writer died)", entry)
     return removed
 
 
