@@ -32,6 +32,9 @@ def test_hex_text_and_raw_bytes_are_both_accepted_and_short_ones_refused(tmp_pat
     raw = tmp_path / "raw"
     raw.write_bytes(secret.key)
     assert JobSecret.from_file(str(raw)) == secret
+    spaced = JobSecret(b"\n " + secret.key[2:-2] + b"\t\n")  # random bytes may start or end like whitespace
+    raw.write_bytes(spaced.key)
+    assert JobSecret.from_file(str(raw)) == spaced
     with pytest.raises(SecretError, match="too short") as e:
         JobSecret.from_text("abcd", "test")
     assert "abcd" not in str(e.value)

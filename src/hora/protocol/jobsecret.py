@@ -67,7 +67,7 @@ class JobSecret:
             decoded = bytes.fromhex(stripped.decode("ascii"))
         except (UnicodeDecodeError, ValueError):
             decoded = b""
-        key = decoded if len(decoded) >= SECRET_BYTES else stripped
+        key = decoded if len(decoded) >= SECRET_BYTES else raw  # raw bytes are the key as they are, whitespace too
         if len(key) < SECRET_BYTES:
             raise SecretError(
                 f"the job secret from {where} is too short: it needs {2 * SECRET_BYTES} hex digits or "
