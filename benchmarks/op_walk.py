@@ -9,7 +9,8 @@ enter the window, so a count moves by one or two between runs.
 
     .venv/bin/python benchmarks/op_walk.py [--why] [--quick] [--out DIR]
 
-``--why`` also names, per file, the first function entered and who called it, on which thread. Writes
+``--why`` also names, per file, the first function entered and who called it, on which thread, and every
+function of the file entered in the window (rank 0's, or the first rank that entered the file). Writes
 ``op_walk.{json,md}`` to benchmarks/results (``--out`` elsewhere). Not a timing: nothing here is measured in
 seconds. The ranks are this file run with ``--rank-out DIR`` (``hora run`` starts them).
 """
@@ -39,6 +40,7 @@ class _Tracer:
     def __init__(self) -> None:
         self.on = False
         self.seen: dict[str, str] = {}
+        self.functions: dict[str, list[str]] = {}  # every function entered, per file, in first-entry order
 
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
         if not self.on or event != "call":
@@ -48,6 +50,9 @@ class _Tracer:
         if cut < 0 or "/site-packages/" in path[cut:]:
             return
         key = path[cut + len(_PACKAGE):]
+        entered = self.functions.setdefault(key, [])
+        if frame.f_code.co_name not in entered:
+            entered.append(frame.f_code.co_name)
         if key not in self.seen:
             back = frame.f_back
             caller = f"{back.f_code.co_filename.rsplit('/', 2)[-1]}:{back.f_code.co_name}" if back else "?"
@@ -83,13 +88,13 @@ def _rank(out: Path, steps: int) -> None:
         for _ in range(WARMUP):
             one()
             hvd.allreduce(sync, name="op_walk.sync")  # a name every rank has sent before: cached, as in the window
-        tracer.seen = {}
+        tracer.seen, tracer.functions = {}, {}
         tracer.on = True
         for _ in range(steps):
             one()
         tracer.on = False
         hvd.allreduce(sync, name="op_walk.sync")  # no rank leaves its window while a peer still runs in its own
-        walks[name] = tracer.seen
+        walks[name] = {f: f"{why}; all: {', '.join(tracer.functions[f])}" for f, why in tracer.seen.items()}
     sys.setprofile(None)
     threading.setprofile(None)  # type: ignore[arg-type]
     (out / f"rank{hvd.rank()}.json").write_text(json.dumps(walks))
@@ -120,8 +125,8 @@ def _markdown(found: dict[str, dict[str, str]], info: dict[str, Any]) -> str:
     lines = ["# hora's files one steady-state op runs through (every thread, `hora run -np 2`)", "",
              f"commit {info['git_commit']}, {info['utc']}", ""]
     for walk, files in found.items():
-        lines += [f"## {walk}: {len(files)} files", "", "| # | file | first function <- caller [thread] |",
-                  "|---|---|---|"]
+        lines += [f"## {walk}: {len(files)} files", "",
+                  "| # | file | first function <- caller [thread]; all: each function entered |", "|---|---|---|"]
         lines += [f"| {i} | `{f}` | `{why}` |" for i, (f, why) in enumerate(files.items(), 1)]
         lines.append("")
     return "\n".join(lines)
@@ -133,7 +138,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--steps", type=int, default=STEPS, help="ops (or optimizer steps) in each window")
-    parser.add_argument("--why", action="store_true", help="print each file's first function and its caller")
+    parser.add_argument("--why", action="store_true",
+                        help="print each file's first function, its caller, and every function entered")
     parser.add_argument("--rank-out", type=Path, default=None, help=argparse.SUPPRESS)  # a rank of the job
     add_output_flags(parser, "two ops per window")
     args = parser.parse_args()

@@ -72,7 +72,8 @@ def test_a_transfer_past_the_deadlines_is_posted_then_withdrawn_when_it_finishes
                             "bytes": 4 << 20, "age": post["ops"][0]["age"]}]  # type: ignore[index]
     assert "hora stall: rank 0: allreduce 'big' (4.0 MB on ranks 0-2) has been in the communication backend" \
         in caplog.text
-    assert int(store.add(protocol.board_key("job", protocol.WAITS), 0)) >= 1
+    # the post is written, then the launcher's counter bumped: the test may read between the two
+    assert wait_until(lambda: int(store.add(protocol.board_key("job", protocol.WAITS), 0)) >= 1)
     assert wait_until(lambda: (_post(store) or {}).get("expired"))  # past the shutdown time: posted again
     work.done.set()  # it finished after all (nobody synchronized it): the post is withdrawn
     assert wait_until(lambda: (_post(store) or {}).get("ops") == [])

@@ -21,11 +21,10 @@ from typing import Any
 import torch
 
 from hora.calls.call import UNKNOWN, Call, Site, current
-from hora.datapath.c10d import dtype_name
 from hora.datapath.kinds import KINDS, adasum
 from hora.datapath.kinds.op import REDUCTIONS, Kind, Op
 from hora.datapath.reduce_ops import ReduceOp
-from hora.datapath.wire import Compression, WireBuffers
+from hora.datapath.wire import Compression, WireBuffers, dtype_name
 from hora.diagnostics import timeline
 from hora.engine.scheduling.handles import Handle
 from hora.engine.scheduling.table import Request
@@ -60,7 +59,7 @@ def _validate(call: Call, rank: int) -> None:
         _validate_device(t.device, runtime.state().device, where)
     if call.ps.process_set_id is None:
         raise InvalidCallError(f"{where}: {call.ps!r} is not registered; use hvd.add_process_set() first")
-    if not call.ps.included():
+    if rank not in call.ps.ranks:
         raise InvalidCallError(f"{where}: rank {rank} is not a member of {call.ps!r}")
     if call.kind in REDUCTIONS:
         _validate_reduction(call, where)
@@ -130,7 +129,9 @@ def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
     the reason instead of pairing with this rank's next op, or waiting for it."""
     if not calls:
         return []
-    rt = newcomer.join(f"hvd.{calls[0].kind.tag}()")  # a new elastic worker joins the job here
+    rt = runtime.state(f"hvd.{calls[0].kind.tag}()")
+    if rt.alone:  # a new elastic worker, still in a world of its own, joins the job's world here
+        rt = newcomer.join(f"hvd.{calls[0].kind.tag}()")
     neg = rt.negotiator
     site = None
     if neg.site_check and not calls[0].name and calls[0].site is UNKNOWN and calls[0].kind is not Kind.BARRIER:

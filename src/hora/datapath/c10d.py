@@ -106,19 +106,6 @@ def done_work(error: Exception | None = None) -> FuturesWork:
     return FuturesWork([future])
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"``: how a request names its tensor's dtype."""
-    return str(dtype).removeprefix("torch.")
-
-
-def to_dtype(name: str) -> torch.dtype:
-    """``"float32"`` -> ``torch.float32``."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
 def wire_op(op: int) -> Any:
     """The c10d reduce op that carries a hora reduce op on the wire."""
     wire = _WIRE_OPS.get(op)  # type: ignore[call-overload]  # an IntEnum key matches its int value

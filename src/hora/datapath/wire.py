@@ -2,7 +2,8 @@
 
 A call's wire is its tensor, or a copy of it when the caller's tensor must stay untouched, or a cast of it:
 for a dtype the backends lack (:func:`to_wire`, cast back by :func:`from_wire`), for an integer Average (summed
-wide), or for compression. :func:`copy_out` gives an in-place call's result back in the caller's tensor.
+wide), or for compression. :func:`copy_out` gives an in-place call's result back in the caller's tensor. A
+request names its wire's dtype as :func:`dtype_name` spells it; :func:`to_dtype` reads it back.
 
 Compression: a compressor is any object with ``compress(tensor) -> (compressed, ctx)`` and
 ``decompress(compressed, ctx) -> tensor``. hora ships ``Compression.none``, ``Compression.fp16`` (Horovod's)
@@ -100,6 +101,19 @@ class Compression:
     none: Compressor = NoneCompressor()
     fp16: Compressor = CastCompressor(torch.float16)
     bf16: Compressor = CastCompressor(torch.bfloat16)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: how a request names its tensor's dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def to_dtype(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32``."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
 
 
 def wire_dtype(compression: Compressor, dtype: torch.dtype) -> torch.dtype:

@@ -191,14 +191,14 @@ class GradientReducer:
             self.state = Step.FILLING
 
     def _refresh(self) -> None:
-        """Re-read the process set (elastic jobs change its size) and the parameters requiring grad."""
+        """Re-read the process set after a re-initialization (an elastic reset changes its size; its ranks are
+        fixed between inits), and the parameters requiring grad."""
         if self._ddp_watch is not None:
             self._take_ddp(self._ddp_watch.stop())
             self._ddp_watch = None
         self._drop_if_reinitialized()
-        world = (self.process_set.included(), self.process_set.size())
-        if world != self._world:
-            self._world = world
+        if self._world is None:
+            world = self._world = (self.process_set.included(), self.process_set.size())
             uncompressed = isinstance(self.compression, NoneCompressor)
             self.scale_in, self.scale_out = bucket_scales(self.op, world[1], self.predivide, uncompressed)
             self._plan_key = None  # new buckets under new names

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from hora.common.process_sets import ProcessSet
-from hora.datapath.c10d import Work, to_dtype
+from hora.datapath.c10d import Work
 from hora.datapath.reduce_ops import ReduceOp
-from hora.datapath.wire import Compressor, WireBuffers
+from hora.datapath.wire import Compressor, WireBuffers, to_dtype
 
 if TYPE_CHECKING:
     from hora.datapath.hierarchical import Hierarchy

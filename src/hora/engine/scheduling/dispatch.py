@@ -22,10 +22,11 @@ from typing import Any
 import torch
 
 from hora.datapath import fusion, kinds, streams
-from hora.datapath.c10d import to_dtype, wire_op
+from hora.datapath.c10d import wire_op
 from hora.datapath.hierarchical import Hierarchy
 from hora.datapath.kinds.op import Kind, Peers
 from hora.datapath.reduce_ops import ReduceOp
+from hora.datapath.wire import to_dtype
 from hora.diagnostics import timeline as timeline_mod
 from hora.diagnostics.inflight import InflightWatch
 from hora.engine.scheduling.pending import LocalOp

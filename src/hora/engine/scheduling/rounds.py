@@ -23,10 +23,9 @@ from hora.diagnostics.inflight import InflightWatch
 from hora.engine.codec import FrameError
 from hora.engine.context import EngineContext
 from hora.engine.scheduling.dispatch import Dispatcher, inline_bytes
-from hora.engine.scheduling.frames import decode_round, encode_round
+from hora.engine.scheduling.frames import ResponseCache, decode_round, encode_round
 from hora.engine.scheduling.notices import Notices
 from hora.engine.scheduling.pending import Pending
-from hora.engine.scheduling.response_cache import ResponseCache
 from hora.engine.scheduling.stall_inspector import StallInspector
 from hora.engine.scheduling.table import JOIN, SHUTDOWN, UNNAMED, Decision, Request, Table
 from hora.engine.transport.faults import BadFrame, PeerLost
