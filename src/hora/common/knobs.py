@@ -49,7 +49,8 @@ KNOBS: tuple[Knob, ...] = (
          "Accepted for Horovod compatibility; hora's negotiation is event-driven and has no cycle."),
     Knob("HORA_DISABLE_CACHE", "HOROVOD_CACHE_CAPACITY", bool, False,
          "Turn the negotiation response cache off (Horovod's HOROVOD_CACHE_CAPACITY=0; any other capacity "
-         "keeps it on: hora's cache holds every name seen, with no capacity)."),
+         "keeps it on: hora's cache holds the first 4096 distinct requests, whatever the capacity given; later "
+         "ones travel in full)."),
     Knob("HORA_CONTROL_PLANE", None, str, "auto",
          "How negotiators talk: tcp (direct TCP connections: between every pair of ranks up to "
          "HORA_MESH_FULL_UPTO ranks, to about log2 n partners per rank above), gloo (an allgather on a Gloo group, "

@@ -118,9 +118,10 @@ def _add_horovod_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mpi-args", help="not supported (fails with a reason)")
     p.add_argument("--jsrun", action="store_true", default=None, help="not supported (fails with a reason)")
     p.add_argument("--cache-capacity", type=int, metavar="N",
-                   help="0 turns the negotiation response cache off; any other value keeps it on (unbounded)")
+                   help="0 turns the negotiation response cache off; any other value keeps it on (hora's holds "
+                        "the first 4096 distinct requests)")
     p.add_argument("--hierarchical-allreduce", dest="hierarchical_allreduce", action="store_true", default=None,
-                   help="reduce within each host, allreduce across hosts, broadcast within the host")
+                   help="reduce within each host, allreduce across hosts, share the result within the host")
     p.add_argument("--no-hierarchical-allreduce", dest="hierarchical_allreduce", action="store_false", default=None,
                    help="flat allreduce, held constant by --autotune")
     p.add_argument("--fusion-threshold-mb", type=float, help="fusion buffer size in MB")
