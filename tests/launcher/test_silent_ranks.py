@@ -199,8 +199,8 @@ hvd.init()
            "of 3 s (--start-timeout, HORA_START_TIMEOUT)" in err, err
     assert "(hora's own frames are not shown" in err and "/hora/runtime.py" not in err, err  # one line, user frames
     assert re.search(r"hora run: rank 1 on host localhost failed first: did not call hvd\.init\(\) within "
-                     r"--start-timeout 3 s \(its peers waited for it\) \(rank 0 on host localhost waited for it and "
-                     r"raised CollectiveError\)", err), err
+                     r"the start timeout of 3 s \(--start-timeout, HORA_START_TIMEOUT; its peers waited for it\) "
+                     r"\(rank 0 on host localhost waited for it and raised CollectiveError\)", err), err
     assert "DistStoreError" not in err and "/default/" not in err, err
     _nothing_left(tmp_path)
 

@@ -6,7 +6,7 @@ an autograd Function whose backward is again a collective. Grouped variants are 
 ``sparse_allreduce_async`` in :mod:`hora.api.sparse`. Ops are matched across ranks by ``name``; leave it out
 and a per-process-set sequence name is used, so ordinary SPMD code needs none (a call rejected on one rank
 still takes its number, and ranks that reach a number from different lines of code are told so: see
-:mod:`hora.calls.call`). Signatures and defaults are Horovod's (see COMPAT.md).
+:mod:`hora.calls.call`). Signatures and defaults are Horovod's (docs/horovod-differences.md lists what differs).
 
 Example:
     >>> avg = hvd.allreduce(torch.tensor([float(hvd.rank())]))          # doctest: +SKIP

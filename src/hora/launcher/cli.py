@@ -1,6 +1,6 @@
 """The ``hora`` command: ``hora run ...`` (and other subcommands, registered in :data:`SUBCOMMANDS`).
 
-``hora run`` takes horovodrun's flags with their meanings (COMPAT.md); a few of hora's own are added
+``hora run`` takes horovodrun's flags with their meanings (docs/horovod-differences.md); a few of hora's own are added
 (``-x``, ``--ssh-option``, ``--ssh-config-file``). Usage errors are one line and exit code 2, with a
 "Did you mean ...?" for a mistyped flag.
 
@@ -65,7 +65,9 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssh-config-file", help="ssh config file (ssh -F)")
     p.add_argument("--network-interface", "--network-interfaces", dest="network_interfaces", action="append",
                    help="interface(s) for the store and Gloo/NCCL traffic, e.g. eth0")
-    p.add_argument("--start-timeout", type=float, help="seconds for preflight and rendezvous (default 30)")
+    p.add_argument("--start-timeout", type=float,
+                   help="seconds for preflight and starting the agents (default 30), and for every rank to reach "
+                        "hvd.init() (default 60)")
     p.add_argument("--heartbeat-timeout", type=float,
                    help="seconds of silence from the launcher (a dead link) before a host stops its workers "
                         "(default 30)")
@@ -142,7 +144,7 @@ def _add_horovod_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tcp", action="store_true", default=None,
                    help="TCP only: NCCL_IB_DISABLE=1 in every worker, as horovodrun")
     p.add_argument("--thread-affinity", metavar="CORES",
-                   help="core (or comma-separated cores, one per local rank) to pin each rank's negotiator thread to")
+                   help="comma-separated cores, one per local rank, to pin each rank's negotiator thread to")
     p.add_argument("--log-with-timestamp", "--no-log-hide-timestamp", dest="log_with_timestamp",
                    action="store_true", default=None, help="start hora's warning lines in workers with the time")
     p.add_argument("--log-without-timestamp", "--log-hide-timestamp", dest="log_with_timestamp",

@@ -134,7 +134,7 @@ class RunConfig:
             raise ConfigError(f"--grace-period {self.grace:g}: must be 0 or more seconds")
         if self.heartbeat_timeout < 3:
             raise ConfigError(f"--heartbeat-timeout {self.heartbeat_timeout:g}: must be at least 3 seconds "
-                              "(the launcher sends a heartbeat every second)")
+                              "(the launcher pings every host every 2 seconds)")
 
     @property
     def all_local(self) -> bool:

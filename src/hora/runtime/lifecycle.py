@@ -498,8 +498,8 @@ def warn_unauthenticated(env: WorkerEnv, secret: JobSecret | None) -> None:
 def late_error(board: Board, env: WorkerEnv, knobs: Knobs, late: list[int]) -> CollectiveError:
     """The error of a rank whose peers ``late`` did not reach ``init()`` in time (they are blamed on the board)."""
     who = f"rank {late[0]}" if len(late) == 1 else f"ranks {', '.join(map(str, late))}"
-    board.blame(late[0], f"did not call hvd.init() within --start-timeout {knobs.start_timeout:g} s "
-                         "(its peers waited for it)")
+    board.blame(late[0], f"did not call hvd.init() within the start timeout of {knobs.start_timeout:g} s "
+                         "(--start-timeout, HORA_START_TIMEOUT; its peers waited for it)")
     return CollectiveError(
         f"rank {env.rank}: {who} did not call hvd.init() within the start timeout of {knobs.start_timeout:g} s "
         "(--start-timeout, HORA_START_TIMEOUT); every rank must call it. Look at the late rank's output: "
