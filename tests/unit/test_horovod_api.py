@@ -247,3 +247,18 @@ def test_run_warns_on_horovods_deprecated_spellings_and_lets_them_win_as_horovod
             == (4, 2, 8, ["eth0", "ib0"])
     assert _deprecated_spellings(3, 2, 4, ["eth1"], np=None, min_np=None, max_np=None, network_interface=None) \
         == (3, 2, 4, ["eth1"])
+
+
+def test_a_process_set_of_an_mpi_communicator_is_refused_naming_what_to_pass() -> None:
+    """Horovod's ProcessSet(mpi4py_comm): a ConfigError with the fix, not a TypeError from iterating it."""
+
+    class Communicator:  # what hora reads of an mpi4py communicator: its two methods
+        def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
+            return 0
+
+        def Get_size(self) -> int:  # noqa: N802
+            return 2
+
+    with pytest.raises(hvd.ConfigError, match=r"pass the global ranks instead, e.g. hvd.ProcessSet\(\[0, 1\]\)"):
+        hvd.ProcessSet(Communicator())  # type: ignore[arg-type]
+    assert hvd.ProcessSet([1, 0]).ranks == [0, 1]

@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hora.common import env as hora_env
+from hora.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,9 @@ class ProcessSet:
     """
 
     def __init__(self, ranks: Iterable[int] | None = None) -> None:
+        if hasattr(ranks, "Get_rank") and hasattr(ranks, "Get_size"):  # Horovod's ProcessSet(mpi4py_comm)
+            raise ConfigError("ProcessSet(comm): an MPI communicator selects the ranks in Horovod; hora has no MPI: "
+                              "pass the global ranks instead, e.g. hvd.ProcessSet([0, 1])")
         self.ranks: list[int] = sorted(int(r) for r in ranks) if ranks is not None else []
         if len(set(self.ranks)) != len(self.ranks):
             raise ValueError(f"ProcessSet ranks {self.ranks} contain duplicates")
