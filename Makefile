@@ -29,11 +29,11 @@ endif
 help:  ## list the targets
 	@echo "make train         a real 2-rank training run on localhost (NP=4 for 4 ranks; sets up .venv on first use)"
 	@echo "make test          the whole test suite, as CI runs it (PYTEST_ARGS='-x -k name' to narrow it)"
-	@echo "make test-fast     unit and single-host distributed tests, a few minutes: the edit loop"
+	@echo "make test-fast     unit, single-host distributed, bench and docs tests, a few minutes: the edit loop"
 	@echo "make test-gpu      the GPU suite (tests marked gpu; on a machine with CUDA GPUs and TORCH=cuda)"
 	@echo "make test-gpu-sanitizer  the GPU suite under torch's CUDA sanitizer (stream races are errors)"
 	@echo "make lint          ruff, mypy and the layer contracts (lint-imports) (CI runs it before make test)"
-	@echo "make bench-quick   every benchmark on its smallest settings, ~30 s; reports go to out/bench-quick/"
+	@echo "make bench-quick   every benchmark on its smallest settings, a minute or two; reports go to out/bench-quick/"
 	@echo "make bench         the full benchmarks (many minutes); reports go to benchmarks/results/"
 	@echo "make image         build the CPU container image localhost/hora:cpu (from Docker Hub's Debian, or from"
 	@echo "                   Debian packages where Docker Hub is unreachable) and run hora check in it"

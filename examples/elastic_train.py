@@ -50,7 +50,7 @@ class Dataset(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--samples", type=int, default=2048, help="dataset size")
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")

@@ -30,7 +30,7 @@ log = logging.getLogger("finetune_lm")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--model", choices=["gpt2", "llama"], default="llama")
     p.add_argument("--pretrained", default=None, help="a Hugging Face model directory to start from instead")
     p.add_argument("--meta", action="store_true", help="build on the meta device and materialise (no second copy)")

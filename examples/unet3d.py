@@ -2,9 +2,9 @@
 
 A medical segmentation case in miniature: each sample is a noisy volume holding a few bright blobs;
 the target is the blob mask. Normalisation is ``hvd.SyncBatchNorm`` (statistics over the global batch,
-as small 3D batches need). Rank 0 writes ``<checkpoint-dir>/ckpt-<step>.pt`` with hora.checkpoint every
-``--checkpoint-every`` steps (atomically: write, then rename); a restarted job resumes from the latest, on any
-number of ranks:
+as small 3D batches need). Rank 0 writes ``<checkpoint-dir>/ckpt-<step, 9 digits>.pt`` (``ckpt-000000040.pt``)
+with hora.checkpoint every ``--checkpoint-every`` steps (atomically: write, then rename); a restarted job
+resumes from the latest, on any number of ranks:
 
     hora run -np 2 python examples/unet3d.py --steps 40 --checkpoint-dir /data/ckpt
     hora run -np 2 python examples/unet3d.py --steps 80 --checkpoint-dir /data/ckpt    # resumes at step 40
@@ -82,7 +82,7 @@ def dice(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--steps", type=int, default=60, help="total optimizer steps (including resumed ones)")
     p.add_argument("--batch-size", type=int, default=2, help="volumes per rank per step")
     p.add_argument("--volume-size", type=int, default=16)

@@ -245,7 +245,7 @@ def format_report(rank: int, op: _Op, age_s: float, shutdown_s: float, launcher:
                      "(--stall-check-shutdown-time-seconds).")
     elif shutdown_s > 0:  # no driver to end it: a blocked c10d wait cannot be interrupted from here
         lines.append("Without hora run nothing can interrupt the transfer: it ends at the communication backend's "
-                     "timeout (--start-timeout / HORA_START_TIMEOUT).")
+                     "timeout (HORA_COLLECTIVE_TIMEOUT, 600 s by default).")
     else:
         lines.append("It waits on (no --stall-check-shutdown-time-seconds).")
     return " ".join(lines)
