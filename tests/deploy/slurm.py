@@ -178,7 +178,7 @@ KillWait=5
         parts = []
         for path in [self.tmp / "slurmctld.log", *sorted((self.tmp / "nodes").glob("*/slurmd.log"))]:
             if path.exists():
-                parts.append(f"--- {path}\n{path.read_text()[-1500:]}")
+                parts.append(f"--- {path}\n{path.read_text(errors='replace')[-1500:]}")
         return "\n".join(parts)
 
     def sbatch(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:

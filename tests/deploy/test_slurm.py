@@ -42,7 +42,8 @@ def _job(cluster: slurm.SlurmCluster, out: Path, *options: str, args: tuple[str,
     done = cluster.sbatch(*options, f"--output={log}", f"--export=ALL,HORA_PYTHON={sys.executable}"
                           + "".join(f",{k}={v}" for k, v in (env or {}).items()),
                           SBATCH, WORKER, str(out), *args, timeout=timeout)
-    return done.returncode, (log.read_text() if log.exists() else "") + done.stderr
+    # the tasks' outputs are interleaved by srun, which may split a multi-byte character between two writes
+    return done.returncode, (log.read_text(errors="replace") if log.exists() else "") + done.stderr
 
 
 def test_six_ranks_on_three_nodes_train_and_resume(cluster: slurm.SlurmCluster, tmp_path: Path) -> None:

@@ -78,7 +78,7 @@ CASES: list[tuple[list[str], str]] = [
     (["-i", "nokey", "-H", "h1:1", *OK], "-i nokey: no such file"),
     (["--start-timeout", "0", *OK], "--start-timeout 0: must be more than 0 seconds"),
     (["--heartbeat-timeout", "1", *OK],
-     "--heartbeat-timeout 1: must be at least 3 seconds (the launcher sends a heartbeat every second)"),
+     "--heartbeat-timeout 1: must be at least 3 seconds (the launcher pings every host every 2 seconds)"),
     (["--stall-check-warning-time-seconds", "-1", *OK], "--stall-check-warning-time-seconds -1: must not be negative"),
     (["-x", "1BAD=2", *OK], ("-x 1BAD=2: '1BAD' is not a valid environment variable name; write -x NAME or "
      "-x NAME=VALUE")),
