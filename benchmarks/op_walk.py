@@ -40,7 +40,7 @@ class _Tracer:
     def __init__(self) -> None:
         self.on = False
         self.seen: dict[str, str] = {}
-        self.functions: dict[str, list[str]] = {}  # every function entered, per file, in first-entry order
+        self.functions: dict[str, dict[str, None]] = {}  # every function entered, per file, in first-entry order
 
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
         if not self.on or event != "call":
@@ -50,9 +50,7 @@ class _Tracer:
         if cut < 0 or "/site-packages/" in path[cut:]:
             return
         key = path[cut + len(_PACKAGE):]
-        entered = self.functions.setdefault(key, [])
-        if frame.f_code.co_name not in entered:
-            entered.append(frame.f_code.co_name)
+        self.functions.setdefault(key, {})[frame.f_code.co_name] = None
         if key not in self.seen:
             back = frame.f_back
             caller = f"{back.f_code.co_filename.rsplit('/', 2)[-1]}:{back.f_code.co_name}" if back else "?"

@@ -129,9 +129,10 @@ def submit_many(calls: list[Call], waiting: bool = False) -> list[Handle]:
     the reason instead of pairing with this rank's next op, or waiting for it."""
     if not calls:
         return []
-    rt = runtime.state(f"hvd.{calls[0].kind.tag}()")
+    what = f"hvd.{calls[0].kind.tag}()"
+    rt = runtime.state(what)
     if rt.alone:  # a new elastic worker, still in a world of its own, joins the job's world here
-        rt = newcomer.join(f"hvd.{calls[0].kind.tag}()")
+        rt = newcomer.join(what)
     neg = rt.negotiator
     site = None
     if neg.site_check and not calls[0].name and calls[0].site is UNKNOWN and calls[0].kind is not Kind.BARRIER:

@@ -22,12 +22,7 @@ SHUTDOWN_NAME = "__shutdown__"  # hvd.shutdown(): every rank says it is leaving
 
 def unnamed(ps_id: int, n: int) -> str:
     """The sequence name of the ``n``-th unnamed op of process set ``ps_id``."""
-    return f"{sequence_prefix(ps_id)}{n}"
-
-
-def sequence_prefix(ps_id: int) -> str:
-    """What every sequence name of process set ``ps_id`` begins with (its number follows)."""
-    return f"{UNNAMED_PREFIX}ps{ps_id}."
+    return f"{UNNAMED_PREFIX}ps{ps_id}.{n}"
 
 
 def parse_unnamed(name: str) -> tuple[int, int] | None:

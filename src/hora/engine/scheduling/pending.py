@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hora.common.names import parse_unnamed, sequence_prefix
+from hora.common.names import parse_unnamed, unnamed
 from hora.datapath import streams
 from hora.datapath.kinds.op import Kind, Op
 from hora.engine.scheduling.handles import Handle
@@ -54,7 +54,6 @@ class Pending:
         self._mine: dict[str, LocalOp] = {}  # submitted, not yet launched or failed
         self._in_flight: dict[str, Any] = {}  # name -> its handle, until the handle is synchronized
         self._seq: dict[int | None, int] = {}  # process set id -> the next unnamed op's number
-        self._prefixes: dict[int | None, str] = {}  # process set id -> its sequence names' prefix
 
     def snapshot(self) -> dict[str, Any]:
         """What is pending, as plain values (caller holds ``lock``): see :meth:`Negotiator.snapshot`."""
@@ -125,10 +124,7 @@ class Pending:
         with self.lock:
             n = self._seq.get(ps_id, 0)
             self._seq[ps_id] = n + 1
-            prefix = self._prefixes.get(ps_id)
-            if prefix is None:  # once per set: names.py spells the names
-                prefix = self._prefixes[ps_id] = sequence_prefix(ps_id)  # type: ignore[arg-type]  # registered
-        return f"{prefix}{n}"
+        return unnamed(ps_id, n)  # type: ignore[arg-type]  # a registered set (collectives validated it)
 
     def advance_sequence(self, name: str) -> None:
         """A joined rank took part in (or saw fail) an unnamed op it never submitted: keep its sequence in
